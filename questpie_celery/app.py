@@ -1,0 +1,161 @@
+"""`Questpie`: binds job definitions, a Celery app and a dispatch ledger together."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from celery import Celery
+from celery.signals import worker_process_init
+from sqlalchemy import Engine
+
+from .broker import Sender, configure_app
+from .client import JobClient, QueueClient
+from .dispatch import Dispatcher
+from .errors import ConfigurationError, JobDefinitionError
+from .jobs import JobContext, JobDefinition, P, job
+from .leases import LeaseKeeper
+from .ledger import Ledger, create_ledger_engine
+from .options import JobOptions
+from .receipts import Receipt
+from .worker import Runner
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LEASE_SECONDS = 60.0
+MIN_SECRET_BYTES = 32
+
+
+class Questpie:
+    """The questpie side of one Celery app.
+
+    Pass exactly one of `ledger_url` (a SQLAlchemy URL: `postgresql+psycopg://...`
+    or `sqlite:///path`) and `engine`. Registering a job creates the Celery task
+    named after it on `celery_app`, so `celery -A proj worker` runs it.
+    """
+
+    def __init__(
+        self,
+        celery_app: Celery,
+        *,
+        ledger_url: str | None = None,
+        engine: Engine | None = None,
+        secret: str | bytes | None = None,
+        previous_secrets: Iterable[str | bytes] = (),
+        jobs: Iterable[JobDefinition[Any]] = (),
+        lease_seconds: float = DEFAULT_LEASE_SECONDS,
+    ) -> None:
+        if not isinstance(celery_app, Celery):
+            raise ConfigurationError("celery_app must be a celery.Celery application")
+        if (ledger_url is None) == (engine is None):
+            raise ConfigurationError("pass exactly one of ledger_url= and engine=")
+        if engine is not None and not isinstance(engine, Engine):
+            raise ConfigurationError("engine must be a sqlalchemy.Engine")
+        if isinstance(lease_seconds, bool) or not isinstance(lease_seconds, int | float):
+            raise ConfigurationError("lease_seconds must be a number")
+        if lease_seconds <= 0:
+            raise ConfigurationError("lease_seconds must be > 0")
+        self.secret = _as_secret(secret, "secret")
+        self.previous_secrets = tuple(
+            s for s in (_as_secret(p, "previous_secrets") for p in previous_secrets) if s
+        )
+
+        self.celery_app = celery_app
+        self.engine = engine if engine is not None else create_ledger_engine(str(ledger_url))
+        self.ledger = Ledger(self.engine)
+        self.sender = Sender(celery_app)
+        self.dispatcher = Dispatcher(self.ledger, self.sender)
+        self.runner = Runner(self.ledger, LeaseKeeper(self.ledger, float(lease_seconds)))
+        self.queue = QueueClient(self)
+        self._definitions: dict[str, JobDefinition[Any]] = {}
+        self._clients_by_name: dict[str, JobClient[Any]] = {}
+        self._clients_by_attribute: dict[str, JobClient[Any]] = {}
+        self.tasks: dict[str, Any] = {}
+
+        if celery_app.configured:
+            configure_app(celery_app)
+        else:
+            celery_app.on_after_configure.connect(self._on_configure, weak=False)
+        # An engine's pooled connections must not be shared across fork (SPEC section 10).
+        worker_process_init.connect(self._after_fork, weak=False)
+        self.register(*jobs)
+
+    # registration
+
+    def register(self, *definitions: JobDefinition[Any]) -> None:
+        """Register job definitions, creating a Celery task for each."""
+        for definition in definitions:
+            if not isinstance(definition, JobDefinition):
+                raise JobDefinitionError(
+                    f"expected a JobDefinition (made with @job), got {type(definition).__name__}"
+                )
+            existing = self._definitions.get(definition.name)
+            if existing is definition:
+                continue
+            if existing is not None:
+                raise JobDefinitionError(f"job {definition.name!r} is registered twice")
+            attribute = definition.attribute_name
+            clash = self._clients_by_attribute.get(attribute)
+            if clash is not None:
+                raise JobDefinitionError(
+                    f"jobs {clash.name!r} and {definition.name!r} would both be queue.{attribute}"
+                )
+            client: JobClient[Any] = JobClient(definition, self.dispatcher)
+            self._definitions[definition.name] = definition
+            self._clients_by_name[definition.name] = client
+            self._clients_by_attribute[attribute] = client
+            self.tasks[definition.name] = self.runner.register(self.celery_app, definition)
+
+    def job(
+        self, *, name: str, schema: type[P], options: JobOptions | None = None
+    ) -> Callable[[Callable[[P, JobContext], Any]], JobDefinition[P]]:
+        """Like `@job`, and registers the definition with this `Questpie`."""
+        make = job(name=name, schema=schema, options=options)
+
+        def decorate(handler: Callable[[P, JobContext], Any]) -> JobDefinition[P]:
+            definition = make(handler)
+            self.register(definition)
+            return definition
+
+        return decorate
+
+    def client(self, definition: JobDefinition[P]) -> JobClient[P]:
+        """The typed client of a registered definition (`publish` checks the schema type)."""
+        client = self._clients_by_name.get(definition.name)
+        if client is None or client.definition is not definition:
+            raise JobDefinitionError(f"job {definition.name!r} is not registered here")
+        return client
+
+    @property
+    def definitions(self) -> dict[str, JobDefinition[Any]]:
+        return dict(self._definitions)
+
+    # ledger
+
+    def migrate(self) -> int:
+        """Create or upgrade the ledger schema; idempotent. Returns the schema version."""
+        return self.ledger.migrate()
+
+    def _receipt(self, dispatch_id: str) -> Receipt | None:
+        # Receipts exist for secret dispatches only, and this version has none yet.
+        del dispatch_id
+        return None
+
+    # Celery hooks
+
+    def _on_configure(self, sender: Any = None, **_: Any) -> None:
+        configure_app(self.celery_app)
+
+    def _after_fork(self, **_: Any) -> None:
+        self.engine.dispose(close=False)
+
+
+def _as_secret(value: str | bytes | None, name: str) -> bytes | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, bytes):
+        return value
+    raise ConfigurationError(f"{name} must be str or bytes")

@@ -1,0 +1,161 @@
+"""Everything that crosses the broker: the message header, priorities, and sending.
+
+A questpie message is an ordinary Celery task message: the task named after the
+job, one positional argument (the payload as a JSON object), the JSON serializer.
+Our metadata rides in one custom header, `questpie`, which Celery exposes as
+`task.request.questpie` and copies into the message of a `retry()`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from celery import Celery
+
+from .errors import BrokerError
+from .options import MAX_PRIORITY, RunOptions
+
+log = logging.getLogger(__name__)
+
+HEADER = "questpie"
+HEADER_VERSION = 1
+#: Extra seconds between the soft and the hard time limit of a run.
+HARD_TIME_LIMIT_GRACE_SECONDS = 30
+#: How hard a publish tries the broker before it gives up (a ledgered dispatch then
+#: stays pending for the relay). Kept short so publish() answers within seconds.
+PUBLISH_RETRY_POLICY: Mapping[str, Any] = {
+    "max_retries": 2,
+    "interval_start": 0,
+    "interval_step": 0.5,
+    "interval_max": 1,
+}
+_REDIS_SCHEMES = ("redis", "rediss", "sentinel", "redis+socket")
+_AMQP_SCHEMES = ("amqp", "amqps", "pyamqp", "librabbitmq")
+
+
+@dataclass(frozen=True)
+class MessageHeader:
+    """The `questpie` header of one message."""
+
+    ledgered: bool
+    attempt: int = 1
+    """Which claim this delivery is meant to take (1 for the first run)."""
+    run: RunOptions = field(default_factory=RunOptions)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "v": HEADER_VERSION,
+            "ledgered": self.ledgered,
+            "attempt": self.attempt,
+            "run": self.run.to_dict(),
+        }
+
+    @classmethod
+    def from_request(cls, request: Any) -> MessageHeader | None:
+        """Read the header from a task request; None for a plain Celery call."""
+        raw = getattr(request, HEADER, None)
+        if raw is None:
+            raw = (getattr(request, "headers", None) or {}).get(HEADER)
+        if not isinstance(raw, Mapping):
+            return None
+        attempt = raw.get("attempt", 1)
+        return cls(
+            ledgered=raw.get("ledgered") is True,
+            attempt=attempt if isinstance(attempt, int) and attempt >= 1 else 1,
+            run=RunOptions.from_dict(raw.get("run")),
+        )
+
+
+def broker_kind(app: Celery) -> str:
+    """`redis`, `amqp`, or the transport scheme of anything else."""
+    url = app.conf.broker_url or app.conf.broker_write_url or "amqp://"
+    scheme = str(url).split("://", 1)[0].lower()
+    if scheme in _REDIS_SCHEMES:
+        return "redis"
+    if scheme in _AMQP_SCHEMES:
+        return "amqp"
+    return scheme
+
+
+def broker_priority(kind: str, priority: int | None) -> int | None:
+    """Map our priority (0-9, higher first) to what the broker serves first.
+
+    Redis (kombu) serves the lowest number first; RabbitMQ the highest.
+    """
+    if priority is None:
+        return None
+    return MAX_PRIORITY - priority if kind == "redis" else priority
+
+
+def configure_app(app: Celery) -> None:
+    """Configure what questpie needs on a configured Celery app, keeping the user's choices."""
+    if broker_kind(app) != "redis":
+        return
+    options = dict(app.conf.broker_transport_options or {})
+    wanted = {"priority_steps": list(range(MAX_PRIORITY + 1)), "queue_order_strategy": "priority"}
+    for name, value in wanted.items():
+        if name not in options:
+            options[name] = value
+        elif options[name] != value:
+            log.warning(
+                "broker_transport_options[%r] is %r; questpie priorities need %r, "
+                "so priorities may not order as documented",
+                name,
+                options[name],
+                value,
+            )
+    app.conf.broker_transport_options = options
+
+
+class Sender:
+    """Sends questpie messages through the app's producer pool."""
+
+    def __init__(self, app: Celery) -> None:
+        self.app = app
+
+    def send(
+        self,
+        *,
+        job_name: str,
+        dispatch_id: str,
+        payload: dict[str, Any] | None,
+        header: MessageHeader,
+        priority: int | None,
+        queue: str | None,
+        eta: datetime | None,
+        countdown: float | None = None,
+    ) -> None:
+        """Publish one message; raise `BrokerError` if the broker does not take it."""
+        options: dict[str, Any] = {
+            "task_id": dispatch_id,
+            "headers": {HEADER: header.to_dict()},
+            "serializer": "json",
+            "retry": True,
+            "retry_policy": dict(PUBLISH_RETRY_POLICY),
+            # Celery enforces these on the prefork pool only; the lease caps the rest.
+            "soft_time_limit": header.run.expire_in_seconds,
+            "time_limit": header.run.expire_in_seconds + HARD_TIME_LIMIT_GRACE_SECONDS,
+        }
+        mapped = broker_priority(broker_kind(self.app), priority)
+        if mapped is not None:
+            options["priority"] = mapped
+        if queue is not None:
+            options["queue"] = queue
+        if eta is not None:
+            options["eta"] = eta
+        elif countdown:
+            options["countdown"] = countdown
+        try:
+            self.app.send_task(job_name, args=[payload], **options)
+        except Exception as exc:
+            # kombu raises OperationalError, socket errors, or transport-specific ones;
+            # the caller decides whether that loses anything (it does not for a ledgered
+            # dispatch: the row stays pending).
+            raise BrokerError(
+                f"the broker did not accept dispatch {dispatch_id} of job {job_name!r}: "
+                f"{type(exc).__name__}"
+            ) from exc

@@ -1,0 +1,67 @@
+"""The error hierarchy. Every error this package raises derives from `QuestpieError`.
+
+Bad input additionally derives from `ValueError`, so callers that already catch
+`ValueError` around argument handling keep working. The class docstring is the
+default message.
+"""
+
+from __future__ import annotations
+
+
+class QuestpieError(Exception):
+    """questpie_celery failed."""
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(message if message is not None else _first_line(type(self).__doc__))
+
+
+def _first_line(doc: str | None) -> str:
+    return (doc or "").strip().splitlines()[0] if doc else ""
+
+
+class ConfigurationError(QuestpieError, ValueError):
+    """The Questpie configuration is invalid."""
+
+
+class JobDefinitionError(ConfigurationError):
+    """The job definition is invalid or collides with another one."""
+
+
+class InvalidInputError(QuestpieError, ValueError):
+    """A call received invalid input; nothing was written."""
+
+
+class PayloadValidationError(InvalidInputError):
+    """The payload does not match the job's schema."""
+
+
+class PublishOptionsError(InvalidInputError):
+    """A dispatch option is invalid."""
+
+
+class UnknownJobError(QuestpieError, KeyError):
+    """No job of that name is registered."""
+
+    def __str__(self) -> str:
+        # KeyError.__str__ quotes its argument; keep the message readable.
+        return str(self.args[0]) if self.args else ""
+
+
+class LedgerError(QuestpieError):
+    """The dispatch ledger database failed."""
+
+
+class LedgerUnavailableError(LedgerError):
+    """The dispatch ledger database cannot be reached."""
+
+
+class LedgerSchemaError(LedgerError):
+    """The dispatch ledger tables are missing or out of date; run `questpie-celery migrate`."""
+
+
+class BrokerError(QuestpieError):
+    """The broker did not accept the message."""
+
+
+class PermanentFailure(QuestpieError):
+    """Raised by a handler to fail the run for good, without retries."""

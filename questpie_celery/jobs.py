@@ -1,0 +1,121 @@
+"""Job definitions: a handler, the pydantic schema of its payload, and its options."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from .errors import JobDefinitionError, PayloadValidationError, PublishOptionsError
+from .options import JobOptions, validate_job_options
+
+P = TypeVar("P", bound=BaseModel)
+
+JOB_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,199}")
+_NON_ALNUM = re.compile(r"[^A-Za-z0-9]+")
+
+
+@dataclass(frozen=True)
+class JobContext:
+    """What a handler learns about the run it is part of."""
+
+    dispatch_id: str
+    job_name: str
+    idempotency_key: str | None
+    attempt: int
+    """1 on the first run, 2 on the first retry, ..."""
+    retry_limit: int
+    singleton_key: str | None = None
+
+
+Handler = Callable[[P, JobContext], Any] | Callable[[P, JobContext], Awaitable[Any]]
+
+
+class JobDefinition(Generic[P]):
+    """A named handler with a payload schema. Create one with `@job(...)`."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        schema: type[P],
+        handler: Callable[[P, JobContext], Any],
+        options: JobOptions | None = None,
+    ) -> None:
+        if not isinstance(name, str) or not JOB_NAME_PATTERN.fullmatch(name):
+            raise JobDefinitionError(f"job name {name!r} must match {JOB_NAME_PATTERN.pattern}")
+        if not (isinstance(schema, type) and issubclass(schema, BaseModel)):
+            raise JobDefinitionError(f"job {name!r}: schema must be a pydantic BaseModel subclass")
+        if not callable(handler):
+            raise JobDefinitionError(f"job {name!r}: handler must be callable")
+        try:
+            validated = validate_job_options(options)
+        except PublishOptionsError as exc:
+            raise JobDefinitionError(f"job {name!r}: {exc}") from None
+        self.name = name
+        self.schema: type[P] = schema
+        self.handler = handler
+        self.options: JobOptions = validated
+        self.is_async = inspect.iscoroutinefunction(handler)
+
+    @property
+    def attribute_name(self) -> str:
+        """The name under which `questpie.queue` exposes this job."""
+        return job_attribute_name(self.name)
+
+    def validate(self, payload: P | Mapping[str, Any]) -> P:
+        """Return the payload as a schema instance, or raise `PayloadValidationError`.
+
+        The error names the failing fields and never repeats an input value: the
+        payload may be secret, and error messages travel to logs.
+        """
+        try:
+            if isinstance(payload, self.schema):
+                # Re-validate so an instance built with model_construct() is checked too.
+                return self.schema.model_validate(payload.model_dump())
+            if not isinstance(payload, Mapping):
+                raise PayloadValidationError(
+                    f"payload for job {self.name!r} must be a mapping or a "
+                    f"{self.schema.__name__}, got {type(payload).__name__}"
+                )
+            return self.schema.model_validate(dict(payload))
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(map(str, err['loc'])) or '<root>'}: {err['type']}"
+                for err in exc.errors(include_input=False, include_url=False)
+            )
+            # `from None`: the pydantic error holds the input values.
+            raise PayloadValidationError(
+                f"payload for job {self.name!r} does not match {self.schema.__name__}: {problems}"
+            ) from None
+
+    def to_json(self, payload: P | Mapping[str, Any]) -> dict[str, Any]:
+        """Validate and return the JSON object that crosses the broker."""
+        return self.validate(payload).model_dump(mode="json")
+
+    def __call__(self, payload: P, ctx: JobContext) -> Any:
+        """Call the handler directly (useful in a project's unit tests)."""
+        return self.handler(payload, ctx)
+
+    def __repr__(self) -> str:
+        return f"<JobDefinition {self.name!r} schema={self.schema.__name__}>"
+
+
+def job(
+    *, name: str, schema: type[P], options: JobOptions | None = None
+) -> Callable[[Callable[[P, JobContext], Any]], JobDefinition[P]]:
+    """Turn `handler(payload, ctx)` into a `JobDefinition`; hand it to `Questpie(jobs=[...])`."""
+
+    def decorate(handler: Callable[[P, JobContext], Any]) -> JobDefinition[P]:
+        return JobDefinition(name=name, schema=schema, handler=handler, options=options)
+
+    return decorate
+
+
+def job_attribute_name(job_name: str) -> str:
+    """`send-welcome-email` -> `send_welcome_email` (SPEC section 2)."""
+    return _NON_ALNUM.sub("_", job_name.lower())

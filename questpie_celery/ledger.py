@@ -1,0 +1,434 @@
+"""The dispatch ledger: its tables and every SQL statement this package runs.
+
+This is the only module that talks SQL. It is written with SQLAlchemy Core and
+runs on PostgreSQL (psycopg 3) and SQLite; dialect differences stay here.
+
+A ledgered dispatch is one row of `questpie_queue_dispatch`, keyed by its
+dispatch id. Its `status` moves
+
+    pending ──(broker accepted)──▶ queued ──(claim)──▶ active ──▶ completed
+       │                              ▲                  │
+       └──────────(claim)─────────────┼──────────────────┤──▶ failed
+                                      └──── retry ◀──────┘
+
+`attempt` counts claims. A claim sets a random `claim_token` (the fencing token)
+and a lease; only a statement that names the current token can record an outcome,
+so a worker whose lease was taken over can never overwrite its successor's result.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any, Literal
+
+from sqlalchemy import (
+    JSON,
+    Column,
+    Connection,
+    DateTime,
+    Dialect,
+    Engine,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    case,
+    create_engine,
+    event,
+    exc,
+    func,
+    select,
+    update,
+)
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import make_url
+from sqlalchemy.types import TypeDecorator
+
+from .errors import LedgerError, LedgerSchemaError, LedgerUnavailableError
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+SQLITE_BUSY_TIMEOUT_MS = 15_000
+PG_CONNECT_TIMEOUT_SECONDS = 5
+
+Status = Literal["pending", "queued", "active", "retry", "completed", "failed"]
+#: States from which a delivery may take the execution claim.
+CLAIMABLE: tuple[Status, ...] = ("pending", "queued", "retry")
+TERMINAL: tuple[Status, ...] = ("completed", "failed")
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """Aware UTC datetimes on every dialect (SQLite stores them naive)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        value = value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+metadata = MetaData()
+"""The ledger schema, for a project's own Alembic migrations (`target_metadata`)."""
+
+dispatch_table = Table(
+    "questpie_queue_dispatch",
+    metadata,
+    # The id is derived from (job name, idempotency key) when there is a key, so
+    # uniqueness of the id is uniqueness of the pair: no wide index on the key.
+    Column("id", String(36), primary_key=True),
+    Column("job_name", String(200), nullable=False),
+    Column("idempotency_key", Text, nullable=True),
+    Column("singleton_key", Text, nullable=True),
+    Column("status", String(16), nullable=False),
+    Column("payload", JSON, nullable=True),
+    # What the relay needs to send the message again: run options, priority, queue.
+    Column("options", JSON, nullable=False),
+    Column("attempt", Integer, nullable=False, default=0),
+    Column("claim_token", String(36), nullable=True),
+    Column("lease_expires_at", UTCDateTime, nullable=True),
+    Column("run_after", UTCDateTime, nullable=False),
+    Column("send_count", Integer, nullable=False, default=0),
+    Column("last_error", String(200), nullable=True),
+    Column("created_at", UTCDateTime, nullable=False),
+    Column("queued_at", UTCDateTime, nullable=True),
+    Column("started_at", UTCDateTime, nullable=True),
+    Column("finished_at", UTCDateTime, nullable=True),
+    Index("questpie_queue_dispatch_due", "status", "run_after"),
+)
+
+schema_version_table = Table(
+    "questpie_schema_version",
+    metadata,
+    Column("version", Integer, primary_key=True),
+    Column("applied_at", UTCDateTime, nullable=False),
+)
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+# --- engines -------------------------------------------------------------------------------
+
+
+def create_ledger_engine(url: str) -> Engine:
+    """Create an engine tuned for the ledger's access pattern on its dialect."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000})
+        _configure_sqlite(engine)
+        return engine
+    connect_args: dict[str, Any] = {}
+    if parsed.get_backend_name() == "postgresql":
+        connect_args["connect_timeout"] = PG_CONNECT_TIMEOUT_SECONDS
+    return create_engine(url, pool_pre_ping=True, connect_args=connect_args)
+
+
+def _configure_sqlite(engine: Engine) -> None:
+    # Several prefork children write the same file: WAL lets readers run beside the
+    # writer, and BEGIN IMMEDIATE takes the write lock up front, so two writers queue on
+    # the busy timeout instead of failing with "database is locked" on lock upgrade.
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.isolation_level = None  # let SQLAlchemy's BEGIN below rule
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(connection: Connection) -> None:
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+# --- rows ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DispatchRow:
+    """One ledger row, as the rest of the package sees it."""
+
+    id: str
+    job_name: str
+    idempotency_key: str | None
+    singleton_key: str | None
+    status: Status
+    payload: dict[str, Any] | None
+    options: dict[str, Any]
+    attempt: int
+    claim_token: str | None
+    lease_expires_at: datetime | None
+    run_after: datetime
+    created_at: datetime
+    queued_at: datetime | None
+    started_at: datetime | None
+    finished_at: datetime | None
+    last_error: str | None
+
+    @classmethod
+    def from_mapping(cls, row: Mapping[Any, Any]) -> DispatchRow:
+        return cls(**{name: row[name] for name in cls.__dataclass_fields__})
+
+
+@dataclass(frozen=True)
+class NewDispatch:
+    id: str
+    job_name: str
+    idempotency_key: str | None
+    singleton_key: str | None
+    payload: dict[str, Any] | None
+    options: dict[str, Any]
+    run_after: datetime
+
+
+ClaimOutcome = Literal["claimed", "done", "stale", "busy", "unknown"]
+
+
+@dataclass(frozen=True)
+class Claim:
+    """The result of trying to take the execution claim of one delivery."""
+
+    outcome: ClaimOutcome
+    row: DispatchRow | None = None
+    token: str | None = None
+
+
+# --- the ledger ----------------------------------------------------------------------------
+
+
+class Ledger:
+    """Every statement against the ledger tables, addressed by what it does."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    @property
+    def dialect(self) -> str:
+        return self.engine.dialect.name
+
+    @contextmanager
+    def _begin(self) -> Iterator[Connection]:
+        with translate_errors(), self.engine.begin() as conn:
+            yield conn
+
+    # schema
+
+    def migrate(self) -> int:
+        """Create or upgrade the schema; safe to run again. Returns the schema version."""
+        with self._begin() as conn:
+            metadata.create_all(conn, checkfirst=True)
+            current = conn.execute(
+                select(schema_version_table.c.version).order_by(
+                    schema_version_table.c.version.desc()
+                )
+            ).scalar()
+            if current is None or current < SCHEMA_VERSION:
+                conn.execute(
+                    _insert_or_nothing(self.dialect, schema_version_table).values(
+                        version=SCHEMA_VERSION, applied_at=utcnow()
+                    )
+                )
+        return SCHEMA_VERSION
+
+    def schema_version(self) -> int | None:
+        with self._begin() as conn:
+            return conn.execute(select(schema_version_table.c.version)).scalar()
+
+    # publish side
+
+    def insert_dispatch(self, new: NewDispatch, conn: Connection | None = None) -> bool:
+        """Insert the row unless its id exists. True when this call inserted it.
+
+        One statement, so concurrent publishers of one key race inside the database:
+        exactly one of them gets True.
+        """
+        stmt = (
+            _insert_or_nothing(conn.dialect.name if conn else self.dialect, dispatch_table)
+            .values(
+                id=new.id,
+                job_name=new.job_name,
+                idempotency_key=new.idempotency_key,
+                singleton_key=new.singleton_key,
+                status="pending",
+                payload=new.payload,
+                options=new.options,
+                attempt=0,
+                run_after=new.run_after,
+                send_count=0,
+                created_at=utcnow(),
+            )
+            .returning(dispatch_table.c.id)
+        )
+        if conn is not None:
+            with translate_errors():
+                return conn.execute(stmt).first() is not None
+        with self._begin() as own:
+            return own.execute(stmt).first() is not None
+
+    def mark_queued(self, dispatch_id: str) -> None:
+        """Record that the broker accepted the message of a pending dispatch."""
+        now = utcnow()
+        t = dispatch_table.c
+        with self._begin() as conn:
+            # A fast worker may already have claimed the row: keep its status then.
+            conn.execute(
+                update(dispatch_table)
+                .where(t.id == dispatch_id)
+                .values(
+                    queued_at=func.coalesce(t.queued_at, now),
+                    status=case((t.status == "pending", "queued"), else_=t.status),
+                    send_count=t.send_count + 1,
+                )
+            )
+
+    def get(self, dispatch_id: str) -> DispatchRow | None:
+        with self._begin() as conn:
+            row = (
+                conn.execute(select(dispatch_table).where(dispatch_table.c.id == dispatch_id))
+                .mappings()
+                .first()
+            )
+        return DispatchRow.from_mapping(row) if row else None
+
+    # worker side
+
+    def claim(self, dispatch_id: str, attempt: int, lease_seconds: float) -> Claim:
+        """Take the execution claim for delivery `attempt` of a dispatch, atomically.
+
+        Succeeds only when the row is claimable and has made exactly `attempt - 1`
+        claims, so a delivery of an attempt the row has moved past is `stale`, one of
+        a finished dispatch is `done`, and one that meets a live claim is `busy`.
+        """
+        t = dispatch_table.c
+        token = str(uuid.uuid4())
+        now = utcnow()
+        with self._begin() as conn:
+            row = (
+                conn.execute(
+                    update(dispatch_table)
+                    .where(t.id == dispatch_id, t.status.in_(CLAIMABLE), t.attempt == attempt - 1)
+                    .values(
+                        status="active",
+                        attempt=t.attempt + 1,
+                        claim_token=token,
+                        lease_expires_at=now + timedelta(seconds=lease_seconds),
+                        started_at=now,
+                    )
+                    .returning(*dispatch_table.c)
+                )
+                .mappings()
+                .first()
+            )
+            if row is not None:
+                return Claim("claimed", DispatchRow.from_mapping(row), token)
+            current = (
+                conn.execute(select(dispatch_table).where(t.id == dispatch_id)).mappings().first()
+            )
+        if current is None:
+            return Claim("unknown")
+        found = DispatchRow.from_mapping(current)
+        if found.status in TERMINAL:
+            return Claim("done", found)
+        if found.status == "active" and found.attempt == attempt:
+            return Claim("busy", found)
+        return Claim("stale", found)
+
+    def renew(self, dispatch_id: str, token: str, lease_seconds: float) -> bool:
+        """Extend a live claim; False when the claim is no longer ours."""
+        t = dispatch_table.c
+        with self._begin() as conn:
+            result = conn.execute(
+                update(dispatch_table)
+                .where(t.id == dispatch_id, t.claim_token == token, t.status == "active")
+                .values(lease_expires_at=utcnow() + timedelta(seconds=lease_seconds))
+            )
+        return result.rowcount == 1
+
+    def complete(self, dispatch_id: str, token: str) -> bool:
+        """Record completion; only the claim holder can. False when the claim was lost."""
+        return self._finish(dispatch_id, token, status="completed", error=None)
+
+    def fail(self, dispatch_id: str, token: str, error: str) -> bool:
+        """Record failure for good; only the claim holder can."""
+        return self._finish(dispatch_id, token, status="failed", error=error)
+
+    def _finish(self, dispatch_id: str, token: str, *, status: Status, error: str | None) -> bool:
+        t = dispatch_table.c
+        with self._begin() as conn:
+            result = conn.execute(
+                update(dispatch_table)
+                .where(t.id == dispatch_id, t.claim_token == token, t.status == "active")
+                .values(
+                    status=status,
+                    claim_token=None,
+                    lease_expires_at=None,
+                    finished_at=utcnow(),
+                    last_error=error,
+                )
+            )
+        return result.rowcount == 1
+
+    def schedule_retry(self, dispatch_id: str, token: str, delay: float, error: str) -> bool:
+        """Release the claim after a failed attempt and make the row due again later."""
+        t = dispatch_table.c
+        with self._begin() as conn:
+            result = conn.execute(
+                update(dispatch_table)
+                .where(t.id == dispatch_id, t.claim_token == token, t.status == "active")
+                .values(
+                    status="retry",
+                    claim_token=None,
+                    lease_expires_at=None,
+                    run_after=utcnow() + timedelta(seconds=delay),
+                    last_error=error,
+                )
+            )
+        return result.rowcount == 1
+
+
+def _insert_or_nothing(dialect: str, table: Table) -> Any:
+    if dialect == "postgresql":
+        return postgresql.insert(table).on_conflict_do_nothing()
+    if dialect == "sqlite":
+        return sqlite.insert(table).on_conflict_do_nothing()
+    raise LedgerError(f"the ledger supports PostgreSQL and SQLite, not {dialect!r}")
+
+
+_MISSING_TABLE_MARKERS = ("no such table", "undefinedtable", "does not exist")
+
+
+@contextmanager
+def translate_errors() -> Iterator[None]:
+    """Turn SQLAlchemy's errors into the package's own, once, at the boundary."""
+    try:
+        yield
+    except exc.DBAPIError as error:
+        text = f"{type(error.orig).__name__} {error.orig}".lower()
+        if any(marker in text for marker in _MISSING_TABLE_MARKERS):
+            raise LedgerSchemaError() from error
+        if error.connection_invalidated or isinstance(
+            error, exc.OperationalError | exc.InterfaceError
+        ):
+            raise LedgerUnavailableError(
+                f"the dispatch ledger database cannot be reached: {type(error.orig).__name__}"
+            ) from error
+        raise LedgerError(f"ledger statement failed: {type(error.orig).__name__}") from error
+    except exc.SQLAlchemyError as error:
+        raise LedgerError(f"ledger statement failed: {type(error).__name__}") from error

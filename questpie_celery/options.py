@@ -1,0 +1,230 @@
+"""Dispatch options: their names, defaults, validation and merging.
+
+Job options (declared once with `@job`) are merged under call-time options
+(passed to `publish()`), then validated into an immutable `DispatchOptions`.
+Validation happens before anything is written anywhere.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any, Literal, TypedDict, cast, get_args
+
+from .errors import PublishOptionsError
+
+QueuePolicy = Literal["standard", "short", "singleton", "stately", "exclusive"]
+QUEUE_POLICIES: tuple[str, ...] = get_args(QueuePolicy)
+
+DEFAULT_RETRY_LIMIT = 2
+DEFAULT_RETRY_DELAY = 0.0
+DEFAULT_EXPIRE_IN_SECONDS = 900
+MAX_KEY_LENGTH = 512
+MAX_RETRY_BACKOFF_SECONDS = 3600
+MAX_PRIORITY = 9
+
+
+class JobOptions(TypedDict, total=False):
+    """Options a job declares once; every publish inherits them."""
+
+    singleton_key: str
+    queue_policy: QueuePolicy
+    priority: int
+    start_after: int | float | str | datetime
+    retry_limit: int
+    retry_delay: int | float
+    retry_backoff: bool
+    expire_in_seconds: int
+    queue: str
+
+
+JOB_OPTION_NAMES = frozenset(JobOptions.__annotations__)
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """The options a worker needs to run one dispatch; they travel in the message headers."""
+
+    retry_limit: int = DEFAULT_RETRY_LIMIT
+    retry_delay: float = DEFAULT_RETRY_DELAY
+    retry_backoff: bool = False
+    expire_in_seconds: int = DEFAULT_EXPIRE_IN_SECONDS
+
+    def delay_before_retry(self, retry_number: int) -> float:
+        """Seconds to wait before retry `retry_number` (1 for the first retry)."""
+        if not self.retry_backoff:
+            return self.retry_delay
+        base = max(self.retry_delay, 1.0)
+        return float(min(base * 2 ** (retry_number - 1), MAX_RETRY_BACKOFF_SECONDS))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> RunOptions:
+        """Rebuild from a header or ledger value; anything malformed falls back to defaults."""
+        if not isinstance(data, Mapping):
+            return cls()
+        try:
+            return cls(
+                retry_limit=_int(data.get("retry_limit", DEFAULT_RETRY_LIMIT), "retry_limit", 0),
+                retry_delay=_seconds(data.get("retry_delay", DEFAULT_RETRY_DELAY), "retry_delay"),
+                retry_backoff=_bool(data.get("retry_backoff", False), "retry_backoff"),
+                expire_in_seconds=_int(
+                    data.get("expire_in_seconds", DEFAULT_EXPIRE_IN_SECONDS), "expire_in_seconds", 1
+                ),
+            )
+        except PublishOptionsError:
+            return cls()
+
+
+@dataclass(frozen=True)
+class DispatchOptions:
+    """Every option of one dispatch, validated and merged."""
+
+    run: RunOptions
+    idempotency_key: str | None = None
+    singleton_key: str | None = None
+    queue_policy: QueuePolicy | None = None
+    secret_payload: bool = False
+    priority: int | None = None
+    start_after: datetime | None = None
+    queue: str | None = None
+
+
+def validate_job_options(options: Mapping[str, Any] | None) -> JobOptions:
+    """Validate a job's `options` mapping; unknown names are an error, not a no-op."""
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping):
+        raise PublishOptionsError("job options must be a mapping")
+    unknown = sorted(set(options) - JOB_OPTION_NAMES)
+    if unknown:
+        raise PublishOptionsError(
+            f"unknown job option(s) {', '.join(map(repr, unknown))}; "
+            f"known: {', '.join(sorted(JOB_OPTION_NAMES))}"
+        )
+    now = datetime.now(UTC)
+    for name, value in options.items():
+        _VALIDATORS[name](value, now)
+    return cast(JobOptions, dict(options))
+
+
+def resolve_options(job_options: JobOptions, call_options: Mapping[str, Any]) -> DispatchOptions:
+    """Merge call-time options (which win; `None` means "not given") over the job's."""
+    given = {k: v for k, v in call_options.items() if v is not None}
+    merged: dict[str, Any] = {**job_options, **given}
+    now = datetime.now(UTC)
+    values = {name: _VALIDATORS[name](value, now) for name, value in merged.items()}
+
+    key = values.get("idempotency_key")
+    if key is not None and values.get("singleton_key") is not None:
+        raise PublishOptionsError("idempotency_key and singleton_key cannot both be set")
+    if values.get("secret_payload") and key is None:
+        raise PublishOptionsError("secret_payload needs an idempotency_key")
+
+    run = RunOptions(
+        retry_limit=values.get("retry_limit", DEFAULT_RETRY_LIMIT),
+        retry_delay=values.get("retry_delay", DEFAULT_RETRY_DELAY),
+        retry_backoff=values.get("retry_backoff", False),
+        expire_in_seconds=values.get("expire_in_seconds", DEFAULT_EXPIRE_IN_SECONDS),
+    )
+    return DispatchOptions(
+        run=run,
+        idempotency_key=key,
+        singleton_key=values.get("singleton_key"),
+        queue_policy=values.get("queue_policy"),
+        secret_payload=values.get("secret_payload", False),
+        priority=values.get("priority"),
+        start_after=values.get("start_after"),
+        queue=values.get("queue"),
+    )
+
+
+# --- single-value validators -------------------------------------------------------------
+# Each takes the raw value (and "now", for relative times) and returns the normalised value
+# or raises PublishOptionsError naming the option. Values are never echoed back: a key may
+# be sensitive.
+
+
+def _bool(value: object, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise PublishOptionsError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+def _int(value: object, name: str, minimum: int, maximum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise PublishOptionsError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum or (maximum is not None and value > maximum):
+        upper = f" and <= {maximum}" if maximum is not None else ""
+        raise PublishOptionsError(f"{name} must be >= {minimum}{upper}")
+    return value
+
+
+def _seconds(value: object, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise PublishOptionsError(f"{name} must be a number of seconds")
+    if not math.isfinite(value) or value < 0:
+        raise PublishOptionsError(f"{name} must be a finite number >= 0")
+    return float(value)
+
+
+def _key(value: object, name: str) -> str:
+    if not isinstance(value, str):
+        raise PublishOptionsError(f"{name} must be a str, got {type(value).__name__}")
+    if not 1 <= len(value) <= MAX_KEY_LENGTH:
+        raise PublishOptionsError(f"{name} must be 1 to {MAX_KEY_LENGTH} characters long")
+    if "\0" in value:
+        raise PublishOptionsError(f"{name} must not contain NUL")
+    return value
+
+
+def _start_after(value: object, now: datetime) -> datetime:
+    if isinstance(value, bool):
+        raise PublishOptionsError("start_after must be seconds, an ISO-8601 string or a datetime")
+    if isinstance(value, int | float):
+        if not math.isfinite(value) or value < 0:
+            raise PublishOptionsError("start_after in seconds must be a finite number >= 0")
+        return now + timedelta(seconds=value)
+    if isinstance(value, str):
+        try:
+            value = datetime.fromisoformat(value)
+        except ValueError:
+            raise PublishOptionsError(
+                "start_after must be an ISO-8601 date-time with a UTC offset"
+            ) from None
+    if isinstance(value, datetime):
+        if value.tzinfo is None or value.utcoffset() is None:
+            raise PublishOptionsError("start_after must carry a timezone (naive datetime given)")
+        return value.astimezone(UTC)
+    raise PublishOptionsError("start_after must be seconds, an ISO-8601 string or a datetime")
+
+
+def _policy(value: object) -> QueuePolicy:
+    if value not in QUEUE_POLICIES:
+        raise PublishOptionsError(f"queue_policy must be one of {', '.join(QUEUE_POLICIES)}")
+    return value  # type: ignore[return-value]
+
+
+def _queue(value: object) -> str:
+    if not isinstance(value, str) or not value:
+        raise PublishOptionsError("queue must be a non-empty str")
+    return value
+
+
+_VALIDATORS: dict[str, Any] = {
+    "idempotency_key": lambda v, _now: _key(v, "idempotency_key"),
+    "singleton_key": lambda v, _now: _key(v, "singleton_key"),
+    "queue_policy": lambda v, _now: _policy(v),
+    "secret_payload": lambda v, _now: _bool(v, "secret_payload"),
+    "priority": lambda v, _now: _int(v, "priority", 0, MAX_PRIORITY),
+    "start_after": _start_after,
+    "retry_limit": lambda v, _now: _int(v, "retry_limit", 0),
+    "retry_delay": lambda v, _now: _seconds(v, "retry_delay"),
+    "retry_backoff": lambda v, _now: _bool(v, "retry_backoff"),
+    "expire_in_seconds": lambda v, _now: _int(v, "expire_in_seconds", 1),
+    "queue": lambda v, _now: _queue(v),
+}

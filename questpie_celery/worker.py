@@ -1,0 +1,210 @@
+"""The worker side: the Celery task a job compiles to, and the execution fence.
+
+For a ledgered dispatch every delivery first takes the execution claim in the
+ledger. A delivery that cannot (the dispatch is finished, the delivery is stale,
+or another worker holds a live claim) ends with `Ignore`, so Celery neither runs
+the handler nor stores a result over the real one. Only the claim holder records
+the outcome. Plain Celery calls (`delay`, `send_task`, Canvas) carry no ledger
+row and run unfenced, with Celery's own retries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from celery import Celery, Task
+from celery.exceptions import Ignore
+
+from .broker import HEADER, MessageHeader
+from .errors import PayloadValidationError, PermanentFailure
+from .jobs import JobContext, JobDefinition
+from .leases import LeaseKeeper
+from .ledger import Ledger
+from .options import RunOptions, resolve_options
+
+log = logging.getLogger(__name__)
+
+
+class JobTask(Task):  # type: ignore[misc]  # celery ships no type information
+    """Base class of the Celery task each job compiles to."""
+
+    #: Retry limits are ours (per dispatch, in the message header), not Celery's.
+    max_retries = None
+    questpie_definition: JobDefinition[Any]
+    questpie_runner: Runner
+
+
+class Runner:
+    """Runs deliveries of every job registered with one `Questpie`."""
+
+    def __init__(self, ledger: Ledger, leases: LeaseKeeper) -> None:
+        self.ledger = ledger
+        self.leases = leases
+
+    def register(self, app: Celery, definition: JobDefinition[Any]) -> Any:
+        """Create the Celery task named after the job on `app`."""
+        runner = self
+
+        def run(task: JobTask, payload: Any = None) -> Any:
+            return runner.execute(task, payload)
+
+        run.__name__ = definition.attribute_name
+        run.__doc__ = definition.handler.__doc__
+        return app.task(
+            name=definition.name,
+            bind=True,
+            base=JobTask,
+            shared=False,
+            serializer="json",
+            questpie_definition=definition,
+            questpie_runner=runner,
+        )(run)
+
+    def execute(self, task: JobTask, payload: Any) -> Any:
+        definition = task.questpie_definition
+        header = MessageHeader.from_request(task.request)
+        if header is not None and header.ledgered:
+            return self._run_fenced(task, definition, header, payload)
+        return self._run_plain(task, definition, header, payload)
+
+    # plain Celery calls and unkeyed standard dispatches: no ledger row
+
+    def _run_plain(
+        self,
+        task: JobTask,
+        definition: JobDefinition[Any],
+        header: MessageHeader | None,
+        payload: Any,
+    ) -> Any:
+        run = header.run if header is not None else resolve_options(definition.options, {}).run
+        attempt = int(task.request.retries or 0) + 1
+        model = definition.validate(payload)
+        ctx = JobContext(
+            dispatch_id=task.request.id,
+            job_name=definition.name,
+            idempotency_key=None,
+            attempt=attempt,
+            retry_limit=run.retry_limit,
+        )
+        try:
+            return _call(definition, model, ctx)
+        except PermanentFailure:
+            raise
+        except Exception as exc:
+            if attempt > run.retry_limit:
+                raise
+            raise task.retry(exc=exc, countdown=run.delay_before_retry(attempt)) from None
+
+    # ledgered dispatches: claim, run, record
+
+    def _run_fenced(
+        self,
+        task: JobTask,
+        definition: JobDefinition[Any],
+        header: MessageHeader,
+        payload: Any,
+    ) -> Any:
+        dispatch_id: str = task.request.id
+        claim = self.ledger.claim(dispatch_id, header.attempt, self.leases.lease_seconds)
+        if claim.outcome != "claimed" or claim.row is None or claim.token is None:
+            log.info(
+                "dispatch %s of job %s: delivery for attempt %d skipped (%s)",
+                dispatch_id,
+                definition.name,
+                header.attempt,
+                claim.outcome,
+                extra={"dispatch_id": dispatch_id, "job_name": definition.name},
+            )
+            raise Ignore()
+        row, token = claim.row, claim.token
+        run = RunOptions.from_dict(row.options.get("run"))
+        try:
+            # The first accepted payload wins: run what the ledger holds.
+            model = definition.validate(row.payload if row.payload is not None else payload)
+        except PayloadValidationError as exc:
+            self.ledger.fail(dispatch_id, token, type(exc).__name__)
+            raise
+        ctx = JobContext(
+            dispatch_id=dispatch_id,
+            job_name=definition.name,
+            idempotency_key=row.idempotency_key,
+            attempt=row.attempt,
+            retry_limit=run.retry_limit,
+            singleton_key=row.singleton_key,
+        )
+        try:
+            with self.leases.hold(dispatch_id, token, run.expire_in_seconds):
+                result = _call(definition, model, ctx)
+        except PermanentFailure as exc:
+            self._record_failure(dispatch_id, token, exc)
+            raise
+        except Exception as exc:
+            if row.attempt > run.retry_limit:
+                self._record_failure(dispatch_id, token, exc)
+                raise
+            self._retry(
+                task,
+                definition=definition,
+                dispatch_id=dispatch_id,
+                token=token,
+                attempt=row.attempt,
+                run=run,
+                exc=exc,
+            )
+        if not self.ledger.complete(dispatch_id, token):
+            # Our lease lapsed and the dispatch moved on; its new holder records it.
+            log.warning(
+                "dispatch %s finished after losing its claim; outcome not recorded",
+                dispatch_id,
+                extra={"dispatch_id": dispatch_id},
+            )
+            raise Ignore()
+        return result
+
+    def _record_failure(self, dispatch_id: str, token: str, exc: BaseException) -> None:
+        if not self.ledger.fail(dispatch_id, token, type(exc).__name__):
+            log.warning(
+                "dispatch %s failed after losing its claim; outcome not recorded",
+                dispatch_id,
+                extra={"dispatch_id": dispatch_id},
+            )
+            raise Ignore()
+
+    def _retry(
+        self,
+        task: JobTask,
+        *,
+        definition: JobDefinition[Any],
+        dispatch_id: str,
+        token: str,
+        attempt: int,
+        run: RunOptions,
+        exc: Exception,
+    ) -> None:
+        delay = run.delay_before_retry(attempt)
+        if not self.ledger.schedule_retry(dispatch_id, token, delay, type(exc).__name__):
+            raise Ignore()
+        header = MessageHeader(ledgered=True, attempt=attempt + 1, run=run)
+        try:
+            retry = task.retry(
+                exc=exc, countdown=delay, headers={HEADER: header.to_dict()}, throw=False
+            )
+        except Exception as send_error:
+            # The retry is recorded in the ledger; the relay sends it when it is due.
+            log.warning(
+                "dispatch %s: could not send retry %d (%s); it stays in the ledger",
+                dispatch_id,
+                attempt,
+                type(send_error).__name__,
+                extra={"dispatch_id": dispatch_id, "job_name": definition.name},
+            )
+            raise Ignore() from None
+        raise retry from None
+
+
+def _call(definition: JobDefinition[Any], model: Any, ctx: JobContext) -> Any:
+    if definition.is_async:
+        return asyncio.run(definition.handler(model, ctx))
+    return definition.handler(model, ctx)
