@@ -1,0 +1,168 @@
+"""The Celery project the integration tests run in real `celery worker` processes.
+
+Configured only from the environment, so a worker subprocess and the test process
+build the same app:
+
+- QP_TEST_BROKER: Celery broker URL (for `filesystem://`, QP_TEST_FS_DIR is the folder)
+- QP_TEST_BACKEND: optional result backend URL
+- QP_TEST_LEDGER: SQLAlchemy URL of the ledger; the `test_runs` table lives there too
+- QP_TEST_LEASE: lease length in seconds
+
+Handlers record each run in `test_runs`, so tests observe what really ran.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any
+
+from celery import Celery
+from pydantic import BaseModel
+from sqlalchemy import (
+    Column,
+    DateTime,
+    Engine,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    func,
+    insert,
+)
+
+from questpie_celery import JobContext, PermanentFailure, Questpie, job
+from questpie_celery.ledger import create_ledger_engine
+
+runs_metadata = MetaData()
+runs_table = Table(
+    "test_runs",
+    runs_metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("job_name", String(200), nullable=False),
+    Column("tag", String(200), nullable=False),
+    Column("dispatch_id", String(64), nullable=False),
+    Column("attempt", Integer, nullable=False),
+    Column("idempotency_key", String(600), nullable=True),
+    Column("pid", Integer, nullable=False),
+    Column("ran_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+)
+
+
+def make_celery(
+    broker: str, backend: str | None = None, fs_dir: str | None = None, queue: str = "celery"
+) -> Celery:
+    app = Celery("questpie_tests", broker=broker, backend=backend)
+    conf: dict[str, Any] = {
+        "task_default_queue": queue,
+        "worker_prefetch_multiplier": 1,
+        "broker_connection_retry_on_startup": True,
+        "worker_hijack_root_logger": False,
+    }
+    if broker.startswith("filesystem"):
+        assert fs_dir is not None, "the filesystem broker needs a folder"
+        os.makedirs(fs_dir, exist_ok=True)
+        conf["broker_transport_options"] = {
+            "data_folder_in": fs_dir,
+            "data_folder_out": fs_dir,
+            "store_processed": False,
+        }
+    app.conf.update(conf)
+    return app
+
+
+_engine: Engine | None = None
+
+
+def runs_engine() -> Engine:
+    global _engine  # noqa: PLW0603 - one engine per process, created after fork
+    if _engine is None or _engine_pid != os.getpid():
+        _set_engine(create_ledger_engine(os.environ["QP_TEST_LEDGER"]))
+    assert _engine is not None
+    return _engine
+
+
+_engine_pid = 0
+
+
+def _set_engine(engine: Engine) -> None:
+    global _engine, _engine_pid  # noqa: PLW0603
+    _engine, _engine_pid = engine, os.getpid()
+
+
+def record(ctx: JobContext, tag: str) -> None:
+    with runs_engine().begin() as conn:
+        conn.execute(
+            insert(runs_table).values(
+                job_name=ctx.job_name,
+                tag=tag,
+                dispatch_id=ctx.dispatch_id,
+                attempt=ctx.attempt,
+                idempotency_key=ctx.idempotency_key,
+                pid=os.getpid(),
+            )
+        )
+
+
+class Work(BaseModel):
+    tag: str
+    sleep: float = 0.0
+    fail_times: int = 0
+    permanent: bool = False
+
+
+@job(name="record", schema=Work)
+def record_job(payload: Work, ctx: JobContext) -> str:
+    record(ctx, payload.tag)
+    if payload.sleep:
+        time.sleep(payload.sleep)
+    if payload.permanent:
+        raise PermanentFailure("asked to fail for good")
+    if ctx.attempt <= payload.fail_times:
+        raise RuntimeError(f"planned failure on attempt {ctx.attempt}")
+    return payload.tag
+
+
+@job(name="record.async", schema=Work, options={"retry_limit": 1})
+async def record_async(payload: Work, ctx: JobContext) -> str:
+    await asyncio.sleep(payload.sleep)
+    record(ctx, payload.tag)
+    if ctx.attempt <= payload.fail_times:
+        raise RuntimeError("planned failure")
+    return payload.tag
+
+
+@job(name="send-welcome-email", schema=Work, options={"retry_limit": 3, "priority": 4})
+def send_welcome_email(payload: Work, ctx: JobContext) -> None:
+    record(ctx, payload.tag)
+
+
+JOBS = (record_job, record_async, send_welcome_email)
+
+
+def build(
+    *,
+    broker: str,
+    ledger: str,
+    backend: str | None = None,
+    fs_dir: str | None = None,
+    lease_seconds: float = 60.0,
+    queue: str = "celery",
+) -> tuple[Celery, Questpie]:
+    app = make_celery(broker, backend, fs_dir, queue)
+    return app, Questpie(app, ledger_url=ledger, jobs=JOBS, lease_seconds=lease_seconds)
+
+
+def build_from_env() -> tuple[Celery, Questpie]:
+    return build(
+        broker=os.environ.get("QP_TEST_BROKER", "memory://"),
+        ledger=os.environ.get("QP_TEST_LEDGER", "sqlite://"),
+        backend=os.environ.get("QP_TEST_BACKEND") or None,
+        fs_dir=os.environ.get("QP_TEST_FS_DIR"),
+        lease_seconds=float(os.environ.get("QP_TEST_LEASE", "60")),
+    )
+
+
+# What `celery -A tests.jobapp:celery_app worker` runs; tests build their own with build().
+celery_app, questpie = build_from_env()
