@@ -72,23 +72,15 @@ def make_celery(
     return app
 
 
-_engine: Engine | None = None
+_engines: dict[int, Engine] = {}
 
 
 def runs_engine() -> Engine:
-    global _engine  # noqa: PLW0603 - one engine per process, created after fork
-    if _engine is None or _engine_pid != os.getpid():
-        _set_engine(create_ledger_engine(os.environ["QP_TEST_LEDGER"]))
-    assert _engine is not None
-    return _engine
-
-
-_engine_pid = 0
-
-
-def _set_engine(engine: Engine) -> None:
-    global _engine, _engine_pid  # noqa: PLW0603
-    _engine, _engine_pid = engine, os.getpid()
+    """One engine per process: a pool must not cross fork."""
+    pid = os.getpid()
+    if pid not in _engines:
+        _engines[pid] = create_ledger_engine(os.environ["QP_TEST_LEDGER"])
+    return _engines[pid]
 
 
 def record(ctx: JobContext, tag: str) -> None:
