@@ -9,13 +9,15 @@ leaves a pending row that a retry or the relay can finish.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from sqlalchemy import Connection, event
 from sqlalchemy.orm import Session
 
 from .broker import MessageHeader, Sender
-from .errors import BrokerError, LedgerError, PublishOptionsError
+from .errors import BrokerError, LedgerError, LedgerSchemaError, PublishOptionsError
 from .ids import derive_dispatch_id, random_dispatch_id
 from .ledger import Ledger, NewDispatch, utcnow
 from .options import DispatchOptions, RunOptions
@@ -73,12 +75,15 @@ class Dispatcher:
             run_after=options.start_after or utcnow(),
         )
         if session is not None:
-            if self.ledger.insert_dispatch(new, conn=session.connection()):
+            with _needs_ledger_tables("session"):
+                inserted = self.ledger.insert_dispatch(new, conn=session.connection())
+            if inserted:
                 self._send_after_commit(session, dispatch_id)
             return dispatch_id
         if connection is not None:
             # A Connection has no after-commit hook: the relay sends the row once committed.
-            self.ledger.insert_dispatch(new, conn=connection)
+            with _needs_ledger_tables("connection"):
+                self.ledger.insert_dispatch(new, conn=connection)
             return dispatch_id
         if self.ledger.insert_dispatch(new):
             self.send_pending(new)
@@ -145,6 +150,18 @@ class Dispatcher:
                     run_after=row.run_after,
                 )
             )
+
+
+@contextmanager
+def _needs_ledger_tables(kind: str) -> Iterator[None]:
+    try:
+        yield
+    except LedgerSchemaError:
+        raise LedgerSchemaError(
+            f"publish({kind}=...) writes the ledger row in your transaction, so the {kind}'s "
+            "database needs the ledger tables: run questpie.migrate() or "
+            "`questpie-celery migrate` against it"
+        ) from None
 
 
 def _run_of(options: dict[str, Any]) -> RunOptions:

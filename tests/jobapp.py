@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 from celery import Celery
+from kombu import Queue
 from pydantic import BaseModel
 from sqlalchemy import (
     Column,
@@ -60,6 +61,13 @@ def make_celery(
         "broker_connection_retry_on_startup": True,
         "worker_hijack_root_logger": False,
     }
+    priority_queue = os.environ.get("QP_TEST_PRIORITY_QUEUE")
+    if priority_queue:
+        # RabbitMQ needs x-max-priority declared on the queue; questpie never redeclares.
+        conf["task_queues"] = [
+            Queue(queue),
+            Queue(priority_queue, queue_arguments={"x-max-priority": 9}),
+        ]
     if broker.startswith("filesystem"):
         assert fs_dir is not None, "the filesystem broker needs a folder"
         os.makedirs(fs_dir, exist_ok=True)
@@ -67,6 +75,7 @@ def make_celery(
             "data_folder_in": fs_dir,
             "data_folder_out": fs_dir,
             "store_processed": False,
+            "polling_interval": 0.1,
         }
     app.conf.update(conf)
     return app

@@ -20,6 +20,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kombu import Connection
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -193,3 +195,60 @@ class Worker:
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
+
+
+def _amqp_ready(url: str) -> bool:
+    try:
+        with Connection(url, connect_timeout=1) as conn:
+            conn.connect()
+            return True
+    except Exception:
+        return False
+
+
+@contextlib.contextmanager
+def rabbitmq_server() -> Iterator[str]:
+    """Yield the AMQP URL of a fresh RabbitMQ node (plugins off, state in a temp folder)."""
+    if os.environ.get("QP_TEST_AMQP_URL"):
+        yield os.environ["QP_TEST_AMQP_URL"]
+        return
+    script = shutil.which("rabbitmq-server", path="/usr/lib/rabbitmq/bin:" + os.environ["PATH"])
+    if script is None:
+        raise RuntimeError("rabbitmq-server is not installed (apt-get install rabbitmq-server)")
+    base = Path(tempfile.mkdtemp(prefix="qp-rabbit-"))
+    (base / "enabled_plugins").write_text("[].\n")
+    port = free_port()
+    env = {
+        **os.environ,
+        "RABBITMQ_NODENAME": f"qp{port}@localhost",
+        "RABBITMQ_NODE_IP_ADDRESS": "127.0.0.1",
+        "RABBITMQ_NODE_PORT": str(port),
+        "RABBITMQ_DIST_PORT": str(free_port()),
+        "RABBITMQ_MNESIA_BASE": str(base / "mnesia"),
+        "RABBITMQ_LOG_BASE": str(base / "log"),
+        "RABBITMQ_CONFIG_FILE": str(base / "none"),
+        "RABBITMQ_ENABLED_PLUGINS_FILE": str(base / "enabled_plugins"),
+    }
+    with (base / "out.log").open("wb") as out:
+        proc = subprocess.Popen(
+            [script], env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    url = f"amqp://guest:guest@127.0.0.1:{port}//"
+    try:
+        deadline = time.monotonic() + 90
+        while not _amqp_ready(url):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"RabbitMQ did not start:\n{(base / 'out.log').read_text(errors='replace')}"
+                )
+            time.sleep(0.5)
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        shutil.rmtree(base, ignore_errors=True)

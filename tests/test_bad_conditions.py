@@ -6,6 +6,7 @@ import logging
 import time
 
 import pytest
+import redis
 
 from questpie_celery import BrokerError, LedgerUnavailableError, QuestpieError
 from tests import jobapp
@@ -13,8 +14,6 @@ from tests.services import free_port
 
 
 def test_unreachable_ledger_raises_and_sends_nothing(redis_url: str) -> None:
-    import redis
-
     queue = "ledger-down"
     _, questpie = jobapp.build(
         broker=redis_url,

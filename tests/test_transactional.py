@@ -1,0 +1,74 @@
+"""publish(session=...) and publish(connection=...) inside the caller's transaction."""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy import create_engine
+from sqlalchemy.orm import Session
+
+from questpie_celery import LedgerSchemaError
+from tests.conftest import Stack, tag
+
+
+def test_session_publish_runs_after_commit(pg_redis: Stack) -> None:
+    t = tag()
+    engine = create_engine(pg_redis.env["QP_TEST_LEDGER"])
+    with Session(engine) as session, session.begin():
+        dispatch_id = pg_redis.questpie.queue.record.publish({"tag": t}, session=session)
+        assert dispatch_id is not None
+        # Not visible outside the transaction, not sent yet.
+        assert pg_redis.questpie.ledger.get(dispatch_id) is None
+    pg_redis.wait_status(dispatch_id, "completed")
+    assert len(pg_redis.wait_runs(t, 1)) == 1
+    engine.dispose()
+
+
+def test_session_rollback_leaves_nothing_and_runs_nothing(pg_redis: Stack) -> None:
+    t = tag()
+    engine = create_engine(pg_redis.env["QP_TEST_LEDGER"])
+    with Session(engine) as session:
+        session.begin()
+        dispatch_id = pg_redis.questpie.queue.record.publish(
+            {"tag": t}, session=session, idempotency_key=f"rb:{t}"
+        )
+        session.rollback()
+    assert dispatch_id is not None
+    assert pg_redis.questpie.ledger.get(dispatch_id) is None
+    assert pg_redis.wait_runs(t, 1, timeout=2) == []
+    engine.dispose()
+
+
+def test_rolled_back_savepoint_is_not_sent_after_commit(pg_redis: Stack) -> None:
+    t = tag()
+    engine = create_engine(pg_redis.env["QP_TEST_LEDGER"])
+    with Session(engine) as session, session.begin():
+        kept = pg_redis.questpie.queue.record.publish({"tag": t + "-kept"}, session=session)
+        nested = session.begin_nested()
+        dropped = pg_redis.questpie.queue.record.publish({"tag": t}, session=session)
+        nested.rollback()
+    assert kept is not None and dropped is not None
+    pg_redis.wait_status(kept, "completed")
+    assert pg_redis.questpie.ledger.get(dropped) is None
+    assert pg_redis.wait_runs(t, 1, timeout=2) == []
+    engine.dispose()
+
+
+def test_connection_publish_writes_a_pending_row_in_the_callers_transaction(
+    pg_redis: Stack,
+) -> None:
+    t = tag()
+    engine = create_engine(pg_redis.env["QP_TEST_LEDGER"])
+    with engine.begin() as conn:
+        dispatch_id = pg_redis.questpie.queue.record.publish({"tag": t}, connection=conn)
+    assert dispatch_id is not None
+    row = pg_redis.questpie.ledger.get(dispatch_id)
+    assert row is not None
+    assert row.status == "pending"  # the relay sends it
+    engine.dispose()
+
+
+def test_session_on_a_database_without_the_ledger_says_so(pg_redis: Stack, tmp_path: str) -> None:
+    engine = create_engine(f"sqlite:///{tmp_path}/other.sqlite3")
+    with Session(engine) as session, pytest.raises(LedgerSchemaError, match="migrate"):
+        pg_redis.questpie.queue.record.publish({"tag": "x"}, session=session)
+    engine.dispose()
