@@ -1,0 +1,129 @@
+"""End-to-end demo on the embedded default: SQLite ledger, filesystem broker, a real worker.
+
+    python examples/demo.py
+
+It migrates the ledger, starts `celery -A shop worker` (two prefork children),
+publishes a few dispatches, and prints what the ledger and the worker did.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+DEMO_DIR = Path(tempfile.mkdtemp(prefix="questpie-demo-"))
+os.environ["QUESTPIE_DEMO_DIR"] = str(DEMO_DIR)
+sys.path.insert(0, str(HERE))
+
+import shop  # noqa: E402 - configured through QUESTPIE_DEMO_DIR above
+
+
+def start_worker(log_path: Path) -> subprocess.Popen[bytes]:
+    command = [sys.executable, "-m", "celery", "-A", "shop:celery_app", "worker",
+               "-l", "warning", "-c", "2", "--without-gossip", "--without-mingle"]  # fmt: skip
+    path = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
+    with log_path.open("wb") as log:
+        worker = subprocess.Popen(
+            command, cwd=HERE, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "PYTHONPATH": path},
+        )  # fmt: skip
+    return worker
+
+
+def wait_for(dispatch_ids: list[str], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        rows = [shop.questpie.ledger.get(i) for i in dispatch_ids]
+        if all(r is not None and r.status in ("completed", "failed") for r in rows):
+            return
+        time.sleep(0.2)
+    raise SystemExit("the worker did not finish in time; see the log above")
+
+
+def main() -> None:
+    print(f"ledger: {DEMO_DIR / 'ledger.sqlite3'}   broker: filesystem://{DEMO_DIR / 'broker'}")
+    shop.questpie.migrate()
+    log_path = DEMO_DIR / "worker.log"
+    worker = start_worker(log_path)
+    queue = shop.questpie.queue
+    try:
+        print("\n1. publish without a key: a plain Celery message under a fresh id, no ledger row")
+        plain = queue.send_welcome_email.publish({"user_id": "usr_001"})
+        print(f"   dispatch id {plain}")
+
+        print("\n2. publish with an idempotency key: one ledger row, then the broker")
+        first = queue.send_welcome_email.publish(
+            {"user_id": "usr_123"}, idempotency_key="welcome:usr_123"
+        )
+        print(f"   dispatch id {first}")
+
+        print("\n3. the same key again, twice: answered from the ledger, nothing sent")
+        for _ in range(2):
+            again = queue["send-welcome-email"].publish(
+                {"user_id": "usr_123"}, idempotency_key="welcome:usr_123"
+            )
+            print(f"   dispatch id {again}  (same: {again == first})")
+
+        print("\n4. an async job that fails once, then succeeds on its retry")
+        retried = queue.charge_card.publish(
+            {"order_id": "ord_9", "amount_cents": 1250}, idempotency_key="charge:ord_9"
+        )
+        print(f"   dispatch id {retried}")
+
+        print("\n5. a PermanentFailure: failed for good, no retry")
+        permanent = queue.charge_card.publish(
+            {"order_id": "ord_0", "amount_cents": 0}, idempotency_key="charge:ord_0"
+        )
+        print(f"   dispatch id {permanent}")
+
+        print("\n6. bad input is rejected before anything is written")
+        try:
+            queue.send_welcome_email.publish({"user": "oops"}, idempotency_key="bad")
+        except ValueError as exc:
+            print(f"   {type(exc).__name__}: {exc}")
+
+        print("\n7. the broker delivers one message three times, byte for byte")
+        held = queue.send_welcome_email.publish(
+            {"user_id": "usr_777"}, idempotency_key="welcome:usr_777", queue="held"
+        )
+        [message] = (DEMO_DIR / "broker").glob("*.held.msg")  # no worker reads "held"
+        for copy in range(3):
+            target = f"{copy}-{message.name}".replace(".held.", ".celery.")
+            shutil.copy(message, message.with_name(target))
+        message.unlink()
+        print(f"   dispatch id {held}: three copies handed to the worker")
+
+        assert first is not None and retried is not None and permanent is not None
+        assert held is not None
+        wait_for([first, retried, permanent, held])
+        time.sleep(1)  # let the unledgered run land in the log too
+    finally:
+        os.killpg(worker.pid, signal.SIGTERM)
+        worker.wait(30)
+
+    print("\nwhat the worker ran (its log):")
+    for line in log_path.read_text().splitlines():
+        if "HANDLER" in line:
+            print("   " + line.split("HANDLER ", 1)[1])
+    runs_777 = log_path.read_text().count("user=usr_777")
+    print(f"   -> usr_777's three deliveries ran the handler {runs_777} time(s)")
+    print("\nthe ledger:")
+    for dispatch_id in (first, retried, permanent, held):
+        row = shop.questpie.ledger.get(dispatch_id)
+        assert row is not None
+        print(
+            f"   {row.id}  {row.job_name:<18} key={row.idempotency_key:<16} "
+            f"status={row.status:<9} attempts={row.attempt} error={row.last_error}"
+        )
+    shutil.rmtree(DEMO_DIR, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
