@@ -16,8 +16,9 @@ from typing import Any
 from sqlalchemy import Connection, event
 from sqlalchemy.orm import Session
 
+from .acceptance import AcceptanceRecorder
 from .broker import MessageHeader, Sender
-from .errors import BrokerError, LedgerError, LedgerSchemaError, PublishOptionsError
+from .errors import BrokerError, LedgerSchemaError, PublishOptionsError
 from .ids import derive_dispatch_id, random_dispatch_id
 from .ledger import Ledger, NewDispatch, utcnow
 from .options import DispatchOptions, RunOptions
@@ -32,6 +33,7 @@ class Dispatcher:
     def __init__(self, ledger: Ledger, sender: Sender) -> None:
         self.ledger = ledger
         self.sender = sender
+        self.acceptance = AcceptanceRecorder(ledger)
 
     def dispatch(
         self,
@@ -111,17 +113,7 @@ class Dispatcher:
                 extra={"dispatch_id": new.id, "job_name": new.job_name},
             )
             return
-        try:
-            self.ledger.mark_queued(new.id)
-        except LedgerError as exc:
-            # The message is on its way and a worker can claim a pending row; only the
-            # receipt's queued_at is late.
-            log.warning(
-                "dispatch %s was sent but could not be marked queued: %s",
-                new.id,
-                type(exc).__name__,
-                extra={"dispatch_id": new.id},
-            )
+        self.acceptance.record(new.id)
 
     def _send_after_commit(self, session: Session, dispatch_id: str) -> None:
         # Ids stay listed across a rollback on purpose: the commit that follows re-reads

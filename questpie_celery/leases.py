@@ -56,6 +56,8 @@ class LeaseKeeper:
         # A thread does not survive fork: start one per process, on first use.
         if self._thread is not None and self._pid == os.getpid() and self._thread.is_alive():
             return
+        if self._pid != os.getpid():
+            self._held.clear()  # the parent's claims are the parent's to renew
         self._pid = os.getpid()
         self._thread = threading.Thread(target=self._loop, name="questpie-leases", daemon=True)
         self._thread.start()

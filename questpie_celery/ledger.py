@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Iterator, Mapping
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -39,16 +40,20 @@ from sqlalchemy import (
     String,
     Table,
     Text,
+    and_,
+    bindparam,
     case,
     create_engine,
     event,
     exc,
     func,
+    or_,
     select,
     update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import RowMapping, make_url
+from sqlalchemy.sql import Executable
 from sqlalchemy.types import TypeDecorator
 
 from .errors import LedgerError, LedgerSchemaError, LedgerUnavailableError
@@ -127,6 +132,10 @@ def utcnow() -> datetime:
 # --- engines -------------------------------------------------------------------------------
 
 
+#: Engines made by create_ledger_engine() that already run in autocommit.
+_AUTOCOMMIT_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
 def create_ledger_engine(url: str) -> Engine:
     """Create an engine tuned for the ledger's access pattern on its dialect."""
     parsed = make_url(url)
@@ -137,7 +146,12 @@ def create_ledger_engine(url: str) -> Engine:
     connect_args: dict[str, Any] = {}
     if parsed.get_backend_name() == "postgresql":
         connect_args["connect_timeout"] = PG_CONNECT_TIMEOUT_SECONDS
-    return create_engine(url, pool_pre_ping=True, connect_args=connect_args)
+    # Autocommit: every ledger statement stands alone, so BEGIN/COMMIT round trips would
+    # be pure cost. No pool_pre_ping either, for the same reason: a connection the server
+    # dropped fails one statement with LedgerUnavailableError and is discarded.
+    engine = create_engine(url, connect_args=connect_args, isolation_level="AUTOCOMMIT")
+    _AUTOCOMMIT_ENGINES.add(engine)
+    return engine
 
 
 def _configure_sqlite(engine: Engine) -> None:
@@ -155,7 +169,8 @@ def _configure_sqlite(engine: Engine) -> None:
 
     @event.listens_for(engine, "begin")
     def _on_begin(connection: Connection) -> None:
-        connection.exec_driver_sql("BEGIN IMMEDIATE")
+        if connection.get_execution_options().get("isolation_level") != "AUTOCOMMIT":
+            connection.exec_driver_sql("BEGIN IMMEDIATE")
 
 
 # --- rows ----------------------------------------------------------------------------------
@@ -213,26 +228,106 @@ class Claim:
 # --- the ledger ----------------------------------------------------------------------------
 
 
+class _Statements:
+    """Every statement, built once per dialect with bind parameters.
+
+    Reusing one statement object lets SQLAlchemy skip construction and cache-key
+    generation on each call, which is most of its per-statement cost.
+    """
+
+    def __init__(self, dialect: str) -> None:
+        t = dispatch_table.c
+        by_id = t.id == bindparam("dispatch_id")
+        held = and_(by_id, t.claim_token == bindparam("token"), t.status == "active")
+        claimable = or_(*(t.status == status for status in CLAIMABLE))
+        # The VALUES clause comes from the parameters' keys at execution.
+        self.insert = _insert_or_nothing(dialect, dispatch_table).returning(t.id)
+        self.get = select(dispatch_table).where(by_id)
+        # A fast worker may already have claimed the row: keep its status then.
+        self.mark_queued = (
+            update(dispatch_table)
+            .where(by_id)
+            .values(
+                queued_at=func.coalesce(t.queued_at, bindparam("now", type_=UTCDateTime)),
+                status=case((t.status == "pending", "queued"), else_=t.status),
+                send_count=t.send_count + 1,
+            )
+        )
+        self.claim = (
+            update(dispatch_table)
+            .where(by_id, claimable, t.attempt == bindparam("previous_attempt"))
+            .values(
+                status="active",
+                attempt=t.attempt + 1,
+                claim_token=bindparam("new_token"),
+                lease_expires_at=bindparam("new_lease"),
+                started_at=bindparam("now"),
+            )
+            .returning(*dispatch_table.c)
+        )
+        self.renew = (
+            update(dispatch_table).where(held).values(lease_expires_at=bindparam("new_lease"))
+        )
+        self.finish = (
+            update(dispatch_table)
+            .where(held)
+            .values(
+                status=bindparam("new_status"),
+                claim_token=None,
+                lease_expires_at=None,
+                finished_at=bindparam("now"),
+                last_error=bindparam("error"),
+            )
+        )
+        self.retry = (
+            update(dispatch_table)
+            .where(held)
+            .values(
+                status="retry",
+                claim_token=None,
+                lease_expires_at=None,
+                run_after=bindparam("new_run_after"),
+                last_error=bindparam("error"),
+            )
+        )
+
+
 class Ledger:
-    """Every statement against the ledger tables, addressed by what it does."""
+    """Every statement against the ledger tables, addressed by what it does.
+
+    Each operation outside `migrate` is a single statement, run in autocommit: one
+    round trip, atomic on its own, and no transaction left open to hold row locks.
+    """
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        self._autocommit: Engine
+        self._transactional: Engine
+        if engine in _AUTOCOMMIT_ENGINES:
+            self._autocommit = engine
+            self._transactional = engine.execution_options(isolation_level="READ COMMITTED")
+        else:
+            self._autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
+            self._transactional = engine
+        self._sql = _Statements(engine.dialect.name)
 
     @property
     def dialect(self) -> str:
         return self.engine.dialect.name
 
-    @contextmanager
-    def _begin(self) -> Iterator[Connection]:
-        with translate_errors(), self.engine.begin() as conn:
-            yield conn
+    def _first(self, stmt: Executable, params: dict[str, Any]) -> RowMapping | None:
+        with translate_errors(), self._autocommit.connect() as conn:
+            return conn.execute(stmt, params).mappings().first()
+
+    def _count(self, stmt: Executable, params: dict[str, Any]) -> int:
+        with translate_errors(), self._autocommit.connect() as conn:
+            return conn.execute(stmt, params).rowcount
 
     # schema
 
     def migrate(self) -> int:
         """Create or upgrade the schema; safe to run again. Returns the schema version."""
-        with self._begin() as conn:
+        with translate_errors(), self._transactional.begin() as conn:
             metadata.create_all(conn, checkfirst=True)
             current = conn.execute(
                 select(schema_version_table.c.version).order_by(
@@ -248,8 +343,8 @@ class Ledger:
         return SCHEMA_VERSION
 
     def schema_version(self) -> int | None:
-        with self._begin() as conn:
-            return conn.execute(select(schema_version_table.c.version)).scalar()
+        with translate_errors(), self.engine.connect() as conn:
+            return conn.execute(select(func.max(schema_version_table.c.version))).scalar()
 
     # publish side
 
@@ -257,54 +352,39 @@ class Ledger:
         """Insert the row unless its id exists. True when this call inserted it.
 
         One statement, so concurrent publishers of one key race inside the database:
-        exactly one of them gets True.
+        exactly one of them gets True. With `conn`, it runs in the caller's transaction.
         """
-        stmt = (
-            _insert_or_nothing(conn.dialect.name if conn else self.dialect, dispatch_table)
-            .values(
-                id=new.id,
-                job_name=new.job_name,
-                idempotency_key=new.idempotency_key,
-                singleton_key=new.singleton_key,
-                status="pending",
-                payload=new.payload,
-                options=new.options,
-                attempt=0,
-                run_after=new.run_after,
-                send_count=0,
-                created_at=utcnow(),
-            )
-            .returning(dispatch_table.c.id)
-        )
+        params = {
+            "id": new.id,
+            "job_name": new.job_name,
+            "idempotency_key": new.idempotency_key,
+            "singleton_key": new.singleton_key,
+            "status": "pending",
+            "payload": new.payload,
+            "options": new.options,
+            "attempt": 0,
+            "run_after": new.run_after,
+            "send_count": 0,
+            "created_at": utcnow(),
+        }
         if conn is not None:
+            stmt = self._sql.insert
+            if conn.dialect.name != self.dialect:
+                stmt = _Statements(conn.dialect.name).insert
             with translate_errors():
-                return conn.execute(stmt).first() is not None
-        with self._begin() as own:
-            return own.execute(stmt).first() is not None
+                return conn.execute(stmt, params).first() is not None
+        return self._first(self._sql.insert, params) is not None
 
-    def mark_queued(self, dispatch_id: str) -> None:
-        """Record that the broker accepted the message of a pending dispatch."""
-        now = utcnow()
-        t = dispatch_table.c
-        with self._begin() as conn:
-            # A fast worker may already have claimed the row: keep its status then.
-            conn.execute(
-                update(dispatch_table)
-                .where(t.id == dispatch_id)
-                .values(
-                    queued_at=func.coalesce(t.queued_at, now),
-                    status=case((t.status == "pending", "queued"), else_=t.status),
-                    send_count=t.send_count + 1,
-                )
-            )
+    def mark_queued(self, accepted: Sequence[tuple[str, datetime]]) -> None:
+        """Record that the broker accepted these dispatches (id, when), in one batch."""
+        if not accepted:
+            return
+        params = [{"dispatch_id": dispatch_id, "now": when} for dispatch_id, when in accepted]
+        with translate_errors(), self._autocommit.connect() as conn:
+            conn.execute(self._sql.mark_queued, params)
 
     def get(self, dispatch_id: str) -> DispatchRow | None:
-        with self._begin() as conn:
-            row = (
-                conn.execute(select(dispatch_table).where(dispatch_table.c.id == dispatch_id))
-                .mappings()
-                .first()
-            )
+        row = self._first(self._sql.get, {"dispatch_id": dispatch_id})
         return DispatchRow.from_mapping(row) if row else None
 
     # worker side
@@ -316,34 +396,24 @@ class Ledger:
         claims, so a delivery of an attempt the row has moved past is `stale`, one of
         a finished dispatch is `done`, and one that meets a live claim is `busy`.
         """
-        t = dispatch_table.c
         token = str(uuid.uuid4())
         now = utcnow()
-        with self._begin() as conn:
-            row = (
-                conn.execute(
-                    update(dispatch_table)
-                    .where(t.id == dispatch_id, t.status.in_(CLAIMABLE), t.attempt == attempt - 1)
-                    .values(
-                        status="active",
-                        attempt=t.attempt + 1,
-                        claim_token=token,
-                        lease_expires_at=now + timedelta(seconds=lease_seconds),
-                        started_at=now,
-                    )
-                    .returning(*dispatch_table.c)
-                )
-                .mappings()
-                .first()
-            )
-            if row is not None:
-                return Claim("claimed", DispatchRow.from_mapping(row), token)
-            current = (
-                conn.execute(select(dispatch_table).where(t.id == dispatch_id)).mappings().first()
-            )
-        if current is None:
+        row = self._first(
+            self._sql.claim,
+            {
+                "dispatch_id": dispatch_id,
+                "previous_attempt": attempt - 1,
+                "new_token": token,
+                "new_lease": now + timedelta(seconds=lease_seconds),
+                "now": now,
+            },
+        )
+        if row is not None:
+            return Claim("claimed", DispatchRow.from_mapping(row), token)
+        # Not claimed: read the row only to say why (the answer may be a moment old).
+        found = self.get(dispatch_id)
+        if found is None:
             return Claim("unknown")
-        found = DispatchRow.from_mapping(current)
         if found.status in TERMINAL:
             return Claim("done", found)
         if found.status == "active" and found.attempt == attempt:
@@ -352,14 +422,9 @@ class Ledger:
 
     def renew(self, dispatch_id: str, token: str, lease_seconds: float) -> bool:
         """Extend a live claim; False when the claim is no longer ours."""
-        t = dispatch_table.c
-        with self._begin() as conn:
-            result = conn.execute(
-                update(dispatch_table)
-                .where(t.id == dispatch_id, t.claim_token == token, t.status == "active")
-                .values(lease_expires_at=utcnow() + timedelta(seconds=lease_seconds))
-            )
-        return result.rowcount == 1
+        expires = utcnow() + timedelta(seconds=lease_seconds)
+        params = {"dispatch_id": dispatch_id, "token": token, "new_lease": expires}
+        return self._count(self._sql.renew, params) == 1
 
     def complete(self, dispatch_id: str, token: str) -> bool:
         """Record completion; only the claim holder can. False when the claim was lost."""
@@ -370,37 +435,24 @@ class Ledger:
         return self._finish(dispatch_id, token, status="failed", error=error)
 
     def _finish(self, dispatch_id: str, token: str, *, status: Status, error: str | None) -> bool:
-        t = dispatch_table.c
-        with self._begin() as conn:
-            result = conn.execute(
-                update(dispatch_table)
-                .where(t.id == dispatch_id, t.claim_token == token, t.status == "active")
-                .values(
-                    status=status,
-                    claim_token=None,
-                    lease_expires_at=None,
-                    finished_at=utcnow(),
-                    last_error=error,
-                )
-            )
-        return result.rowcount == 1
+        params = {
+            "dispatch_id": dispatch_id,
+            "token": token,
+            "new_status": status,
+            "now": utcnow(),
+            "error": error,
+        }
+        return self._count(self._sql.finish, params) == 1
 
     def schedule_retry(self, dispatch_id: str, token: str, delay: float, error: str) -> bool:
         """Release the claim after a failed attempt and make the row due again later."""
-        t = dispatch_table.c
-        with self._begin() as conn:
-            result = conn.execute(
-                update(dispatch_table)
-                .where(t.id == dispatch_id, t.claim_token == token, t.status == "active")
-                .values(
-                    status="retry",
-                    claim_token=None,
-                    lease_expires_at=None,
-                    run_after=utcnow() + timedelta(seconds=delay),
-                    last_error=error,
-                )
-            )
-        return result.rowcount == 1
+        params = {
+            "dispatch_id": dispatch_id,
+            "token": token,
+            "new_run_after": utcnow() + timedelta(seconds=delay),
+            "error": error,
+        }
+        return self._count(self._sql.retry, params) == 1
 
 
 def _insert_or_nothing(dialect: str, table: Table) -> Any:

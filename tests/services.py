@@ -146,13 +146,15 @@ class Worker:
     concurrency: int = 2
     pool: str = "prefork"
     queues: str | None = None
+    app: str = "tests.jobapp:celery_app"
+    loglevel: str = "info"
     log_path: Path = field(default_factory=lambda: Path(tempfile.mktemp(prefix="qp-worker-")))
     proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 60.0) -> Worker:
         cmd = [
-            sys.executable, "-m", "celery", "-A", "tests.jobapp:celery_app", "worker",
-            "-l", "info", "-P", self.pool, "-c", str(self.concurrency),
+            sys.executable, "-m", "celery", "-A", self.app, "worker",
+            "-l", self.loglevel, "-P", self.pool, "-c", str(self.concurrency),
             "--without-gossip", "--without-mingle", "--without-heartbeat",
             "-n", f"qp-{os.getpid()}-{time.monotonic_ns()}@localhost",
         ]  # fmt: skip

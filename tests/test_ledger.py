@@ -40,7 +40,7 @@ def test_mark_queued_records_broker_acceptance(ledger_engine: Engine) -> None:
     ledger = Ledger(ledger_engine)
     new = _new()
     ledger.insert_dispatch(new)
-    ledger.mark_queued(new.id)
+    ledger.mark_queued([(new.id, datetime.now(UTC))])
     row = ledger.get(new.id)
     assert row is not None
     assert row.status == "queued"
