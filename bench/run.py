@@ -26,6 +26,8 @@ import redis
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from questpie_celery.ids import random_dispatch_id  # noqa: E402
+from questpie_celery.ledger import NewDispatch, utcnow  # noqa: E402
 from tests.services import Worker, postgres_server, redis_server  # noqa: E402
 
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "5"))
@@ -55,6 +57,7 @@ def main() -> None:
 def publish_costs(bench_app: Any) -> dict[str, float]:
     raw_task = bench_app.raw
     client = bench_app.questpie.queue.bench_noop
+    ledger = bench_app.questpie.ledger
     # Nobody consumes this queue during the publish benchmark.
     queue = f"bench-idle-{uuid.uuid4().hex[:6]}"
     run = uuid.uuid4().hex[:8]
@@ -68,6 +71,18 @@ def publish_costs(bench_app: Any) -> dict[str, float]:
         ),
         "publish, repeated key": lambda i: client.publish(
             {"n": i}, idempotency_key=repeated_key, queue=queue
+        ),
+        # What a new key adds to a publish: one ledger INSERT round trip.
+        "ledger INSERT alone": lambda i: ledger.insert_dispatch(
+            NewDispatch(
+                id=random_dispatch_id(),
+                job_name="bench.noop",
+                idempotency_key=None,
+                singleton_key=None,
+                payload={"n": i},
+                options={"run": {}, "priority": None, "queue": queue},
+                run_after=utcnow(),
+            )
         ),
     }
     for mode in modes.values():  # warm up connections and caches
@@ -123,6 +138,7 @@ def print_table(costs: dict[str, float], throughput: dict[str, float]) -> None:
         "publish, no key": "<= 1.10x",
         "publish, new key": "<= 1.5x",
         "publish, repeated key": "<= 0.5x",
+        "ledger INSERT alone": "(for reference)",
     }
     print(
         f"\n{ROUNDS} interleaved rounds of {PUBLISHES} publishes; PostgreSQL ledger, Redis broker"
