@@ -18,7 +18,10 @@ from .jobs import JobContext, JobDefinition, P, job
 from .leases import LeaseKeeper
 from .ledger import Ledger, create_ledger_engine
 from .options import JobOptions
+from .policies import PolicyBook
 from .receipts import Receipt
+from .relay import DEFAULT_RELAY_INTERVAL_SECONDS, Relay, RelayStep
+from .slots import SlotKeeper
 from .worker import Runner
 
 log = logging.getLogger(__name__)
@@ -45,6 +48,7 @@ class Questpie:
         previous_secrets: Iterable[str | bytes] = (),
         jobs: Iterable[JobDefinition[Any]] = (),
         lease_seconds: float = DEFAULT_LEASE_SECONDS,
+        relay_interval: float = DEFAULT_RELAY_INTERVAL_SECONDS,
     ) -> None:
         if not isinstance(celery_app, Celery):
             raise ConfigurationError("celery_app must be a celery.Celery application")
@@ -56,6 +60,10 @@ class Questpie:
             raise ConfigurationError("lease_seconds must be a number")
         if lease_seconds <= 0:
             raise ConfigurationError("lease_seconds must be > 0")
+        if isinstance(relay_interval, bool) or not isinstance(relay_interval, int | float):
+            raise ConfigurationError("relay_interval must be a number")
+        if relay_interval <= 0:
+            raise ConfigurationError("relay_interval must be > 0")
         self.secret = _as_secret(secret, "secret")
         self.previous_secrets = tuple(
             s for s in (_as_secret(p, "previous_secrets") for p in previous_secrets) if s
@@ -66,7 +74,10 @@ class Questpie:
         self.ledger = Ledger(self.engine)
         self.sender = Sender(celery_app)
         self.dispatcher = Dispatcher(self.ledger, self.sender)
-        self.runner = Runner(self.ledger, LeaseKeeper(self.ledger, float(lease_seconds)))
+        self.policies = PolicyBook(self.ledger)
+        slots = SlotKeeper(self.ledger, self.dispatcher)
+        self.runner = Runner(self.ledger, LeaseKeeper(self.ledger, float(lease_seconds)), slots)
+        self.relay = Relay(self.ledger, self.dispatcher, slots, float(relay_interval))
         self.queue = QueueClient(self)
         self._definitions: dict[str, JobDefinition[Any]] = {}
         self._clients_by_name: dict[str, JobClient[Any]] = {}
@@ -79,6 +90,7 @@ class Questpie:
             celery_app.on_after_configure.connect(self._on_configure, weak=False)
         # An engine's pooled connections must not be shared across fork (SPEC section 10).
         worker_process_init.connect(self._after_fork, weak=False)
+        celery_app.steps["worker"].add(type("QuestpieRelayStep", (RelayStep,), {"questpie": self}))
         self.register(*jobs)
 
     # registration
@@ -101,7 +113,7 @@ class Questpie:
                 raise JobDefinitionError(
                     f"jobs {clash.name!r} and {definition.name!r} would both be queue.{attribute}"
                 )
-            client: JobClient[Any] = JobClient(definition, self.dispatcher)
+            client: JobClient[Any] = JobClient(definition, self.dispatcher, self.policies)
             self._definitions[definition.name] = definition
             self._clients_by_name[definition.name] = client
             self._clients_by_attribute[attribute] = client

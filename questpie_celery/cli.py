@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import importlib
 import sys
+import threading
 
 import click
 
 from .app import Questpie
 from .errors import QuestpieError
 from .ledger import Ledger, create_ledger_engine
+from .options import QUEUE_POLICIES
 
 
 def load_questpie(spec: str) -> Questpie:
@@ -46,3 +48,52 @@ def migrate(app: str | None, ledger_url: str | None) -> None:
     except QuestpieError as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(f"ledger schema at version {version}")
+
+
+@main.group()
+def policy() -> None:
+    """Show or change the queue policy recorded for a job."""
+
+
+@policy.command("set")
+@click.argument("job_name")
+@click.argument("policy_name", metavar="POLICY", type=click.Choice(QUEUE_POLICIES))
+@click.option("-A", "--app", help="module:attribute of your Questpie instance")
+@click.option("--ledger-url", envvar="QUESTPIE_LEDGER_URL", help="SQLAlchemy URL of the ledger")
+def policy_set(job_name: str, policy_name: str, app: str | None, ledger_url: str | None) -> None:
+    """Record POLICY for JOB_NAME; dispatches accepted from now on follow it."""
+    try:
+        _ledger(app, ledger_url).set_policy(job_name, policy_name)
+    except QuestpieError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"{job_name}: {policy_name}")
+
+
+@policy.command("show")
+@click.argument("job_name")
+@click.option("-A", "--app", help="module:attribute of your Questpie instance")
+@click.option("--ledger-url", envvar="QUESTPIE_LEDGER_URL", help="SQLAlchemy URL of the ledger")
+def policy_show(job_name: str, app: str | None, ledger_url: str | None) -> None:
+    """Print the policy recorded for JOB_NAME (standard when none is)."""
+    try:
+        recorded = _ledger(app, ledger_url).get_policy(job_name)
+    except QuestpieError as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"{job_name}: {recorded or 'standard (none recorded)'}")
+
+
+@main.command()
+@click.option("-A", "--app", required=True, help="module:attribute of your Questpie instance")
+@click.option("--once", is_flag=True, help="make one pass and exit")
+def relay(app: str, once: bool) -> None:
+    """Run the relay in the foreground (workers also run it in the background)."""
+    questpie = load_questpie(app)
+    if once:
+        click.echo(f"moved {questpie.relay.run_once()} dispatch(es)")
+        return
+    stop = threading.Event()
+    click.echo(f"relay running every {questpie.relay.interval}s; Ctrl-C stops it")
+    try:
+        questpie.relay.run_forever(stop)
+    except KeyboardInterrupt:
+        stop.set()

@@ -13,6 +13,7 @@ from .dispatch import Dispatcher, check_transaction_args
 from .errors import PublishOptionsError, UnknownJobError
 from .jobs import JobDefinition, P
 from .options import QueuePolicy, resolve_options
+from .policies import STANDARD, PolicyBook
 from .receipts import Receipt
 
 if TYPE_CHECKING:
@@ -22,9 +23,12 @@ if TYPE_CHECKING:
 class JobClient(Generic[P]):
     """What the queue client offers for one job."""
 
-    def __init__(self, definition: JobDefinition[P], dispatcher: Dispatcher) -> None:
+    def __init__(
+        self, definition: JobDefinition[P], dispatcher: Dispatcher, policies: PolicyBook
+    ) -> None:
         self.definition = definition
         self._dispatcher = dispatcher
+        self._policies = policies
 
     @property
     def name(self) -> str:
@@ -71,13 +75,18 @@ class JobClient(Generic[P]):
         )
         if options.secret_payload:
             raise PublishOptionsError("secret payloads are not available in this version yet")
-        if options.singleton_key is not None or options.queue_policy not in (None, "standard"):
-            raise PublishOptionsError(
-                "singleton keys and queue policies are not available in this version yet"
-            )
         body = self.definition.to_json(payload)
+        # Only a publish-time policy counts here: the job's own is in definition.options.
+        policy = self._policies.effective(self.definition, queue_policy)
+        if policy == STANDARD and options.singleton_key is not None:
+            self._policies.warn_ignored_singleton_key(self.definition.name)
         return self._dispatcher.dispatch(
-            self.definition.name, body, options, session=session, connection=connection
+            self.definition.name,
+            body,
+            options,
+            policy=policy,
+            session=session,
+            connection=connection,
         )
 
     def __repr__(self) -> str:

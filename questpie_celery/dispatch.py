@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from datetime import datetime
+from typing import Any, Protocol
 
 from sqlalchemy import Connection, event
 from sqlalchemy.orm import Session
@@ -22,11 +23,28 @@ from .errors import BrokerError, LedgerSchemaError, PublishOptionsError
 from .ids import derive_dispatch_id, random_dispatch_id
 from .ledger import Ledger, NewDispatch, utcnow
 from .options import DispatchOptions, RunOptions
+from .policies import STANDARD
+from .signals import publish_suppressed
 
 log = logging.getLogger(__name__)
 
 _SESSION_PENDING = "questpie_pending_dispatches"
 _SESSION_LISTENING = "questpie_listening"
+
+
+class SendableRow(Protocol):
+    """What sending a ledgered dispatch needs; a new or a stored row both have it."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def job_name(self) -> str: ...
+    @property
+    def payload(self) -> dict[str, Any] | None: ...
+    @property
+    def options(self) -> dict[str, Any]: ...
+    @property
+    def run_after(self) -> datetime: ...
 
 
 class Dispatcher:
@@ -41,11 +59,12 @@ class Dispatcher:
         body: dict[str, Any],
         options: DispatchOptions,
         *,
+        policy: str = STANDARD,
         session: Session | None = None,
         connection: Connection | None = None,
     ) -> str | None:
         transactional = session is not None or connection is not None
-        if options.idempotency_key is None and not transactional:
+        if options.idempotency_key is None and not transactional and policy == STANDARD:
             dispatch_id = random_dispatch_id()
             self.sender.send(
                 job_name=job_name,
@@ -63,6 +82,7 @@ class Dispatcher:
             if options.idempotency_key is not None
             else random_dispatch_id()
         )
+        limited = policy != STANDARD
         new = NewDispatch(
             id=dispatch_id,
             job_name=job_name,
@@ -75,45 +95,76 @@ class Dispatcher:
                 "queue": options.queue,
             },
             run_after=options.start_after or utcnow(),
+            policy=policy if limited else None,
+            slot=(options.singleton_key or "") if limited else None,
         )
         if session is not None:
             with _needs_ledger_tables("session"):
                 inserted = self.ledger.insert_dispatch(new, conn=session.connection())
             if inserted:
                 self._send_after_commit(session, dispatch_id)
-            return dispatch_id
+                return dispatch_id
+            return self._not_inserted(new, conn=session.connection())
         if connection is not None:
             # A Connection has no after-commit hook: the relay sends the row once committed.
             with _needs_ledger_tables("connection"):
-                self.ledger.insert_dispatch(new, conn=connection)
-            return dispatch_id
+                inserted = self.ledger.insert_dispatch(new, conn=connection)
+            return dispatch_id if inserted else self._not_inserted(new, conn=connection)
         if self.ledger.insert_dispatch(new):
-            self.send_pending(new)
-        return dispatch_id
+            self.send_row(new, attempt=1)
+            return dispatch_id
+        return self._not_inserted(new)
 
-    def send_pending(self, new: NewDispatch) -> None:
-        """Send the first message of a freshly written row; failures leave it pending."""
+    def _not_inserted(self, new: NewDispatch, conn: Connection | None = None) -> str | None:
+        """The insert met an existing row: the key's own (a repeat) or a policy slot's."""
+        if new.idempotency_key is not None and self.ledger.exists(new.id, conn=conn):
+            return new.id  # a known key is answered before any policy
+        log.info(
+            "publish of job %s suppressed by its %s queue policy (slot %r is taken)",
+            new.job_name,
+            new.policy,
+            new.slot,
+            extra={"job_name": new.job_name, "singleton_key": new.singleton_key},
+        )
+        publish_suppressed.send(
+            sender=new.job_name,
+            job_name=new.job_name,
+            singleton_key=new.singleton_key,
+            policy=new.policy,
+        )
+        return None
+
+    def send_row(self, row: SendableRow, *, attempt: int) -> bool:
+        """Send the message for `attempt` of a ledgered dispatch; False if the broker refused.
+
+        A refusal leaves the row as it is (pending, queued or retry) for the relay.
+        """
+        now = utcnow()
         try:
             self.sender.send(
-                job_name=new.job_name,
-                dispatch_id=new.id,
-                payload=new.payload,
-                header=MessageHeader(ledgered=True, attempt=1, run=_run_of(new.options)),
-                priority=new.options.get("priority"),
-                queue=new.options.get("queue"),
-                eta=new.run_after if new.run_after > utcnow() else None,
+                job_name=row.job_name,
+                dispatch_id=row.id,
+                payload=row.payload,
+                header=MessageHeader(
+                    ledgered=True, attempt=attempt, run=RunOptions.from_dict(row.options.get("run"))
+                ),
+                priority=row.options.get("priority"),
+                queue=row.options.get("queue"),
+                eta=row.run_after if row.run_after > now else None,
             )
         except BrokerError as exc:
             log.warning(
                 "dispatch %s of job %s is in the ledger but the broker refused it (%s); "
-                "it stays pending for the relay",
-                new.id,
-                new.job_name,
+                "it stays pending in the ledger for the relay",
+                row.id,
+                row.job_name,
                 type(exc.__cause__).__name__,
-                extra={"dispatch_id": new.id, "job_name": new.job_name},
+                extra={"dispatch_id": row.id, "job_name": row.job_name},
             )
-            return
-        self.acceptance.record(new.id)
+            return False
+        if attempt == 1:
+            self.acceptance.record(row.id)
+        return True
 
     def _send_after_commit(self, session: Session, dispatch_id: str) -> None:
         # Ids stay listed across a rollback on purpose: the commit that follows re-reads
@@ -129,19 +180,8 @@ class Dispatcher:
             # Re-read: after_commit fires even when the savepoint that held the row
             # rolled back, and then there is nothing to send.
             row = self.ledger.get(dispatch_id)
-            if row is None or row.status != "pending":
-                continue
-            self.send_pending(
-                NewDispatch(
-                    id=row.id,
-                    job_name=row.job_name,
-                    idempotency_key=row.idempotency_key,
-                    singleton_key=row.singleton_key,
-                    payload=row.payload,
-                    options=row.options,
-                    run_after=row.run_after,
-                )
-            )
+            if row is not None and row.status == "pending":
+                self.send_row(row, attempt=1)
 
 
 @contextmanager
@@ -154,10 +194,6 @@ def _needs_ledger_tables(kind: str) -> Iterator[None]:
             "database needs the ledger tables: run questpie.migrate() or "
             "`questpie-celery migrate` against it"
         ) from None
-
-
-def _run_of(options: dict[str, Any]) -> RunOptions:
-    return RunOptions.from_dict(options.get("run"))
 
 
 def check_transaction_args(session: object, connection: object) -> None:

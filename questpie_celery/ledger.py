@@ -47,6 +47,7 @@ from sqlalchemy import (
     event,
     exc,
     func,
+    insert,
     or_,
     select,
     update,
@@ -64,10 +65,13 @@ SCHEMA_VERSION = 1
 SQLITE_BUSY_TIMEOUT_MS = 15_000
 PG_CONNECT_TIMEOUT_SECONDS = 5
 
-Status = Literal["pending", "queued", "active", "retry", "completed", "failed"]
+Status = Literal["pending", "queued", "parked", "active", "retry", "completed", "failed"]
 #: States from which a delivery may take the execution claim.
 CLAIMABLE: tuple[Status, ...] = ("pending", "queued", "retry")
 TERMINAL: tuple[Status, ...] = ("completed", "failed")
+#: Accepted and waiting to run (a run awaiting its retry keeps the slot it held: active).
+WAITING: tuple[Status, ...] = ("pending", "queued", "parked")
+RUNNING: tuple[Status, ...] = ("active", "retry")
 
 
 class UTCDateTime(TypeDecorator[datetime]):
@@ -101,6 +105,10 @@ dispatch_table = Table(
     Column("idempotency_key", Text, nullable=True),
     Column("singleton_key", Text, nullable=True),
     Column("status", String(16), nullable=False),
+    # The queue policy in force when the dispatch was accepted, and the slot it occupies
+    # (its singleton key, or "" for the job as a whole); NULL for standard dispatches.
+    Column("policy", String(16), nullable=True),
+    Column("slot", Text, nullable=True),
     Column("payload", JSON, nullable=True),
     # What the relay needs to send the message again: run options, priority, queue.
     Column("options", JSON, nullable=False),
@@ -115,6 +123,36 @@ dispatch_table = Table(
     Column("started_at", UTCDateTime, nullable=True),
     Column("finished_at", UTCDateTime, nullable=True),
     Index("questpie_queue_dispatch_due", "status", "run_after"),
+)
+
+
+def _slot_index(name: str, policies: tuple[str, ...], statuses: tuple[Status, ...]) -> Index:
+    """A partial unique index: at most one row per (job, slot) in these states."""
+    t = dispatch_table.c
+    where = and_(t.policy.in_(policies), t.status.in_(statuses))
+    return Index(
+        name,
+        t.job_name,
+        t.slot,
+        unique=True,
+        postgresql_where=where,
+        sqlite_where=where,
+    )
+
+
+# The queue policies, enforced by the database (pg-boss's approach): a publish or a claim
+# that would break one fails its unique index, so concurrent publishers and workers can
+# never both win a slot, and no lock exists that could outlive its holder.
+_slot_index("questpie_slot_waiting", ("short", "stately"), WAITING)
+_slot_index("questpie_slot_running", ("singleton", "stately"), RUNNING)
+_slot_index("questpie_slot_exclusive", ("exclusive",), WAITING + RUNNING)
+
+policy_table = Table(
+    "questpie_queue_policy",
+    metadata,
+    Column("job_name", String(200), primary_key=True),
+    Column("policy", String(16), nullable=False),
+    Column("updated_at", UTCDateTime, nullable=False),
 )
 
 schema_version_table = Table(
@@ -185,6 +223,8 @@ class DispatchRow:
     idempotency_key: str | None
     singleton_key: str | None
     status: Status
+    policy: str | None
+    slot: str | None
     payload: dict[str, Any] | None
     options: dict[str, Any]
     attempt: int
@@ -211,9 +251,11 @@ class NewDispatch:
     payload: dict[str, Any] | None
     options: dict[str, Any]
     run_after: datetime
+    policy: str | None = None
+    slot: str | None = None
 
 
-ClaimOutcome = Literal["claimed", "done", "stale", "busy", "unknown"]
+ClaimOutcome = Literal["claimed", "done", "stale", "busy", "blocked", "unknown"]
 
 
 @dataclass(frozen=True)
@@ -243,6 +285,7 @@ class _Statements:
         # The VALUES clause comes from the parameters' keys at execution.
         self.insert = _insert_or_nothing(dialect, dispatch_table).returning(t.id)
         self.get = select(dispatch_table).where(by_id)
+        self.exists = select(t.id).where(by_id)
         # A fast worker may already have claimed the row: keep its status then.
         self.mark_queued = (
             update(dispatch_table)
@@ -290,6 +333,61 @@ class _Statements:
                 last_error=bindparam("error"),
             )
         )
+        self.park = (
+            update(dispatch_table)
+            .where(by_id, claimable, t.attempt == bindparam("previous_attempt"))
+            .values(status="parked")
+        )
+        in_slot = and_(t.job_name == bindparam("job"), t.slot == bindparam("slot_key"))
+        self.oldest_parked = (
+            select(t.id).where(in_slot, t.status == "parked").order_by(t.created_at, t.id).limit(1)
+        )
+        self.unpark = (
+            update(dispatch_table)
+            .where(by_id, t.status == "parked")
+            .values(status="queued")
+            .returning(*dispatch_table.c)
+        )
+        self.slot_running = (
+            select(t.id).where(in_slot, t.status.in_(RUNNING), t.policy.is_not(None)).limit(1)
+        )
+        self.expired = (
+            select(dispatch_table)
+            .where(t.status == "active", t.lease_expires_at < bindparam("now"))
+            .order_by(t.lease_expires_at)
+            .limit(bindparam("limit"))
+        )
+        self.expire = (
+            update(dispatch_table)
+            .where(held, t.lease_expires_at < bindparam("now"))
+            .values(
+                status=bindparam("new_status"),
+                claim_token=None,
+                lease_expires_at=None,
+                run_after=bindparam("new_run_after"),
+                finished_at=bindparam("finished"),
+                last_error=bindparam("error"),
+            )
+        )
+        running = dispatch_table.alias("running")
+        self.free_parked_slots = (
+            select(t.job_name, t.slot)
+            .where(
+                t.status == "parked",
+                ~select(running.c.id)
+                .where(
+                    running.c.job_name == t.job_name,
+                    running.c.slot == t.slot,
+                    running.c.status.in_(RUNNING),
+                )
+                .exists(),
+            )
+            .distinct()
+            .limit(bindparam("limit"))
+        )
+        p = policy_table.c
+        self.get_policy = select(p.policy).where(p.job_name == bindparam("job"))
+        self.record_policy = _insert_or_nothing(dialect, policy_table)
 
 
 class Ledger:
@@ -315,9 +413,21 @@ class Ledger:
     def dialect(self) -> str:
         return self.engine.dialect.name
 
-    def _first(self, stmt: Executable, params: dict[str, Any]) -> RowMapping | None:
+    def _first(
+        self, stmt: Executable, params: dict[str, Any], *, conflict_ok: bool = False
+    ) -> RowMapping | None:
         with translate_errors(), self._autocommit.connect() as conn:
-            return conn.execute(stmt, params).mappings().first()
+            try:
+                return conn.execute(stmt, params).mappings().first()
+            except exc.IntegrityError:
+                # Only the queue-policy slot indexes can refuse these statements.
+                if conflict_ok:
+                    raise _SlotTaken() from None
+                raise
+
+    def _all(self, stmt: Executable, params: dict[str, Any]) -> list[RowMapping]:
+        with translate_errors(), self._autocommit.connect() as conn:
+            return list(conn.execute(stmt, params).mappings())
 
     def _count(self, stmt: Executable, params: dict[str, Any]) -> int:
         with translate_errors(), self._autocommit.connect() as conn:
@@ -366,6 +476,8 @@ class Ledger:
             "run_after": new.run_after,
             "send_count": 0,
             "created_at": utcnow(),
+            "policy": new.policy,
+            "slot": new.slot,
         }
         if conn is not None:
             stmt = self._sql.insert
@@ -383,6 +495,14 @@ class Ledger:
         with translate_errors(), self._autocommit.connect() as conn:
             conn.execute(self._sql.mark_queued, params)
 
+    def exists(self, dispatch_id: str, conn: Connection | None = None) -> bool:
+        """Whether the row exists (with `conn`: as the caller's transaction sees it)."""
+        params = {"dispatch_id": dispatch_id}
+        if conn is not None:
+            with translate_errors():
+                return conn.execute(self._sql.exists, params).first() is not None
+        return self._first(self._sql.exists, params) is not None
+
     def get(self, dispatch_id: str) -> DispatchRow | None:
         row = self._first(self._sql.get, {"dispatch_id": dispatch_id})
         return DispatchRow.from_mapping(row) if row else None
@@ -398,16 +518,20 @@ class Ledger:
         """
         token = str(uuid.uuid4())
         now = utcnow()
-        row = self._first(
-            self._sql.claim,
-            {
-                "dispatch_id": dispatch_id,
-                "previous_attempt": attempt - 1,
-                "new_token": token,
-                "new_lease": now + timedelta(seconds=lease_seconds),
-                "now": now,
-            },
-        )
+        try:
+            row = self._first(
+                self._sql.claim,
+                {
+                    "dispatch_id": dispatch_id,
+                    "previous_attempt": attempt - 1,
+                    "new_token": token,
+                    "new_lease": now + timedelta(seconds=lease_seconds),
+                    "now": now,
+                },
+                conflict_ok=True,
+            )
+        except _SlotTaken:
+            return Claim("blocked")
         if row is not None:
             return Claim("claimed", DispatchRow.from_mapping(row), token)
         # Not claimed: read the row only to say why (the answer may be a moment old).
@@ -453,6 +577,90 @@ class Ledger:
             "error": error,
         }
         return self._count(self._sql.retry, params) == 1
+
+    # queue policies
+
+    def park(self, dispatch_id: str, attempt: int) -> bool:
+        """Set a delivered run aside until its slot frees; not an attempt."""
+        params = {"dispatch_id": dispatch_id, "previous_attempt": attempt - 1}
+        return self._count(self._sql.park, params) == 1
+
+    def slot_running(self, job_name: str, slot: str) -> bool:
+        """Whether a run holds the running slot (active, or awaiting its retry)."""
+        return self._first(self._sql.slot_running, {"job": job_name, "slot_key": slot}) is not None
+
+    def unpark_next(self, job_name: str, slot: str) -> DispatchRow | None:
+        """Move the oldest parked run of a slot back to `queued`; the caller sends it.
+
+        A conditional update, so of several processes handing the same slot on, one
+        wins each parked row and exactly one message is sent for it.
+        """
+        for _ in range(5):
+            oldest = self._first(self._sql.oldest_parked, {"job": job_name, "slot_key": slot})
+            if oldest is None:
+                return None
+            row = self._first(self._sql.unpark, {"dispatch_id": oldest["id"]})
+            if row is not None:
+                return DispatchRow.from_mapping(row)
+        return None
+
+    def free_parked_slots(self, limit: int = 100) -> list[tuple[str, str]]:
+        """(job, slot) pairs holding parked runs while nothing runs in the slot."""
+        rows = self._all(self._sql.free_parked_slots, {"limit": limit})
+        return [(r["job_name"], r["slot"]) for r in rows]
+
+    def expired_claims(self, limit: int = 100) -> list[DispatchRow]:
+        """Active rows whose lease has lapsed: their holder died or overran."""
+        rows = self._all(self._sql.expired, {"now": utcnow(), "limit": limit})
+        return [DispatchRow.from_mapping(r) for r in rows]
+
+    def expire_claim(self, row: DispatchRow, *, retry_in: float | None) -> bool:
+        """End a lapsed claim as a failed attempt: retry after `retry_in` s, or fail."""
+        now = utcnow()
+        params = {
+            "dispatch_id": row.id,
+            "token": row.claim_token,
+            "now": now,
+            "new_status": "failed" if retry_in is None else "retry",
+            "new_run_after": now + timedelta(seconds=retry_in or 0),
+            "finished": now if retry_in is None else None,
+            "error": LEASE_EXPIRED,
+        }
+        return self._count(self._sql.expire, params) == 1
+
+    def get_policy(self, job_name: str) -> str | None:
+        row = self._first(self._sql.get_policy, {"job": job_name})
+        return None if row is None else str(row["policy"])
+
+    def record_policy(self, job_name: str, policy: str) -> str:
+        """Record a job's policy unless one is recorded; return the one in force."""
+        self._count(
+            self._sql.record_policy,
+            {"job_name": job_name, "policy": policy, "updated_at": utcnow()},
+        )
+        return self.get_policy(job_name) or policy
+
+    def set_policy(self, job_name: str, policy: str) -> None:
+        """Change a job's recorded policy on purpose (new dispatches follow it)."""
+        with translate_errors(), self._transactional.begin() as conn:
+            changed = conn.execute(
+                update(policy_table)
+                .where(policy_table.c.job_name == job_name)
+                .values(policy=policy, updated_at=utcnow())
+            ).rowcount
+            if not changed:
+                conn.execute(
+                    insert(policy_table).values(
+                        job_name=job_name, policy=policy, updated_at=utcnow()
+                    )
+                )
+
+
+class _SlotTaken(Exception):
+    """A statement met a queue-policy slot index."""
+
+
+LEASE_EXPIRED = "LeaseExpired"
 
 
 def _insert_or_nothing(dialect: str, table: Table) -> Any:

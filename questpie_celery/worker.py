@@ -21,8 +21,9 @@ from .broker import HEADER, MessageHeader
 from .errors import PayloadValidationError, PermanentFailure
 from .jobs import JobContext, JobDefinition
 from .leases import LeaseKeeper
-from .ledger import Ledger
+from .ledger import DispatchRow, Ledger
 from .options import RunOptions, resolve_options
+from .slots import SlotKeeper
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +40,10 @@ class JobTask(Task):  # type: ignore[misc]  # celery ships no type information
 class Runner:
     """Runs deliveries of every job registered with one `Questpie`."""
 
-    def __init__(self, ledger: Ledger, leases: LeaseKeeper) -> None:
+    def __init__(self, ledger: Ledger, leases: LeaseKeeper, slots: SlotKeeper) -> None:
         self.ledger = ledger
         self.leases = leases
+        self.slots = slots
 
     def register(self, app: Celery, definition: JobDefinition[Any]) -> Any:
         """Create the Celery task named after the job on `app`."""
@@ -108,6 +110,10 @@ class Runner:
     ) -> Any:
         dispatch_id: str = task.request.id
         claim = self.ledger.claim(dispatch_id, header.attempt, self.leases.lease_seconds)
+        if claim.outcome == "blocked":
+            # Another run holds the slot: set this one aside, acknowledged and uncounted.
+            self.slots.park(dispatch_id, header.attempt)
+            raise Ignore()
         if claim.outcome != "claimed" or claim.row is None or claim.token is None:
             log.info(
                 "dispatch %s of job %s: delivery for attempt %d skipped (%s)",
@@ -124,7 +130,7 @@ class Runner:
             # The first accepted payload wins: run what the ledger holds.
             model = definition.validate(row.payload if row.payload is not None else payload)
         except PayloadValidationError as exc:
-            self.ledger.fail(dispatch_id, token, type(exc).__name__)
+            self._record_failure(row, token, exc)
             raise
         ctx = JobContext(
             dispatch_id=dispatch_id,
@@ -138,11 +144,11 @@ class Runner:
             with self.leases.hold(dispatch_id, token, run.expire_in_seconds):
                 result = _call(definition, model, ctx)
         except PermanentFailure as exc:
-            self._record_failure(dispatch_id, token, exc)
+            self._record_failure(row, token, exc)
             raise
         except Exception as exc:
             if row.attempt > run.retry_limit:
-                self._record_failure(dispatch_id, token, exc)
+                self._record_failure(row, token, exc)
                 raise
             self._retry(
                 task,
@@ -161,16 +167,18 @@ class Runner:
                 extra={"dispatch_id": dispatch_id},
             )
             raise Ignore()
+        self.slots.hand_on(row)
         return result
 
-    def _record_failure(self, dispatch_id: str, token: str, exc: BaseException) -> None:
-        if not self.ledger.fail(dispatch_id, token, type(exc).__name__):
+    def _record_failure(self, row: DispatchRow, token: str, exc: BaseException) -> None:
+        if not self.ledger.fail(row.id, token, type(exc).__name__):
             log.warning(
                 "dispatch %s failed after losing its claim; outcome not recorded",
-                dispatch_id,
-                extra={"dispatch_id": dispatch_id},
+                row.id,
+                extra={"dispatch_id": row.id},
             )
             raise Ignore()
+        self.slots.hand_on(row)
 
     def _retry(
         self,
