@@ -28,9 +28,14 @@ def load_questpie(spec: str) -> Questpie:
 def _ledger(app: str | None, ledger_url: str | None) -> Ledger:
     if (app is None) == (ledger_url is None):
         raise click.UsageError("pass exactly one of --app and --ledger-url")
-    if app is not None:
-        return load_questpie(app).ledger
-    return Ledger(create_ledger_engine(str(ledger_url)))
+    ledger = (
+        load_questpie(app).ledger
+        if app is not None
+        else Ledger(create_ledger_engine(str(ledger_url)))
+    )
+    # Close the pool when the command ends, not at interpreter exit.
+    click.get_current_context().call_on_close(ledger.engine.dispose)
+    return ledger
 
 
 @click.group()

@@ -47,6 +47,7 @@ runs_table = Table(
     Column("attempt", Integer, nullable=False),
     Column("idempotency_key", String(600), nullable=True),
     Column("pid", Integer, nullable=False),
+    Column("phase", String(8), nullable=False, server_default="start"),
     Column("ran_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
 )
 
@@ -92,7 +93,7 @@ def runs_engine() -> Engine:
     return _engines[pid]
 
 
-def record(ctx: JobContext, tag: str) -> None:
+def record(ctx: JobContext, tag: str, phase: str = "start") -> None:
     with runs_engine().begin() as conn:
         conn.execute(
             insert(runs_table).values(
@@ -102,6 +103,7 @@ def record(ctx: JobContext, tag: str) -> None:
                 attempt=ctx.attempt,
                 idempotency_key=ctx.idempotency_key,
                 pid=os.getpid(),
+                phase=phase,
             )
         )
 
@@ -111,6 +113,22 @@ class Work(BaseModel):
     sleep: float = 0.0
     fail_times: int = 0
     permanent: bool = False
+    hang_attempts: int = 0  # sleep this long... on attempts up to this one: a stuck run
+
+
+def policy_handler(payload: Work, ctx: JobContext) -> None:
+    """Records a start and an end row, so tests can see whether runs overlapped."""
+    record(ctx, payload.tag)
+    time.sleep(60 if ctx.attempt <= payload.hang_attempts else payload.sleep)
+    if ctx.attempt <= payload.fail_times:
+        raise RuntimeError("planned failure")
+    record(ctx, payload.tag, phase="end")
+
+
+POLICY_JOBS = tuple(
+    job(name=f"policy.{policy}", schema=Work, options={"queue_policy": policy})(policy_handler)
+    for policy in ("short", "singleton", "stately", "exclusive")
+)
 
 
 @job(name="record", schema=Work)
@@ -139,7 +157,7 @@ def send_welcome_email(payload: Work, ctx: JobContext) -> None:
     record(ctx, payload.tag)
 
 
-JOBS = (record_job, record_async, send_welcome_email)
+JOBS = (record_job, record_async, send_welcome_email, *POLICY_JOBS)
 
 
 def build(
