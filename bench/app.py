@@ -42,4 +42,11 @@ def noop(payload: Payload, ctx: JobContext) -> None:
     bump("bench:noop")
 
 
-questpie = Questpie(celery_app, ledger_url=os.environ.get("BENCH_LEDGER", "sqlite://"), jobs=[noop])
+@job(name="bench.exclusive", schema=Payload, options={"queue_policy": "exclusive"})
+def exclusive(payload: Payload, ctx: JobContext) -> None:
+    del payload, ctx
+
+
+questpie = Questpie(
+    celery_app, ledger_url=os.environ.get("BENCH_LEDGER", "sqlite://"), jobs=[noop, exclusive]
+)

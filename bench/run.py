@@ -63,6 +63,9 @@ def publish_costs(bench_app: Any) -> dict[str, float]:
     run = uuid.uuid4().hex[:8]
     repeated_key = f"repeat-{run}"
     client.publish({"n": 0}, idempotency_key=repeated_key, queue=queue)
+    exclusive = bench_app.questpie.queue.bench_exclusive
+    taken = f"taken-{run}"
+    exclusive.publish({"n": 0}, singleton_key=taken, queue=queue)
     modes: dict[str, Callable[[int], object]] = {
         "raw apply_async": lambda i: raw_task.apply_async(args=[{"n": i}], queue=queue),
         "publish, no key": lambda i: client.publish({"n": i}, queue=queue),
@@ -71,6 +74,12 @@ def publish_costs(bench_app: Any) -> dict[str, float]:
         ),
         "publish, repeated key": lambda i: client.publish(
             {"n": i}, idempotency_key=repeated_key, queue=queue
+        ),
+        "exclusive job, accepted": lambda i: exclusive.publish(
+            {"n": i}, singleton_key=f"{run}-{uuid.uuid4().hex}", queue=queue
+        ),
+        "exclusive job, suppressed": lambda i: exclusive.publish(
+            {"n": i}, singleton_key=taken, queue=queue
         ),
         # What a new key adds to a publish: one ledger INSERT round trip.
         "ledger INSERT alone": lambda i: ledger.insert_dispatch(
@@ -138,6 +147,8 @@ def print_table(costs: dict[str, float], throughput: dict[str, float]) -> None:
         "publish, no key": "<= 1.10x",
         "publish, new key": "<= 1.5x",
         "publish, repeated key": "<= 0.5x",
+        "exclusive job, accepted": "(issue 3: measured)",
+        "exclusive job, suppressed": "(issue 3: measured)",
         "ledger INSERT alone": "(for reference)",
     }
     print(
