@@ -12,14 +12,15 @@ from sqlalchemy import Engine
 
 from .broker import Sender, configure_app
 from .client import JobClient, QueueClient
+from .crypto import MIN_SECRET_BYTES, Keyring
 from .dispatch import Dispatcher
-from .errors import ConfigurationError, JobDefinitionError
+from .errors import ConfigurationError, JobDefinitionError, PublishOptionsError
 from .jobs import JobContext, JobDefinition, P, job
 from .leases import LeaseKeeper
 from .ledger import Ledger, create_ledger_engine
 from .options import JobOptions
 from .policies import PolicyBook
-from .receipts import Receipt
+from .receipts import Receipt, receipt_status
 from .relay import DEFAULT_RELAY_INTERVAL_SECONDS, Relay, RelayStep
 from .slots import SlotKeeper
 from .worker import Runner
@@ -27,7 +28,6 @@ from .worker import Runner
 log = logging.getLogger(__name__)
 
 DEFAULT_LEASE_SECONDS = 60.0
-MIN_SECRET_BYTES = 32
 
 
 class Questpie:
@@ -64,9 +64,16 @@ class Questpie:
             raise ConfigurationError("relay_interval must be a number")
         if relay_interval <= 0:
             raise ConfigurationError("relay_interval must be > 0")
-        self.secret = _as_secret(secret, "secret")
-        self.previous_secrets = tuple(
+        current = _as_secret(secret, "secret")
+        previous = tuple(
             s for s in (_as_secret(p, "previous_secrets") for p in previous_secrets) if s
+        )
+        # A secret shorter than 32 bytes is kept out of the keyring: secret publishes then
+        # fail with a clear error, and nothing is ever sealed under a weak key.
+        self.keyring = (
+            Keyring(current, tuple(p for p in previous if len(p) >= MIN_SECRET_BYTES))
+            if current is not None and len(current) >= MIN_SECRET_BYTES
+            else None
         )
 
         self.celery_app = celery_app
@@ -76,7 +83,8 @@ class Questpie:
         self.dispatcher = Dispatcher(self.ledger, self.sender)
         self.policies = PolicyBook(self.ledger)
         slots = SlotKeeper(self.ledger, self.dispatcher)
-        self.runner = Runner(self.ledger, LeaseKeeper(self.ledger, float(lease_seconds)), slots)
+        leases = LeaseKeeper(self.ledger, float(lease_seconds))
+        self.runner = Runner(self.ledger, leases, slots, self.keyring)
         self.relay = Relay(self.ledger, self.dispatcher, slots, float(relay_interval))
         self.queue = QueueClient(self)
         self._definitions: dict[str, JobDefinition[Any]] = {}
@@ -113,7 +121,7 @@ class Questpie:
                 raise JobDefinitionError(
                     f"jobs {clash.name!r} and {definition.name!r} would both be queue.{attribute}"
                 )
-            client: JobClient[Any] = JobClient(definition, self.dispatcher, self.policies)
+            client: JobClient[Any] = JobClient(definition, self)
             self._definitions[definition.name] = definition
             self._clients_by_name[definition.name] = client
             self._clients_by_attribute[attribute] = client
@@ -150,9 +158,34 @@ class Questpie:
         return self.ledger.migrate()
 
     def _receipt(self, dispatch_id: str) -> Receipt | None:
-        # Receipts exist for secret dispatches only, and this version has none yet.
-        del dispatch_id
-        return None
+        if not isinstance(dispatch_id, str):
+            return None
+        row = self.ledger.get(dispatch_id)
+        if row is None or not row.secret or row.idempotency_key is None:
+            return None
+        return Receipt(
+            dispatch_id=row.id,
+            job_name=row.job_name,
+            idempotency_key=row.idempotency_key,
+            status=receipt_status(row.status),
+            created_at=row.created_at,
+            queued_at=row.queued_at,
+            handled_at=row.finished_at,
+        )
+
+    def keyring_for_publish(self) -> Keyring:
+        """The keyring a secret publish seals with, or the reason it may not."""
+        if self.keyring is None:
+            raise PublishOptionsError(
+                f"secret_payload needs Questpie(secret=...) of at least {MIN_SECRET_BYTES} bytes"
+            )
+        if _is_private_sqlite(self.engine):
+            raise PublishOptionsError(
+                "secret_payload needs a ledger that workers and the relay share; an "
+                "in-memory SQLite ledger is private to this process, so no terminal state "
+                "could ever be recorded for the dispatch"
+            )
+        return self.keyring
 
     # Celery hooks
 
@@ -161,6 +194,10 @@ class Questpie:
 
     def _after_fork(self, **_: Any) -> None:
         self.engine.dispose(close=False)
+
+
+def _is_private_sqlite(engine: Engine) -> bool:
+    return engine.dialect.name == "sqlite" and engine.url.database in (None, "", ":memory:")
 
 
 def _as_secret(value: str | bytes | None, name: str) -> bytes | None:

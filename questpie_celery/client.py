@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Any, Generic
 from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
-from .dispatch import Dispatcher, check_transaction_args
-from .errors import PublishOptionsError, UnknownJobError
+from .dispatch import check_transaction_args
+from .errors import UnknownJobError
 from .jobs import JobDefinition, P
 from .options import QueuePolicy, resolve_options
-from .policies import STANDARD, PolicyBook
+from .policies import STANDARD
 from .receipts import Receipt
 
 if TYPE_CHECKING:
@@ -23,12 +23,9 @@ if TYPE_CHECKING:
 class JobClient(Generic[P]):
     """What the queue client offers for one job."""
 
-    def __init__(
-        self, definition: JobDefinition[P], dispatcher: Dispatcher, policies: PolicyBook
-    ) -> None:
+    def __init__(self, definition: JobDefinition[P], questpie: Questpie) -> None:
         self.definition = definition
-        self._dispatcher = dispatcher
-        self._policies = policies
+        self._questpie = questpie
 
     @property
     def name(self) -> str:
@@ -73,18 +70,21 @@ class JobClient(Generic[P]):
                 "queue": queue,
             },
         )
+        keyring = None
         if options.secret_payload:
-            raise PublishOptionsError("secret payloads are not available in this version yet")
+            keyring = self._questpie.keyring_for_publish()
         body = self.definition.to_json(payload)
         # Only a publish-time policy counts here: the job's own is in definition.options.
-        policy = self._policies.effective(self.definition, queue_policy)
+        policies = self._questpie.policies
+        policy = policies.effective(self.definition, queue_policy)
         if policy == STANDARD and options.singleton_key is not None:
-            self._policies.warn_ignored_singleton_key(self.definition.name)
-        return self._dispatcher.dispatch(
+            policies.warn_ignored_singleton_key(self.definition.name)
+        return self._questpie.dispatcher.dispatch(
             self.definition.name,
             body,
             options,
             policy=policy,
+            keyring=keyring,
             session=session,
             connection=connection,
         )

@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 
 from .acceptance import AcceptanceRecorder
 from .broker import MessageHeader, Sender
+from .crypto import Keyring
 from .errors import BrokerError, LedgerSchemaError, PublishOptionsError
 from .ids import derive_dispatch_id, random_dispatch_id
 from .ledger import Ledger, NewDispatch, utcnow
@@ -60,6 +61,7 @@ class Dispatcher:
         options: DispatchOptions,
         *,
         policy: str = STANDARD,
+        keyring: Keyring | None = None,
         session: Session | None = None,
         connection: Connection | None = None,
     ) -> str | None:
@@ -83,12 +85,21 @@ class Dispatcher:
             else random_dispatch_id()
         )
         limited = policy != STANDARD
+        sealed = None
+        if options.secret_payload:
+            if keyring is None:  # the client checks first; this keeps plaintext out regardless
+                raise PublishOptionsError("secret_payload needs a secret of at least 32 bytes")
+            sealed = keyring.seal(body, job_name=job_name, dispatch_id=dispatch_id)
         new = NewDispatch(
             id=dispatch_id,
             job_name=job_name,
             idempotency_key=options.idempotency_key,
             singleton_key=options.singleton_key,
-            payload=body,
+            # A secret dispatch stores only ciphertext, and its message carries no payload.
+            payload=None if sealed else body,
+            secret_ciphertext=sealed.ciphertext if sealed else None,
+            secret_wrapped_key=sealed.wrapped_key if sealed else None,
+            secret_key_id=sealed.key_id if sealed else None,
             options={
                 "run": options.run.to_dict(),
                 "priority": options.priority,

@@ -65,3 +65,15 @@ class BrokerError(QuestpieError):
 
 class PermanentFailure(QuestpieError):
     """Raised by a handler to fail the run for good, without retries."""
+
+
+class SecretDecryptionError(QuestpieError):
+    """A secret payload could not be decrypted; the handler was not run."""
+
+
+class SecretJobError(QuestpieError):
+    """A secret dispatch's run failed; only the exception's class name is kept.
+
+    Raised `from None` in place of the real exception, so no message, argument or
+    cause that might hold the plaintext reaches Celery's logs, events or results.
+    """

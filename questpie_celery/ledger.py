@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 from sqlalchemy import (
     JSON,
+    Boolean,
     Column,
     Connection,
     DateTime,
@@ -36,6 +37,7 @@ from sqlalchemy import (
     Engine,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Table,
@@ -110,6 +112,12 @@ dispatch_table = Table(
     Column("policy", String(16), nullable=True),
     Column("slot", Text, nullable=True),
     Column("payload", JSON, nullable=True),
+    # Secret dispatches keep no payload: only its ciphertext and the wrapped data key,
+    # both erased when the dispatch completes or fails for good.
+    Column("secret", Boolean, nullable=False, default=False),
+    Column("secret_ciphertext", LargeBinary, nullable=True),
+    Column("secret_wrapped_key", LargeBinary, nullable=True),
+    Column("secret_key_id", String(64), nullable=True),
     # What the relay needs to send the message again: run options, priority, queue.
     Column("options", JSON, nullable=False),
     Column("attempt", Integer, nullable=False, default=0),
@@ -226,6 +234,10 @@ class DispatchRow:
     policy: str | None
     slot: str | None
     payload: dict[str, Any] | None
+    secret: bool
+    secret_ciphertext: bytes | None
+    secret_wrapped_key: bytes | None
+    secret_key_id: str | None
     options: dict[str, Any]
     attempt: int
     claim_token: str | None
@@ -253,6 +265,9 @@ class NewDispatch:
     run_after: datetime
     policy: str | None = None
     slot: str | None = None
+    secret_ciphertext: bytes | None = None
+    secret_wrapped_key: bytes | None = None
+    secret_key_id: str | None = None
 
 
 ClaimOutcome = Literal["claimed", "done", "stale", "busy", "blocked", "unknown"]
@@ -320,6 +335,9 @@ class _Statements:
                 lease_expires_at=None,
                 finished_at=bindparam("now"),
                 last_error=bindparam("error"),
+                # Key erasure is part of the terminal write, never a second step.
+                secret_ciphertext=None,
+                secret_wrapped_key=None,
             )
         )
         self.retry = (
@@ -357,16 +375,29 @@ class _Statements:
             .order_by(t.lease_expires_at)
             .limit(bindparam("limit"))
         )
-        self.expire = (
+        lapsed = and_(held, t.lease_expires_at < bindparam("now"))
+        self.expire_retry = (
             update(dispatch_table)
-            .where(held, t.lease_expires_at < bindparam("now"))
+            .where(lapsed)
             .values(
-                status=bindparam("new_status"),
+                status="retry",
                 claim_token=None,
                 lease_expires_at=None,
                 run_after=bindparam("new_run_after"),
-                finished_at=bindparam("finished"),
                 last_error=bindparam("error"),
+            )
+        )
+        self.expire_fail = (
+            update(dispatch_table)
+            .where(lapsed)
+            .values(
+                status="failed",
+                claim_token=None,
+                lease_expires_at=None,
+                finished_at=bindparam("now"),
+                last_error=bindparam("error"),
+                secret_ciphertext=None,
+                secret_wrapped_key=None,
             )
         )
         running = dispatch_table.alias("running")
@@ -478,6 +509,10 @@ class Ledger:
             "created_at": utcnow(),
             "policy": new.policy,
             "slot": new.slot,
+            "secret": new.secret_ciphertext is not None,
+            "secret_ciphertext": new.secret_ciphertext,
+            "secret_wrapped_key": new.secret_wrapped_key,
+            "secret_key_id": new.secret_key_id,
         }
         if conn is not None:
             stmt = self._sql.insert
@@ -617,16 +652,16 @@ class Ledger:
     def expire_claim(self, row: DispatchRow, *, retry_in: float | None) -> bool:
         """End a lapsed claim as a failed attempt: retry after `retry_in` s, or fail."""
         now = utcnow()
-        params = {
+        params: dict[str, Any] = {
             "dispatch_id": row.id,
             "token": row.claim_token,
             "now": now,
-            "new_status": "failed" if retry_in is None else "retry",
-            "new_run_after": now + timedelta(seconds=retry_in or 0),
-            "finished": now if retry_in is None else None,
             "error": LEASE_EXPIRED,
         }
-        return self._count(self._sql.expire, params) == 1
+        if retry_in is None:
+            return self._count(self._sql.expire_fail, params) == 1
+        params["new_run_after"] = now + timedelta(seconds=retry_in)
+        return self._count(self._sql.expire_retry, params) == 1
 
     def get_policy(self, job_name: str) -> str | None:
         row = self._first(self._sql.get_policy, {"job": job_name})

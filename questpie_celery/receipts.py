@@ -20,3 +20,10 @@ class Receipt:
     created_at: datetime
     queued_at: datetime | None
     handled_at: datetime | None
+
+
+def receipt_status(ledger_status: str) -> ReceiptStatus:
+    """Everything short of an outcome is `queued` (accepted, relaying, parked, running)."""
+    if ledger_status in ("completed", "failed"):
+        return ledger_status  # type: ignore[return-value]
+    return "queued"

@@ -18,7 +18,13 @@ from celery import Celery, Task
 from celery.exceptions import Ignore
 
 from .broker import HEADER, MessageHeader
-from .errors import PayloadValidationError, PermanentFailure
+from .crypto import Keyring, Sealed
+from .errors import (
+    PayloadValidationError,
+    PermanentFailure,
+    SecretDecryptionError,
+    SecretJobError,
+)
 from .jobs import JobContext, JobDefinition
 from .leases import LeaseKeeper
 from .ledger import DispatchRow, Ledger
@@ -40,10 +46,17 @@ class JobTask(Task):  # type: ignore[misc]  # celery ships no type information
 class Runner:
     """Runs deliveries of every job registered with one `Questpie`."""
 
-    def __init__(self, ledger: Ledger, leases: LeaseKeeper, slots: SlotKeeper) -> None:
+    def __init__(
+        self,
+        ledger: Ledger,
+        leases: LeaseKeeper,
+        slots: SlotKeeper,
+        keyring: Keyring | None,
+    ) -> None:
         self.ledger = ledger
         self.leases = leases
         self.slots = slots
+        self.keyring = keyring
 
     def register(self, app: Celery, definition: JobDefinition[Any]) -> Any:
         """Create the Celery task named after the job on `app`."""
@@ -127,11 +140,11 @@ class Runner:
         row, token = claim.row, claim.token
         run = RunOptions.from_dict(row.options.get("run"))
         try:
-            # The first accepted payload wins: run what the ledger holds.
-            model = definition.validate(row.payload if row.payload is not None else payload)
-        except PayloadValidationError as exc:
+            model = self._payload_of(definition, row, payload)
+        except (PayloadValidationError, SecretDecryptionError) as exc:
+            # Nothing a retry could mend: fail for good (which erases a secret's key).
             self._record_failure(row, token, exc)
-            raise
+            raise _sanitized(row, exc) from None
         ctx = JobContext(
             dispatch_id=dispatch_id,
             job_name=definition.name,
@@ -145,11 +158,11 @@ class Runner:
                 result = _call(definition, model, ctx)
         except PermanentFailure as exc:
             self._record_failure(row, token, exc)
-            raise
+            raise _sanitized(row, exc) from None
         except Exception as exc:
             if row.attempt > run.retry_limit:
                 self._record_failure(row, token, exc)
-                raise
+                raise _sanitized(row, exc) from None
             self._retry(
                 task,
                 definition=definition,
@@ -157,7 +170,7 @@ class Runner:
                 token=token,
                 attempt=row.attempt,
                 run=run,
-                exc=exc,
+                exc=_sanitized(row, exc),
             )
         if not self.ledger.complete(dispatch_id, token):
             # Our lease lapsed and the dispatch moved on; its new holder records it.
@@ -168,7 +181,25 @@ class Runner:
             )
             raise Ignore()
         self.slots.hand_on(row)
-        return result
+        # A secret dispatch's return value is never stored: it may echo the payload.
+        return None if row.secret else result
+
+    def _payload_of(
+        self, definition: JobDefinition[Any], row: DispatchRow, message_payload: Any
+    ) -> Any:
+        """The validated payload: decrypted for a secret dispatch, else the first accepted."""
+        if not row.secret:
+            return definition.validate(row.payload if row.payload is not None else message_payload)
+        if self.keyring is None:
+            raise SecretDecryptionError("this worker has no secret configured")
+        if row.secret_ciphertext is None or row.secret_wrapped_key is None:
+            raise SecretDecryptionError("the secret payload's key was erased")
+        plaintext = self.keyring.open(
+            Sealed(row.secret_ciphertext, row.secret_wrapped_key, row.secret_key_id or ""),
+            job_name=row.job_name,
+            dispatch_id=row.id,
+        )
+        return definition.validate(plaintext)
 
     def _record_failure(self, row: DispatchRow, token: str, exc: BaseException) -> None:
         if not self.ledger.fail(row.id, token, type(exc).__name__):
@@ -210,6 +241,11 @@ class Runner:
             )
             raise Ignore() from None
         raise retry from None
+
+
+def _sanitized(row: DispatchRow, exc: Exception) -> Exception:
+    """For a secret dispatch, the exception Celery may see: its class name, nothing else."""
+    return SecretJobError(type(exc).__name__) if row.secret else exc
 
 
 def _call(definition: JobDefinition[Any], model: Any, ctx: JobContext) -> Any:

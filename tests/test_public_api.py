@@ -116,8 +116,11 @@ def test_unknown_jobs_name_the_known_ones() -> None:
     assert isinstance(caught.value, UnknownJobError)
 
 
-def test_receipt_is_none_for_non_secret_and_unknown_ids() -> None:
-    assert _questpie().queue.get_receipt("00000000-0000-0000-0000-000000000000") is None
+def test_receipt_is_none_for_unknown_ids() -> None:
+    questpie = _questpie()
+    questpie.migrate()
+    assert questpie.queue.get_receipt("00000000-0000-0000-0000-000000000000") is None
+    assert questpie.queue.get_receipt(12) is None  # type: ignore[arg-type]
 
 
 def test_configuration_errors() -> None:
