@@ -7,6 +7,8 @@ build the same app:
 - QP_TEST_BACKEND: optional result backend URL
 - QP_TEST_LEDGER: SQLAlchemy URL of the ledger; the `test_runs` table lives there too
 - QP_TEST_LEASE: lease length in seconds
+- QP_TEST_SECRET, QP_TEST_PREVIOUS (comma-separated): the secret and older ones
+- QP_TEST_EXTENDED: turn on result_extended, task events and track_started
 
 Handlers record each run in `test_runs`, so tests observe what really ran.
 """
@@ -14,6 +16,7 @@ Handlers record each run in `test_runs`, so tests observe what really ran.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import time
 from typing import Any
@@ -48,12 +51,17 @@ runs_table = Table(
     Column("idempotency_key", String(600), nullable=True),
     Column("pid", Integer, nullable=False),
     Column("phase", String(8), nullable=False, server_default="start"),
+    Column("note", String(200), nullable=True),
     Column("ran_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
 )
 
 
 def make_celery(
-    broker: str, backend: str | None = None, fs_dir: str | None = None, queue: str = "celery"
+    broker: str,
+    backend: str | None = None,
+    fs_dir: str | None = None,
+    queue: str = "celery",
+    extended: bool = False,
 ) -> Celery:
     app = Celery("questpie_tests", broker=broker, backend=backend)
     conf: dict[str, Any] = {
@@ -69,6 +77,14 @@ def make_celery(
             Queue(queue),
             Queue(priority_queue, queue_arguments={"x-max-priority": 9}),
         ]
+    if extended:
+        # Everything Celery can record about a task, so the canary test sees it all.
+        conf.update(
+            result_extended=True,
+            worker_send_task_events=True,
+            task_send_sent_event=True,
+            task_track_started=True,
+        )
     if broker.startswith("filesystem"):
         assert fs_dir is not None, "the filesystem broker needs a folder"
         os.makedirs(fs_dir, exist_ok=True)
@@ -93,7 +109,7 @@ def runs_engine() -> Engine:
     return _engines[pid]
 
 
-def record(ctx: JobContext, tag: str, phase: str = "start") -> None:
+def record(ctx: JobContext, tag: str, phase: str = "start", note: str | None = None) -> None:
     with runs_engine().begin() as conn:
         conn.execute(
             insert(runs_table).values(
@@ -104,6 +120,7 @@ def record(ctx: JobContext, tag: str, phase: str = "start") -> None:
                 idempotency_key=ctx.idempotency_key,
                 pid=os.getpid(),
                 phase=phase,
+                note=note,
             )
         )
 
@@ -157,7 +174,27 @@ def send_welcome_email(payload: Work, ctx: JobContext) -> None:
     record(ctx, payload.tag)
 
 
-JOBS = (record_job, record_async, send_welcome_email, *POLICY_JOBS)
+class SecretWork(BaseModel):
+    tag: str
+    link: str  # the secret: a one-time link, say
+    sleep: float = 0.0
+    fail_times: int = 0
+    permanent: bool = False
+
+
+@job(name="secret.link", schema=SecretWork, options={"retry_limit": 2})
+def secret_link(payload: SecretWork, ctx: JobContext) -> str:
+    # Prove the plaintext arrived without writing it anywhere: record its digest.
+    record(ctx, payload.tag, note=hashlib.sha256(payload.link.encode()).hexdigest())
+    time.sleep(payload.sleep)
+    if payload.permanent:
+        raise PermanentFailure(f"cannot deliver {payload.link}")
+    if ctx.attempt <= payload.fail_times:
+        raise RuntimeError(f"mail server rejected {payload.link}")
+    return f"sent {payload.link}"  # a return value that echoes the secret
+
+
+JOBS = (record_job, record_async, send_welcome_email, *POLICY_JOBS, secret_link)
 
 
 def build(
@@ -168,9 +205,20 @@ def build(
     fs_dir: str | None = None,
     lease_seconds: float = 60.0,
     queue: str = "celery",
+    secret: str | None = None,
+    previous_secrets: tuple[str, ...] = (),
+    extended: bool = False,
 ) -> tuple[Celery, Questpie]:
-    app = make_celery(broker, backend, fs_dir, queue)
-    return app, Questpie(app, ledger_url=ledger, jobs=JOBS, lease_seconds=lease_seconds)
+    app = make_celery(broker, backend, fs_dir, queue, extended)
+    questpie = Questpie(
+        app,
+        ledger_url=ledger,
+        jobs=JOBS,
+        lease_seconds=lease_seconds,
+        secret=secret,
+        previous_secrets=previous_secrets,
+    )
+    return app, questpie
 
 
 def build_from_env() -> tuple[Celery, Questpie]:
@@ -180,6 +228,9 @@ def build_from_env() -> tuple[Celery, Questpie]:
         backend=os.environ.get("QP_TEST_BACKEND") or None,
         fs_dir=os.environ.get("QP_TEST_FS_DIR"),
         lease_seconds=float(os.environ.get("QP_TEST_LEASE", "60")),
+        secret=os.environ.get("QP_TEST_SECRET") or None,
+        previous_secrets=tuple(filter(None, os.environ.get("QP_TEST_PREVIOUS", "").split(","))),
+        extended=bool(os.environ.get("QP_TEST_EXTENDED")),
     )
 
 
