@@ -4,20 +4,21 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
+from datetime import timedelta
 from typing import Any
 
 from celery import Celery
 from celery.signals import worker_process_init
 from sqlalchemy import Engine
 
-from .broker import Sender, configure_app
+from .broker import Sender, configure_app, visibility_timeout
 from .client import JobClient, QueueClient
 from .crypto import MIN_SECRET_BYTES, Keyring
 from .dispatch import Dispatcher
 from .errors import ConfigurationError, JobDefinitionError, PublishOptionsError
 from .jobs import JobContext, JobDefinition, P, job
 from .leases import LeaseKeeper
-from .ledger import Ledger, create_ledger_engine
+from .ledger import DEFAULT_REDELIVER_AFTER_SECONDS, Ledger, create_ledger_engine
 from .options import JobOptions
 from .policies import PolicyBook
 from .receipts import Receipt, receipt_status
@@ -49,6 +50,7 @@ class Questpie:
         jobs: Iterable[JobDefinition[Any]] = (),
         lease_seconds: float = DEFAULT_LEASE_SECONDS,
         relay_interval: float = DEFAULT_RELAY_INTERVAL_SECONDS,
+        redeliver_after: float = DEFAULT_REDELIVER_AFTER_SECONDS,
     ) -> None:
         if not isinstance(celery_app, Celery):
             raise ConfigurationError("celery_app must be a celery.Celery application")
@@ -64,6 +66,11 @@ class Questpie:
             raise ConfigurationError("relay_interval must be a number")
         if relay_interval <= 0:
             raise ConfigurationError("relay_interval must be > 0")
+        if isinstance(redeliver_after, bool) or not isinstance(redeliver_after, int | float):
+            raise ConfigurationError("redeliver_after must be a number")
+        if redeliver_after <= 0:
+            raise ConfigurationError("redeliver_after must be > 0")
+        self._redeliver_after = float(redeliver_after)
         current = _as_secret(secret, "secret")
         previous = tuple(
             s for s in (_as_secret(p, "previous_secrets") for p in previous_secrets) if s
@@ -78,7 +85,7 @@ class Questpie:
 
         self.celery_app = celery_app
         self.engine = engine if engine is not None else create_ledger_engine(str(ledger_url))
-        self.ledger = Ledger(self.engine)
+        self.ledger = Ledger(self.engine, redeliver_after=self._redeliver_after)
         self.sender = Sender(celery_app)
         self.dispatcher = Dispatcher(self.ledger, self.sender)
         self.policies = PolicyBook(self.ledger)
@@ -93,7 +100,7 @@ class Questpie:
         self.tasks: dict[str, Any] = {}
 
         if celery_app.configured:
-            configure_app(celery_app)
+            self._configure()
         else:
             celery_app.on_after_configure.connect(self._on_configure, weak=False)
         # An engine's pooled connections must not be shared across fork (SPEC section 10).
@@ -190,7 +197,13 @@ class Questpie:
     # Celery hooks
 
     def _on_configure(self, sender: Any = None, **_: Any) -> None:
+        self._configure()
+
+    def _configure(self) -> None:
         configure_app(self.celery_app)
+        # Redelivering sooner than the broker's own visibility timeout would only race it.
+        visibility = visibility_timeout(self.celery_app)
+        self.ledger.redeliver_after = timedelta(seconds=max(self._redeliver_after, visibility))
 
     def _after_fork(self, **_: Any) -> None:
         self.engine.dispose(close=False)

@@ -111,6 +111,18 @@ def configure_app(app: Celery) -> None:
     app.conf.broker_transport_options = options
 
 
+#: kombu's default for transports that redeliver unacknowledged messages (Redis, SQS).
+DEFAULT_VISIBILITY_TIMEOUT = 3600.0
+
+
+def visibility_timeout(app: Celery) -> float:
+    """Seconds after which the broker itself redelivers an unacknowledged message (0: never)."""
+    if broker_kind(app) != "redis":
+        return 0.0
+    options = app.conf.broker_transport_options or {}
+    return float(options.get("visibility_timeout", DEFAULT_VISIBILITY_TIMEOUT))
+
+
 class Sender:
     """Sends questpie messages through the app's producer pool."""
 

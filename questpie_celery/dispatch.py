@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Protocol
 
 from sqlalchemy import Connection, event
@@ -28,6 +28,12 @@ from .policies import STANDARD
 from .signals import publish_suppressed
 
 log = logging.getLogger(__name__)
+
+#: A dispatch due further ahead than this waits in the ledger, not as a broker ETA held
+#: in worker memory (which Redis duplicates past its visibility timeout).
+ETA_HORIZON_SECONDS = 60.0
+#: How long the relay leaves a freshly written row to the process that wrote it.
+PENDING_GRACE_SECONDS = 30.0
 
 _SESSION_PENDING = "questpie_pending_dispatches"
 _SESSION_LISTENING = "questpie_listening"
@@ -66,7 +72,17 @@ class Dispatcher:
         connection: Connection | None = None,
     ) -> str | None:
         transactional = session is not None or connection is not None
-        if options.idempotency_key is None and not transactional and policy == STANDARD:
+        now = utcnow()
+        far_off = options.start_after is not None and options.start_after > now + timedelta(
+            seconds=ETA_HORIZON_SECONDS
+        )
+        if (
+            options.idempotency_key is None
+            and not transactional
+            and policy == STANDARD
+            and not far_off
+            and not options.secret_payload
+        ):
             dispatch_id = random_dispatch_id()
             self.sender.send(
                 job_name=job_name,
@@ -105,7 +121,16 @@ class Dispatcher:
                 "priority": options.priority,
                 "queue": options.queue,
             },
-            run_after=options.start_after or utcnow(),
+            run_after=options.start_after or now,
+            # When the relay takes over if nothing else moved the row on: shortly before
+            # a far-off start, at once for a Connection's row, else after a grace period.
+            next_send_at=(
+                options.start_after - timedelta(seconds=ETA_HORIZON_SECONDS)
+                if far_off and options.start_after is not None
+                else now
+                if connection is not None
+                else now + timedelta(seconds=PENDING_GRACE_SECONDS)
+            ),
             policy=policy if limited else None,
             slot=(options.singleton_key or "") if limited else None,
         )
@@ -113,7 +138,8 @@ class Dispatcher:
             with _needs_ledger_tables("session"):
                 inserted = self.ledger.insert_dispatch(new, conn=session.connection())
             if inserted:
-                self._send_after_commit(session, dispatch_id)
+                if not far_off:
+                    self._send_after_commit(session, dispatch_id)
                 return dispatch_id
             return self._not_inserted(new, conn=session.connection())
         if connection is not None:
@@ -122,7 +148,8 @@ class Dispatcher:
                 inserted = self.ledger.insert_dispatch(new, conn=connection)
             return dispatch_id if inserted else self._not_inserted(new, conn=connection)
         if self.ledger.insert_dispatch(new):
-            self.send_row(new, attempt=1)
+            if not far_off:  # a far-off dispatch waits in the ledger for the relay
+                self.send_row(new, attempt=1)
             return dispatch_id
         return self._not_inserted(new)
 

@@ -64,6 +64,7 @@ from .errors import LedgerError, LedgerSchemaError, LedgerUnavailableError
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
+DEFAULT_REDELIVER_AFTER_SECONDS = 3600.0
 SQLITE_BUSY_TIMEOUT_MS = 15_000
 PG_CONNECT_TIMEOUT_SECONDS = 5
 
@@ -73,6 +74,8 @@ CLAIMABLE: tuple[Status, ...] = ("pending", "queued", "retry")
 TERMINAL: tuple[Status, ...] = ("completed", "failed")
 #: Accepted and waiting to run (a run awaiting its retry keeps the slot it held: active).
 WAITING: tuple[Status, ...] = ("pending", "queued", "parked")
+#: States the relay (re)sends once their next_send_at has passed.
+RESENDABLE: tuple[Status, ...] = ("pending", "queued", "retry")
 RUNNING: tuple[Status, ...] = ("active", "retry")
 
 
@@ -124,13 +127,16 @@ dispatch_table = Table(
     Column("claim_token", String(36), nullable=True),
     Column("lease_expires_at", UTCDateTime, nullable=True),
     Column("run_after", UTCDateTime, nullable=False),
+    # Relay sends so far, and when the relay may (re)send the row next if nothing else
+    # moved it on: a publisher that died before sending, a lost message, a lost retry.
     Column("send_count", Integer, nullable=False, default=0),
+    Column("next_send_at", UTCDateTime, nullable=True),
     Column("last_error", String(200), nullable=True),
     Column("created_at", UTCDateTime, nullable=False),
     Column("queued_at", UTCDateTime, nullable=True),
     Column("started_at", UTCDateTime, nullable=True),
     Column("finished_at", UTCDateTime, nullable=True),
-    Index("questpie_queue_dispatch_due", "status", "run_after"),
+    Index("questpie_queue_dispatch_due", "status", "next_send_at"),
 )
 
 
@@ -243,6 +249,8 @@ class DispatchRow:
     claim_token: str | None
     lease_expires_at: datetime | None
     run_after: datetime
+    send_count: int
+    next_send_at: datetime | None
     created_at: datetime
     queued_at: datetime | None
     started_at: datetime | None
@@ -265,6 +273,7 @@ class NewDispatch:
     run_after: datetime
     policy: str | None = None
     slot: str | None = None
+    next_send_at: datetime | None = None
     secret_ciphertext: bytes | None = None
     secret_wrapped_key: bytes | None = None
     secret_key_id: str | None = None
@@ -308,7 +317,7 @@ class _Statements:
             .values(
                 queued_at=func.coalesce(t.queued_at, bindparam("now", type_=UTCDateTime)),
                 status=case((t.status == "pending", "queued"), else_=t.status),
-                send_count=t.send_count + 1,
+                next_send_at=bindparam("redeliver_at", type_=UTCDateTime),
             )
         )
         self.claim = (
@@ -348,6 +357,7 @@ class _Statements:
                 claim_token=None,
                 lease_expires_at=None,
                 run_after=bindparam("new_run_after"),
+                next_send_at=bindparam("redeliver_at"),
                 last_error=bindparam("error"),
             )
         )
@@ -363,8 +373,37 @@ class _Statements:
         self.unpark = (
             update(dispatch_table)
             .where(by_id, t.status == "parked")
-            .values(status="queued")
+            .values(status="queued", next_send_at=bindparam("redeliver_at"))
             .returning(*dispatch_table.c)
+        )
+        self.due = (
+            select(dispatch_table)
+            .where(t.status.in_(RESENDABLE), t.next_send_at <= bindparam("now"))
+            .order_by(t.next_send_at)
+            .limit(bindparam("limit"))
+        )
+        # Taking a row for a send is conditional on the exact next_send_at we read, so of
+        # several relays exactly one sends it.
+        seen = and_(
+            by_id, t.status == bindparam("seen_status"), t.next_send_at == bindparam("seen_next")
+        )
+        self.take_for_send = (
+            update(dispatch_table)
+            .where(seen)
+            .values(send_count=t.send_count + 1, next_send_at=bindparam("next"))
+            .returning(*dispatch_table.c)
+        )
+        self.give_up = (
+            update(dispatch_table)
+            .where(seen)
+            .values(
+                status="failed",
+                finished_at=bindparam("now"),
+                next_send_at=None,
+                last_error=RELAY_GAVE_UP,
+                secret_ciphertext=None,
+                secret_wrapped_key=None,
+            )
         )
         self.slot_running = (
             select(t.id).where(in_slot, t.status.in_(RUNNING), t.policy.is_not(None)).limit(1)
@@ -384,6 +423,7 @@ class _Statements:
                 claim_token=None,
                 lease_expires_at=None,
                 run_after=bindparam("new_run_after"),
+                next_send_at=bindparam("redeliver_at"),
                 last_error=bindparam("error"),
             )
         )
@@ -428,8 +468,11 @@ class Ledger:
     round trip, atomic on its own, and no transaction left open to hold row locks.
     """
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(
+        self, engine: Engine, *, redeliver_after: float = DEFAULT_REDELIVER_AFTER_SECONDS
+    ) -> None:
         self.engine = engine
+        self.redeliver_after = timedelta(seconds=redeliver_after)
         self._autocommit: Engine
         self._transactional: Engine
         if engine in _AUTOCOMMIT_ENGINES:
@@ -506,6 +549,7 @@ class Ledger:
             "attempt": 0,
             "run_after": new.run_after,
             "send_count": 0,
+            "next_send_at": new.next_send_at,
             "created_at": utcnow(),
             "policy": new.policy,
             "slot": new.slot,
@@ -526,7 +570,10 @@ class Ledger:
         """Record that the broker accepted these dispatches (id, when), in one batch."""
         if not accepted:
             return
-        params = [{"dispatch_id": dispatch_id, "now": when} for dispatch_id, when in accepted]
+        params = [
+            {"dispatch_id": dispatch_id, "now": when, "redeliver_at": when + self.redeliver_after}
+            for dispatch_id, when in accepted
+        ]
         with translate_errors(), self._autocommit.connect() as conn:
             conn.execute(self._sql.mark_queued, params)
 
@@ -603,12 +650,20 @@ class Ledger:
         }
         return self._count(self._sql.finish, params) == 1
 
-    def schedule_retry(self, dispatch_id: str, token: str, delay: float, error: str) -> bool:
-        """Release the claim after a failed attempt and make the row due again later."""
+    def schedule_retry(
+        self, dispatch_id: str, token: str, delay: float, error: str, *, relay_at: datetime | None
+    ) -> bool:
+        """Release the claim after a failed attempt and make the row due again later.
+
+        `relay_at` is when the relay should send the retry; None when the caller sends
+        it now (the relay then only steps in if that message is lost).
+        """
+        run_after = utcnow() + timedelta(seconds=delay)
         params = {
             "dispatch_id": dispatch_id,
             "token": token,
-            "new_run_after": utcnow() + timedelta(seconds=delay),
+            "new_run_after": run_after,
+            "redeliver_at": relay_at or run_after + self.redeliver_after,
             "error": error,
         }
         return self._count(self._sql.retry, params) == 1
@@ -634,7 +689,8 @@ class Ledger:
             oldest = self._first(self._sql.oldest_parked, {"job": job_name, "slot_key": slot})
             if oldest is None:
                 return None
-            row = self._first(self._sql.unpark, {"dispatch_id": oldest["id"]})
+            params = {"dispatch_id": oldest["id"], "redeliver_at": utcnow() + self.redeliver_after}
+            row = self._first(self._sql.unpark, params)
             if row is not None:
                 return DispatchRow.from_mapping(row)
         return None
@@ -661,6 +717,7 @@ class Ledger:
         if retry_in is None:
             return self._count(self._sql.expire_fail, params) == 1
         params["new_run_after"] = now + timedelta(seconds=retry_in)
+        params["redeliver_at"] = params["new_run_after"] + self.redeliver_after
         return self._count(self._sql.expire_retry, params) == 1
 
     def get_policy(self, job_name: str) -> str | None:
@@ -690,12 +747,42 @@ class Ledger:
                     )
                 )
 
+    # the relay's sends
+
+    def due_for_send(self, limit: int = 100) -> list[DispatchRow]:
+        rows = self._all(self._sql.due, {"now": utcnow(), "limit": limit})
+        return [DispatchRow.from_mapping(r) for r in rows]
+
+    def take_for_send(self, row: DispatchRow, next_send_at: datetime) -> DispatchRow | None:
+        """Count one relay send of `row` and set when the next may be; None if we lost."""
+        taken = self._first(
+            self._sql.take_for_send,
+            {
+                "dispatch_id": row.id,
+                "seen_status": row.status,
+                "seen_next": row.next_send_at,
+                "next": next_send_at,
+            },
+        )
+        return DispatchRow.from_mapping(taken) if taken else None
+
+    def give_up(self, row: DispatchRow) -> bool:
+        """Record `failed` (erasing a secret's key) after the relay ran out of sends."""
+        params = {
+            "dispatch_id": row.id,
+            "seen_status": row.status,
+            "seen_next": row.next_send_at,
+            "now": utcnow(),
+        }
+        return self._count(self._sql.give_up, params) == 1
+
 
 class _SlotTaken(Exception):
     """A statement met a queue-policy slot index."""
 
 
 LEASE_EXPIRED = "LeaseExpired"
+RELAY_GAVE_UP = "RelayGaveUp"
 
 
 def _insert_or_nothing(dialect: str, table: Table) -> Any:

@@ -4,32 +4,44 @@ It runs inside every `celery worker` (a bootstep, in the main process) and as
 `questpie-celery relay`; several relays share the work safely because every
 change it makes is a conditional update that only one of them can win.
 
-What it does now:
+What it does:
 
-- a claim whose lease lapsed (its worker died, or the run outlived
-  `expire_in_seconds`) ends as a failed attempt: retried as the dispatch's options
-  say, or recorded `failed`, and its slot handed on;
-- a parked run whose slot is free is sent again (the worker that freed the slot
-  normally does this at once; this covers one that died first).
+- sends rows that are due and were never accepted: a publisher died or the broker
+  refused, a `publish(connection=...)` committed, a far-off `start_after` nears;
+- sends again accepted dispatches that no worker claimed within `redeliver_after`
+  (a lost or purged message), and retries whose message was lost;
+- ends a claim whose lease lapsed (its worker died, or the run outlived
+  `expire_in_seconds`) as a failed attempt: retried as the dispatch's options say,
+  or recorded `failed`, and its slot handed on;
+- sends a parked run whose slot is free (the worker that freed the slot normally
+  does this at once; this covers one that died first).
+
+Sends back off exponentially (capped at an hour, and never sooner than
+`redeliver_after` for a dispatch the broker already accepted); after
+`MAX_RELAY_SENDS` the dispatch is recorded `failed`, a secret one with its key
+erased. Every unfinished dispatch therefore reaches a terminal state.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from datetime import timedelta
 from typing import Any, ClassVar
 
 from celery import bootsteps
 
 from .dispatch import Dispatcher
 from .errors import QuestpieError
-from .ledger import DispatchRow, Ledger
+from .ledger import DispatchRow, Ledger, utcnow
 from .options import RunOptions
 from .slots import SlotKeeper
 
 log = logging.getLogger(__name__)
 
 DEFAULT_RELAY_INTERVAL_SECONDS = 2.0
+MAX_RELAY_SENDS = 25
+MAX_BACKOFF_SECONDS = 3600.0
 
 
 class Relay:
@@ -48,6 +60,8 @@ class Relay:
     def run_once(self) -> int:
         """One pass; returns how many dispatches it moved on."""
         moved = 0
+        for row in self.ledger.due_for_send():
+            moved += self._resend(row)
         for row in self.ledger.expired_claims():
             moved += self._recover(row)
         for job_name, slot in self.ledger.free_parked_slots():
@@ -61,6 +75,35 @@ class Relay:
             except QuestpieError as exc:
                 log.warning("relay pass failed (%s); trying again", type(exc).__name__)
             stop.wait(self.interval)
+
+    def _resend(self, row: DispatchRow) -> bool:
+        if row.send_count >= MAX_RELAY_SENDS:
+            if not self.ledger.give_up(row):
+                return False
+            log.warning(
+                "dispatch %s of job %s: no worker took it after %d sends; failed",
+                row.id,
+                row.job_name,
+                row.send_count,
+                extra={"dispatch_id": row.id, "job_name": row.job_name},
+            )
+            self.slots.hand_on(row)
+            return True
+        backoff = min(2.0 ** (row.send_count + 1), MAX_BACKOFF_SECONDS)
+        if row.status != "pending":  # the broker accepted it once: it may just be waiting
+            backoff = max(backoff, self.ledger.redeliver_after.total_seconds())
+        taken = self.ledger.take_for_send(row, utcnow() + timedelta(seconds=backoff))
+        if taken is None:
+            return False  # another relay took it
+        log.info(
+            "relay sends dispatch %s of job %s (%s, send %d)",
+            row.id,
+            row.job_name,
+            row.status,
+            taken.send_count,
+            extra={"dispatch_id": row.id, "job_name": row.job_name},
+        )
+        return self.dispatcher.send_row(taken, attempt=taken.attempt + 1)
 
     def _recover(self, row: DispatchRow) -> bool:
         run = RunOptions.from_dict(row.options.get("run"))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from datetime import timedelta
 from typing import Any
 
 from celery import Celery, Task
@@ -19,6 +20,7 @@ from celery.exceptions import Ignore
 
 from .broker import HEADER, MessageHeader
 from .crypto import Keyring, Sealed
+from .dispatch import ETA_HORIZON_SECONDS
 from .errors import (
     PayloadValidationError,
     PermanentFailure,
@@ -27,7 +29,7 @@ from .errors import (
 )
 from .jobs import JobContext, JobDefinition
 from .leases import LeaseKeeper
-from .ledger import DispatchRow, Ledger
+from .ledger import DispatchRow, Ledger, utcnow
 from .options import RunOptions, resolve_options
 from .slots import SlotKeeper
 
@@ -223,7 +225,24 @@ class Runner:
         exc: Exception,
     ) -> None:
         delay = run.delay_before_retry(attempt)
-        if not self.ledger.schedule_retry(dispatch_id, token, delay, type(exc).__name__):
+        if delay > ETA_HORIZON_SECONDS:
+            # A long wait stays in the ledger, not in a worker's memory as an ETA.
+            relay_at = utcnow() + timedelta(seconds=delay - ETA_HORIZON_SECONDS)
+            if self.ledger.schedule_retry(
+                dispatch_id, token, delay, type(exc).__name__, relay_at=relay_at
+            ):
+                log.info(
+                    "dispatch %s: attempt %d failed (%s); the relay sends retry in %.0fs",
+                    dispatch_id,
+                    attempt,
+                    type(exc).__name__,
+                    delay,
+                    extra={"dispatch_id": dispatch_id, "job_name": definition.name},
+                )
+            raise Ignore()
+        if not self.ledger.schedule_retry(
+            dispatch_id, token, delay, type(exc).__name__, relay_at=None
+        ):
             raise Ignore()
         header = MessageHeader(ledgered=True, attempt=attempt + 1, run=run)
         try:

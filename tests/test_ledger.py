@@ -88,7 +88,7 @@ def test_retry_releases_the_claim_and_moves_the_attempt_on(ledger_engine: Engine
     ledger.insert_dispatch(new)
     first = ledger.claim(new.id, 1, 60)
     assert first.token is not None
-    assert ledger.schedule_retry(new.id, first.token, 5, "RuntimeError") is True
+    assert ledger.schedule_retry(new.id, first.token, 5, "RuntimeError", relay_at=None) is True
     row = ledger.get(new.id)
     assert row is not None
     assert (row.status, row.attempt, row.claim_token) == ("retry", 1, None)

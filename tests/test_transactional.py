@@ -53,17 +53,30 @@ def test_rolled_back_savepoint_is_not_sent_after_commit(pg_redis: Stack) -> None
     engine.dispose()
 
 
-def test_connection_publish_writes_a_pending_row_in_the_callers_transaction(
-    pg_redis: Stack,
-) -> None:
+def test_connection_publish_is_sent_by_the_relay_after_commit(pg_redis: Stack) -> None:
     t = tag()
     engine = create_engine(pg_redis.env["QP_TEST_LEDGER"])
     with engine.begin() as conn:
         dispatch_id = pg_redis.questpie.queue.record.publish({"tag": t}, connection=conn)
+        assert dispatch_id is not None
+        assert pg_redis.questpie.ledger.get(dispatch_id) is None  # not committed yet
+    # Nothing in this process sends it: the relay inside the worker does.
+    row = pg_redis.wait_status(dispatch_id, "completed")
+    assert row.send_count == 1
+    assert len(pg_redis.wait_runs(t, 1)) == 1
+    engine.dispose()
+
+
+def test_connection_rollback_leaves_nothing(pg_redis: Stack) -> None:
+    t = tag()
+    engine = create_engine(pg_redis.env["QP_TEST_LEDGER"])
+    with engine.connect() as conn:
+        transaction = conn.begin()
+        dispatch_id = pg_redis.questpie.queue.record.publish({"tag": t}, connection=conn)
+        transaction.rollback()
     assert dispatch_id is not None
-    row = pg_redis.questpie.ledger.get(dispatch_id)
-    assert row is not None
-    assert row.status == "pending"  # the relay sends it
+    assert pg_redis.questpie.ledger.get(dispatch_id) is None
+    assert pg_redis.wait_runs(t, 1, timeout=3) == []
     engine.dispose()
 
 
