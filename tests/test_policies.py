@@ -181,8 +181,10 @@ def test_singleton_retry_keeps_the_slot(pg_redis: Stack) -> None:
     failing = client.publish(
         {"tag": t, "sleep": 0.3, "fail_times": 1}, singleton_key=key, retry_delay=1
     )
+    assert failing is not None
+    pg_redis.wait_status(failing, "active")
     after = client.publish({"tag": t, "sleep": 0.1}, singleton_key=key)
-    assert failing is not None and after is not None
+    assert after is not None
     assert pg_redis.wait_status(failing, "completed").attempt == 2
     pg_redis.wait_status(after, "completed")
     spans = intervals(pg_redis, t)
