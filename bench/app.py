@@ -47,6 +47,15 @@ def exclusive(payload: Payload, ctx: JobContext) -> None:
     del payload, ctx
 
 
+@job(name="bench.secret", schema=Payload, options={"retry_limit": 0})
+def secret(payload: Payload, ctx: JobContext) -> None:
+    del payload, ctx
+    bump("bench:secret")
+
+
 questpie = Questpie(
-    celery_app, ledger_url=os.environ.get("BENCH_LEDGER", "sqlite://"), jobs=[noop, exclusive]
+    celery_app,
+    ledger_url=os.environ.get("BENCH_LEDGER", "sqlite://"),
+    jobs=[noop, exclusive, secret],
+    secret="bench-secret-" + "0" * 32,  # a benchmark's throwaway key
 )

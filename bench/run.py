@@ -81,6 +81,12 @@ def publish_costs(bench_app: Any) -> dict[str, float]:
         "exclusive job, suppressed": lambda i: exclusive.publish(
             {"n": i}, singleton_key=taken, queue=queue
         ),
+        "secret publish, new key": lambda i: bench_app.questpie.queue.bench_secret.publish(
+            {"n": i},
+            idempotency_key=f"{run}-{uuid.uuid4().hex}",
+            queue=queue,
+            secret_payload=True,
+        ),
         # What a new key adds to a publish: one ledger INSERT round trip.
         "ledger INSERT alone": lambda i: ledger.insert_dispatch(
             NewDispatch(
@@ -106,18 +112,24 @@ def publish_costs(bench_app: Any) -> dict[str, float]:
 
 def worker_throughput(bench_app: Any, redis_url: str, pg_url: str) -> dict[str, float]:
     counter = redis.Redis.from_url(redis_url)
-    rates: dict[str, list[float]] = {"raw": [], "ledgered": []}
+    rates: dict[str, list[float]] = {"raw": [], "ledgered": [], "secret": []}
     for _ in range(max(ROUNDS // 2, 1)):
-        for kind in ("raw", "ledgered"):
+        for kind, samples in rates.items():
             queue = f"bench-drain-{uuid.uuid4().hex[:6]}"
-            counter.delete("bench:raw", "bench:noop")
+            counter.delete("bench:raw", "bench:noop", "bench:secret")
             run = uuid.uuid4().hex[:8]
             for i in range(DRAIN):
                 if kind == "raw":
                     bench_app.raw.apply_async(args=[{"n": i}], queue=queue)
                 else:
-                    bench_app.questpie.queue.bench_noop.publish(
-                        {"n": i}, idempotency_key=f"drain-{run}-{i}", queue=queue
+                    client = bench_app.questpie.queue[
+                        "bench.noop" if kind == "ledgered" else "bench.secret"
+                    ]
+                    client.publish(
+                        {"n": i},
+                        idempotency_key=f"drain-{run}-{i}",
+                        queue=queue,
+                        secret_payload=kind == "secret",
                     )
             worker = Worker(
                 {"BENCH_BROKER": redis_url, "BENCH_LEDGER": pg_url},
@@ -126,7 +138,7 @@ def worker_throughput(bench_app: Any, redis_url: str, pg_url: str) -> dict[str, 
                 app="bench.app:celery_app",
             )
             worker.start()
-            key = "bench:raw" if kind == "raw" else "bench:noop"
+            key = {"raw": "bench:raw", "ledgered": "bench:noop", "secret": "bench:secret"}[kind]
             started = time.perf_counter()
             first_seen = None
             while int(counter.get(key) or 0) < DRAIN:
@@ -137,7 +149,7 @@ def worker_throughput(bench_app: Any, redis_url: str, pg_url: str) -> dict[str, 
             worker.stop()
             # Time from the first finished run to the last excludes worker start-up.
             begin = first_seen if first_seen is not None else started
-            rates[kind].append(DRAIN / max(finished - begin, 1e-9))
+            samples.append(DRAIN / max(finished - begin, 1e-9))
     return {kind: statistics.median(values) for kind, values in rates.items()}
 
 
@@ -147,8 +159,8 @@ def print_table(costs: dict[str, float], throughput: dict[str, float]) -> None:
         "publish, no key": "<= 1.10x",
         "publish, new key": "<= 1.5x",
         "publish, repeated key": "<= 0.5x",
-        "exclusive job, accepted": "(issue 3: measured)",
-        "exclusive job, suppressed": "(issue 3: measured)",
+        "exclusive job, accepted": "(measured)",
+        "exclusive job, suppressed": "(measured)",
         "ledger INSERT alone": "(for reference)",
     }
     print(
@@ -164,6 +176,19 @@ def print_table(costs: dict[str, float], throughput: dict[str, float]) -> None:
         f"| worker throughput, fenced no-op jobs ({DRAIN} each, 2 children) | "
         f"{throughput['ledgered']:.0f}/s vs {throughput['raw']:.0f}/s raw | "
         f"{ratio:.2f}x | >= 0.6x |"
+    )
+    secret_publish = costs["secret publish, new key"] / costs["publish, new key"]
+    secret_run = throughput["secret"] / throughput["ledgered"]
+    print("\nSecret payloads, against the same job without secret_payload")
+    print("| measure | secret | plain | ratio |")
+    print("|---|---|---|---|")
+    print(
+        f"| publish, new key | {costs['secret publish, new key'] * 1e6:.0f} µs | "
+        f"{costs['publish, new key'] * 1e6:.0f} µs | {secret_publish:.2f}x |"
+    )
+    print(
+        f"| worker throughput | {throughput['secret']:.0f}/s | "
+        f"{throughput['ledgered']:.0f}/s | {secret_run:.2f}x |"
     )
 
 

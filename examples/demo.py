@@ -9,6 +9,7 @@ publishes a few dispatches, and prints what the ledger and the worker did.
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -20,6 +21,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 DEMO_DIR = Path(tempfile.mkdtemp(prefix="questpie-demo-"))
 os.environ["QUESTPIE_DEMO_DIR"] = str(DEMO_DIR)
+os.environ.setdefault("QUESTPIE_SECRET", secrets.token_hex(32))  # the worker inherits it
 sys.path.insert(0, str(HERE))
 
 import shop  # noqa: E402 - configured through QUESTPIE_DEMO_DIR above
@@ -100,9 +102,40 @@ def main() -> None:
         message.unlink()
         print(f"   dispatch id {held}: three copies handed to the worker")
 
+        print("\n8. a secret payload: encrypted in the ledger, absent from the message")
+        link = "https://shop.example/login/one-time-" + secrets.token_urlsafe(16)
+        secret_id = queue.send_magic_link.publish(
+            {"email": "ada@example.com", "link": link},
+            idempotency_key="magic:ada:1",
+            secret_payload=True,
+            queue="held",
+        )
+        assert secret_id is not None
+        [message] = (DEMO_DIR / "broker").glob("*.held.msg")
+        row = shop.questpie.ledger.get(secret_id)
+        assert row is not None
+        print(f"   dispatch id {secret_id}")
+        print(f"   link in the broker message: {link.encode() in message.read_bytes()}")
+        print(
+            f"   ledger row: payload={row.payload}, ciphertext={len(row.secret_ciphertext or b'')}"
+            f" bytes, link in it: {link.encode() in (row.secret_ciphertext or b'')}"
+        )
+        receipt = queue.get_receipt(secret_id)
+        assert receipt is not None
+        print(f"   receipt before the run: status={receipt.status}")
+        message.rename(message.with_name(message.name.replace(".held.", ".celery.")))
+
         assert first is not None and retried is not None and permanent is not None
         assert held is not None
-        wait_for([first, retried, permanent, held])
+        wait_for([first, retried, permanent, held, secret_id])
+        done = queue.get_receipt(secret_id)
+        assert done is not None
+        row = shop.questpie.ledger.get(secret_id)
+        assert row is not None
+        print(
+            f"   receipt after the run: status={done.status}, handled_at={done.handled_at:%H:%M:%S}"
+            f"; key and ciphertext erased: {row.secret_wrapped_key is None}"
+        )
         time.sleep(1)  # let the unledgered run land in the log too
     finally:
         os.killpg(worker.pid, signal.SIGTERM)

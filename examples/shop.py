@@ -62,8 +62,26 @@ async def charge_card(payload: ChargePayload, ctx: JobContext) -> None:
         raise ConnectionError("payment gateway timed out")  # the retry succeeds
 
 
+class MagicLinkPayload(BaseModel):
+    email: str
+    link: str
+
+
+@job(name="send-magic-link", schema=MagicLinkPayload)
+def send_magic_link(payload: MagicLinkPayload, ctx: JobContext) -> None:
+    # The plaintext is here and nowhere else; this demo logs only its length.
+    log.warning(
+        "HANDLER send-magic-link to=%s link_length=%d attempt=%d",
+        payload.email,
+        len(payload.link),
+        ctx.attempt,
+    )
+
+
 questpie = Questpie(
     celery_app,
     ledger_url=f"sqlite:///{DEMO_DIR / 'ledger.sqlite3'}",
-    jobs=[send_welcome_email, charge_card],
+    # Secret payloads need a secret of at least 32 bytes, shared by publisher and worker.
+    secret=os.environ.get("QUESTPIE_SECRET"),
+    jobs=[send_welcome_email, charge_card, send_magic_link],
 )

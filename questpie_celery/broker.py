@@ -91,11 +91,16 @@ def broker_priority(kind: str, priority: int | None) -> int | None:
     return MAX_PRIORITY - priority if kind == "redis" else priority
 
 
+#: Without it, publishing to an unreachable Redis host waits for the OS's TCP timeout.
+REDIS_SOCKET_CONNECT_TIMEOUT_SECONDS = 5
+
+
 def configure_app(app: Celery) -> None:
     """Configure what questpie needs on a configured Celery app, keeping the user's choices."""
     if broker_kind(app) != "redis":
         return
     options = dict(app.conf.broker_transport_options or {})
+    options.setdefault("socket_connect_timeout", REDIS_SOCKET_CONNECT_TIMEOUT_SECONDS)
     wanted = {"priority_steps": list(range(MAX_PRIORITY + 1)), "queue_order_strategy": "priority"}
     for name, value in wanted.items():
         if name not in options:

@@ -155,6 +155,8 @@ class Dispatcher:
 
     def _not_inserted(self, new: NewDispatch, conn: Connection | None = None) -> str | None:
         """The insert met an existing row: the key's own (a repeat) or a policy slot's."""
+        if new.policy is None:
+            return new.id  # no slot index applies, so only the key's own row can conflict
         if new.idempotency_key is not None and self.ledger.exists(new.id, conn=conn):
             return new.id  # a known key is answered before any policy
         log.info(
