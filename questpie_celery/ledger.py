@@ -67,6 +67,7 @@ SCHEMA_VERSION = 1
 DEFAULT_REDELIVER_AFTER_SECONDS = 3600.0
 SQLITE_BUSY_TIMEOUT_MS = 15_000
 PG_CONNECT_TIMEOUT_SECONDS = 5
+PG_LOCK_TIMEOUT_MS = 5_000
 
 Status = Literal["pending", "queued", "parked", "active", "retry", "completed", "failed"]
 #: States from which a delivery may take the execution claim.
@@ -198,6 +199,9 @@ def create_ledger_engine(url: str) -> Engine:
     connect_args: dict[str, Any] = {}
     if parsed.get_backend_name() == "postgresql":
         connect_args["connect_timeout"] = PG_CONNECT_TIMEOUT_SECONDS
+        # A caller's long transaction that wrote a policy row holds its slot until it ends;
+        # a publish meeting it waits this long at most, then fails with a LedgerError.
+        connect_args["options"] = f"-c lock_timeout={PG_LOCK_TIMEOUT_MS}"
     # Autocommit: every ledger statement stands alone, so BEGIN/COMMIT round trips would
     # be pure cost. No pool_pre_ping either, for the same reason: a connection the server
     # dropped fails one statement with LedgerUnavailableError and is discarded.
@@ -793,6 +797,7 @@ def _insert_or_nothing(dialect: str, table: Table) -> Any:
     raise LedgerError(f"the ledger supports PostgreSQL and SQLite, not {dialect!r}")
 
 
+_PG_LOCK_NOT_AVAILABLE = "55P03"
 _MISSING_TABLE_MARKERS = ("no such table", "undefinedtable", "does not exist")
 
 
@@ -805,6 +810,11 @@ def translate_errors() -> Iterator[None]:
         text = f"{type(error.orig).__name__} {error.orig}".lower()
         if any(marker in text for marker in _MISSING_TABLE_MARKERS):
             raise LedgerSchemaError() from error
+        if getattr(error.orig, "sqlstate", None) == _PG_LOCK_NOT_AVAILABLE:
+            raise LedgerError(
+                "a ledger row is held by another open transaction (lock_timeout reached); "
+                "try again once it ends"
+            ) from error
         if error.connection_invalidated or isinstance(
             error, exc.OperationalError | exc.InterfaceError
         ):

@@ -100,6 +100,11 @@ def validate_job_options(options: Mapping[str, Any] | None) -> JobOptions:
         return {}
     if not isinstance(options, Mapping):
         raise PublishOptionsError("job options must be a mapping")
+    if "cron" in options:
+        raise PublishOptionsError(
+            "the cron job option needs the ledger-backed beat scheduler, which this "
+            "version does not have yet"
+        )
     unknown = sorted(set(options) - JOB_OPTION_NAMES)
     if unknown:
         raise PublishOptionsError(

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from sqlalchemy import create_engine
 from sqlalchemy.orm import Session
 
-from questpie_celery import LedgerSchemaError
+from questpie_celery import LedgerError, LedgerSchemaError
 from tests.conftest import Stack, tag
 
 
@@ -84,4 +86,29 @@ def test_session_on_a_database_without_the_ledger_says_so(pg_redis: Stack, tmp_p
     engine = create_engine(f"sqlite:///{tmp_path}/other.sqlite3")
     with Session(engine) as session, pytest.raises(LedgerSchemaError, match="migrate"):
         pg_redis.questpie.queue.record.publish({"tag": "x"}, session=session)
+    engine.dispose()
+
+
+def test_a_callers_open_transaction_does_not_hang_other_publishers(pg_redis: Stack) -> None:
+    """The slot row of an uncommitted transaction makes a rival publish wait, not hang."""
+    t, key = tag(), f"open-tx-{tag()}"
+    client = pg_redis.questpie.queue.policy_exclusive
+    engine = create_engine(pg_redis.env["QP_TEST_LEDGER"])
+    outcome: list[BaseException | str | None] = []
+
+    def rival() -> None:
+        try:
+            outcome.append(client.publish({"tag": t}, singleton_key=key))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    with Session(engine) as session, session.begin():
+        assert client.publish({"tag": t}, singleton_key=key, session=session) is not None
+        thread = threading.Thread(target=rival)
+        thread.start()
+        thread.join(60)
+        assert not thread.is_alive()
+    assert len(outcome) == 1
+    assert isinstance(outcome[0], LedgerError)
+    assert "lock_timeout" in str(outcome[0])
     engine.dispose()
