@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
 import threading
+import time
 import weakref
 from datetime import datetime
 
 from .errors import QuestpieError
+from .forking import reset_in_child
 from .ledger import Ledger, utcnow
 
 log = logging.getLogger(__name__)
@@ -25,36 +26,41 @@ FLUSH_INTERVAL_SECONDS = 0.05
 
 
 class AcceptanceRecorder:
+    _accepted: list[tuple[str, datetime]]
+    _lock: threading.Lock
+    _thread: threading.Thread | None
+
     def __init__(self, ledger: Ledger) -> None:
         self.ledger = ledger
-        self._accepted: list[tuple[str, datetime]] = []
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._forked()
+        reset_in_child(self._forked)
         ref = weakref.ref(self)
-
-        def after_fork() -> None:
-            # A lock another thread held at fork time would stay held in the child.
-            recorder = ref()
-            if recorder is not None:
-                recorder._forked()
 
         def at_exit() -> None:
             recorder = ref()
             if recorder is not None:
                 recorder.flush()
 
-        os.register_at_fork(after_in_child=after_fork)
         atexit.register(at_exit)
 
+    def close(self) -> None:
+        """Flush, and stop recording in the background (later records flush at once)."""
+        self._closed = True
+        self.flush()
+
     def record(self, dispatch_id: str) -> None:
+        if self._closed:
+            self.ledger.mark_queued([(dispatch_id, utcnow())])
+            return
         with self._lock:
             self._accepted.append((dispatch_id, utcnow()))
             if self._thread is None:
-                self._thread = threading.Thread(
+                thread = threading.Thread(
                     target=self._loop, name="questpie-acceptance", daemon=True
                 )
-                self._thread.start()
+                thread.start()
+                self._thread = thread
 
     def flush(self) -> None:
         """Write every recorded acceptance now."""
@@ -73,12 +79,12 @@ class AcceptanceRecorder:
             )
 
     def _loop(self) -> None:
-        while True:
-            self._wake.wait(FLUSH_INTERVAL_SECONDS)
+        while not self._closed:
+            time.sleep(FLUSH_INTERVAL_SECONDS)
             self.flush()
 
     def _forked(self) -> None:
-        # The parent flushes its own batch; the child starts empty, with fresh state.
-        self._lock = threading.Lock()
+        # The parent flushes its own batch; the child starts empty, with a fresh lock.
         self._accepted = []
+        self._lock = threading.Lock()
         self._thread = None

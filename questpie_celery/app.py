@@ -164,6 +164,15 @@ class Questpie:
         """Create or upgrade the ledger schema; idempotent. Returns the schema version."""
         return self.ledger.migrate()
 
+    def close(self) -> None:
+        """Write what is still batched and release the ledger's connections.
+
+        Call it before discarding a `Questpie` in a long-lived process (tests, scripts);
+        a process that simply exits needs nothing: pending batches are written at exit.
+        """
+        self.dispatcher.acceptance.close()
+        self.engine.dispose()
+
     def _receipt(self, dispatch_id: str) -> Receipt | None:
         if not isinstance(dispatch_id, str):
             return None

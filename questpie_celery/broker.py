@@ -144,7 +144,6 @@ class Sender:
         priority: int | None,
         queue: str | None,
         eta: datetime | None,
-        countdown: float | None = None,
     ) -> None:
         """Publish one message; raise `BrokerError` if the broker does not take it."""
         options: dict[str, Any] = {
@@ -164,8 +163,6 @@ class Sender:
             options["queue"] = queue
         if eta is not None:
             options["eta"] = eta
-        elif countdown:
-            options["countdown"] = countdown
         try:
             self.app.send_task(job_name, args=[payload], **options)
         except Exception as exc:

@@ -74,9 +74,8 @@ class JobClient(Generic[P]):
         if options.secret_payload:
             keyring = self._questpie.keyring_for_publish()
         body = self.definition.to_json(payload)
-        # Only a publish-time policy counts here: the job's own is in definition.options.
         policies = self._questpie.policies
-        policy = policies.effective(self.definition, queue_policy)
+        policy = policies.effective(self.definition, options.queue_policy)
         if policy == STANDARD and options.singleton_key is not None:
             policies.warn_ignored_singleton_key(self.definition.name)
         return self._questpie.dispatcher.dispatch(

@@ -69,7 +69,8 @@ class Keyring:
         if secret is None:
             raise SecretDecryptionError(
                 "no configured secret matches the one that wrapped this payload "
-                "(was it rotated without previous_secrets?)"
+                "(was it rotated without previous_secrets?)",
+                retryable=True,
             )
         try:
             data_key = _decrypt(

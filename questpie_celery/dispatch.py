@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 from .acceptance import AcceptanceRecorder
 from .broker import MessageHeader, Sender
 from .crypto import Keyring
-from .errors import BrokerError, LedgerSchemaError, PublishOptionsError
+from .errors import BrokerError, LedgerSchemaError, PublishOptionsError, QuestpieError
 from .ids import derive_dispatch_id, random_dispatch_id
 from .ledger import Ledger, NewDispatch, utcnow
 from .options import DispatchOptions, RunOptions
@@ -34,6 +34,18 @@ log = logging.getLogger(__name__)
 ETA_HORIZON_SECONDS = 60.0
 #: How long the relay leaves a freshly written row to the process that wrote it.
 PENDING_GRACE_SECONDS = 30.0
+
+
+def relay_time_for_retry(delay: float) -> datetime | None:
+    """When the relay should send a retry due in `delay` s; None to send it at once.
+
+    A retry further out than the ETA horizon waits in the ledger instead of sitting in a
+    worker's memory as an ETA.
+    """
+    if delay <= ETA_HORIZON_SECONDS:
+        return None
+    return utcnow() + timedelta(seconds=delay - ETA_HORIZON_SECONDS)
+
 
 _SESSION_PENDING = "questpie_pending_dispatches"
 _SESSION_LISTENING = "questpie_listening"
@@ -219,9 +231,18 @@ class Dispatcher:
         for dispatch_id in ids:
             # Re-read: after_commit fires even when the savepoint that held the row
             # rolled back, and then there is nothing to send.
-            row = self.ledger.get(dispatch_id)
-            if row is not None and row.status == "pending":
-                self.send_row(row, attempt=1)
+            try:
+                row = self.ledger.get(dispatch_id)
+                if row is not None and row.status == "pending":
+                    self.send_row(row, attempt=1)
+            except QuestpieError as exc:
+                # The caller's commit succeeded; the relay sends the row after its grace.
+                log.warning(
+                    "dispatch %s committed but not sent (%s); the relay will send it",
+                    dispatch_id,
+                    type(exc).__name__,
+                    extra={"dispatch_id": dispatch_id},
+                )
 
 
 @contextmanager

@@ -70,6 +70,11 @@ class PermanentFailure(QuestpieError):
 class SecretDecryptionError(QuestpieError):
     """A secret payload could not be decrypted; the handler was not run."""
 
+    def __init__(self, message: str | None = None, *, retryable: bool = False) -> None:
+        super().__init__(message)
+        #: True when another worker (one holding the right secret) could succeed.
+        self.retryable = retryable
+
 
 class SecretJobError(QuestpieError):
     """A secret dispatch's run failed; only the exception's class name is kept.

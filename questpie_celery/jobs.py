@@ -6,9 +6,11 @@ import inspect
 import re
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, get_args
 
 from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
+from pydantic_core import to_jsonable_python
 
 from .errors import JobDefinitionError, PayloadValidationError, PublishOptionsError
 from .options import JobOptions, validate_job_options
@@ -70,32 +72,39 @@ class JobDefinition(Generic[P]):
     def validate(self, payload: P | Mapping[str, Any]) -> P:
         """Return the payload as a schema instance, or raise `PayloadValidationError`.
 
-        The error names the failing fields and never repeats an input value: the
-        payload may be secret, and error messages travel to logs.
+        The error names the failing fields and error types and never repeats an input
+        value (the payload may be secret, and error messages travel to logs); it is
+        raised outside the `except` block, so it chains nothing that holds them either.
         """
+        if isinstance(payload, self.schema):
+            # Re-validate so an instance built with model_construct() is checked too.
+            payload = _jsonable(payload.model_dump(by_alias=True))
+        if not isinstance(payload, Mapping):
+            raise PayloadValidationError(
+                f"payload for job {self.name!r} must be a mapping or a "
+                f"{self.schema.__name__}, got {type(payload).__name__}"
+            )
+        problems = None
         try:
-            if isinstance(payload, self.schema):
-                # Re-validate so an instance built with model_construct() is checked too.
-                return self.schema.model_validate(payload.model_dump())
-            if not isinstance(payload, Mapping):
-                raise PayloadValidationError(
-                    f"payload for job {self.name!r} must be a mapping or a "
-                    f"{self.schema.__name__}, got {type(payload).__name__}"
-                )
             return self.schema.model_validate(dict(payload))
         except ValidationError as exc:
             problems = "; ".join(
-                f"{'.'.join(map(str, err['loc'])) or '<root>'}: {err['type']}"
+                f"{_field_path(self.schema, err['loc'])}: {err['type']}"
                 for err in exc.errors(include_input=False, include_url=False)
             )
-            # `from None`: the pydantic error holds the input values.
-            raise PayloadValidationError(
-                f"payload for job {self.name!r} does not match {self.schema.__name__}: {problems}"
-            ) from None
+        raise PayloadValidationError(
+            f"payload for job {self.name!r} does not match {self.schema.__name__}: {problems}"
+        )
 
     def to_json(self, payload: P | Mapping[str, Any]) -> dict[str, Any]:
-        """Validate and return the JSON object that crosses the broker."""
-        return self.validate(payload).model_dump(mode="json")
+        """Validate and return the JSON object that crosses the broker (or gets sealed).
+
+        Dumped by alias, so the worker's validation accepts it, and with pydantic's
+        `Secret*` values unwrapped: the handler needs the value, not its mask.
+        """
+        dumped = _jsonable(self.validate(payload).model_dump(by_alias=True))
+        assert isinstance(dumped, dict)
+        return dumped
 
     def __call__(self, payload: P, ctx: JobContext) -> Any:
         """Call the handler directly (useful in a project's unit tests)."""
@@ -114,6 +123,52 @@ def job(
         return JobDefinition(name=name, schema=schema, handler=handler, options=options)
 
     return decorate
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "get_secret_value"):  # SecretStr, SecretBytes, Secret[...]
+        return _jsonable(value.get_secret_value())
+    if isinstance(value, Mapping):
+        return {key: _jsonable(item) for key, item in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        return [_jsonable(item) for item in value]
+    return to_jsonable_python(value)
+
+
+def _field_path(schema: type[BaseModel], loc: tuple[int | str, ...]) -> str:
+    """The failing field's path, naming only the schema's own fields.
+
+    Anything else in a location (a mapping key, an extra field's name) came from the
+    input, which may be secret, so it is shown as `[key]`.
+    """
+    parts: list[str] = []
+    model: type[BaseModel] | None = schema
+    for part in loc:
+        if isinstance(part, int):
+            parts.append(str(part))
+            continue
+        field = _field_named(model, part) if model is not None else None
+        if field is None:
+            parts.append("[key]")
+            model = None
+            continue
+        parts.append(part)
+        model = _model_in(field.annotation)
+    return ".".join(parts) or "<root>"
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The model a field holds, directly or as the one model of an Optional/Union."""
+    candidates = [annotation, *get_args(annotation)]
+    models = [c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)]
+    return models[0] if len(models) == 1 else None
+
+
+def _field_named(model: type[BaseModel], name: str) -> FieldInfo | None:
+    for field_name, field in model.model_fields.items():
+        if name in (field_name, field.alias):
+            return field
+    return None
 
 
 def job_attribute_name(job_name: str) -> str:

@@ -9,7 +9,6 @@ cannot interrupt code.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -17,6 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from .errors import QuestpieError
+from .forking import reset_in_child
 from .ledger import Ledger
 
 log = logging.getLogger(__name__)
@@ -30,22 +30,29 @@ class _Held:
 
 
 class LeaseKeeper:
+    _held: dict[str, _Held]
+    _lock: threading.Lock
+    _thread: threading.Thread | None
+
     def __init__(self, ledger: Ledger, lease_seconds: float) -> None:
         self.ledger = ledger
         self.lease_seconds = lease_seconds
-        self._held: dict[str, _Held] = {}
+        self._forked()
+        reset_in_child(self._forked)
+
+    def _forked(self) -> None:
+        # The parent's claims are the parent's to renew; the child starts empty.
+        self._held = {}
         self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._pid = 0
+        self._thread = None
 
     @contextmanager
     def hold(self, dispatch_id: str, token: str, max_age_seconds: float) -> Iterator[None]:
         """Renew the claim while the block runs."""
         held = _Held(dispatch_id, token, time.monotonic() + max_age_seconds)
         with self._lock:
-            self._held[token] = held
             self._ensure_thread()
+            self._held[token] = held
         try:
             yield
         finally:
@@ -53,19 +60,15 @@ class LeaseKeeper:
                 self._held.pop(token, None)
 
     def _ensure_thread(self) -> None:
-        # A thread does not survive fork: start one per process, on first use.
-        if self._thread is not None and self._pid == os.getpid() and self._thread.is_alive():
+        if self._thread is not None:
             return
-        if self._pid != os.getpid():
-            self._held.clear()  # the parent's claims are the parent's to renew
-        self._pid = os.getpid()
         self._thread = threading.Thread(target=self._loop, name="questpie-leases", daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
         interval = max(self.lease_seconds / 3, 0.05)
         while True:
-            self._wake.wait(interval)
+            time.sleep(interval)
             with self._lock:
                 due = list(self._held.values())
             now = time.monotonic()

@@ -49,7 +49,6 @@ from sqlalchemy import (
     event,
     exc,
     func,
-    insert,
     or_,
     select,
     update,
@@ -321,7 +320,12 @@ class _Statements:
             .values(
                 queued_at=func.coalesce(t.queued_at, bindparam("now", type_=UTCDateTime)),
                 status=case((t.status == "pending", "queued"), else_=t.status),
-                next_send_at=bindparam("redeliver_at", type_=UTCDateTime),
+                # Only a row still waiting for its first claim gets a redelivery time: a
+                # row that moved on already has the right one.
+                next_send_at=case(
+                    (t.status == "pending", bindparam("redeliver_at", type_=UTCDateTime)),
+                    else_=t.next_send_at,
+                ),
             )
         )
         self.claim = (
@@ -330,6 +334,7 @@ class _Statements:
             .values(
                 status="active",
                 attempt=t.attempt + 1,
+                send_count=0,  # the relay's budget counts sends per attempt
                 claim_token=bindparam("new_token"),
                 lease_expires_at=bindparam("new_lease"),
                 started_at=bindparam("now"),
@@ -449,11 +454,13 @@ class _Statements:
             select(t.job_name, t.slot)
             .where(
                 t.status == "parked",
+                # A slot is free when nothing runs in it and no run is on its way to it
+                # (an unparked or newly accepted run whose message is still in the broker).
                 ~select(running.c.id)
                 .where(
                     running.c.job_name == t.job_name,
                     running.c.slot == t.slot,
-                    running.c.status.in_(RUNNING),
+                    running.c.status.in_((*RUNNING, "pending", "queued")),
                 )
                 .exists(),
             )
@@ -709,8 +716,13 @@ class Ledger:
         rows = self._all(self._sql.expired, {"now": utcnow(), "limit": limit})
         return [DispatchRow.from_mapping(r) for r in rows]
 
-    def expire_claim(self, row: DispatchRow, *, retry_in: float | None) -> bool:
-        """End a lapsed claim as a failed attempt: retry after `retry_in` s, or fail."""
+    def expire_claim(
+        self, row: DispatchRow, *, retry_in: float | None, relay_at: datetime | None = None
+    ) -> bool:
+        """End a lapsed claim as a failed attempt: retry after `retry_in` s, or fail.
+
+        `relay_at` is when the relay should send the retry (None: the caller sends it now).
+        """
         now = utcnow()
         params: dict[str, Any] = {
             "dispatch_id": row.id,
@@ -721,7 +733,7 @@ class Ledger:
         if retry_in is None:
             return self._count(self._sql.expire_fail, params) == 1
         params["new_run_after"] = now + timedelta(seconds=retry_in)
-        params["redeliver_at"] = params["new_run_after"] + self.redeliver_after
+        params["redeliver_at"] = relay_at or params["new_run_after"] + self.redeliver_after
         return self._count(self._sql.expire_retry, params) == 1
 
     def get_policy(self, job_name: str) -> str | None:
@@ -738,18 +750,17 @@ class Ledger:
 
     def set_policy(self, job_name: str, policy: str) -> None:
         """Change a job's recorded policy on purpose (new dispatches follow it)."""
-        with translate_errors(), self._transactional.begin() as conn:
-            changed = conn.execute(
-                update(policy_table)
-                .where(policy_table.c.job_name == job_name)
-                .values(policy=policy, updated_at=utcnow())
-            ).rowcount
-            if not changed:
-                conn.execute(
-                    insert(policy_table).values(
-                        job_name=job_name, policy=policy, updated_at=utcnow()
-                    )
-                )
+        dialect = postgresql if self.dialect == "postgresql" else sqlite
+        stmt = dialect.insert(policy_table).values(
+            job_name=job_name, policy=policy, updated_at=utcnow()
+        )
+        self._count(
+            stmt.on_conflict_do_update(
+                index_elements=[policy_table.c.job_name],
+                set_={"policy": stmt.excluded.policy, "updated_at": stmt.excluded.updated_at},
+            ),
+            {},
+        )
 
     # the relay's sends
 
@@ -798,7 +809,7 @@ def _insert_or_nothing(dialect: str, table: Table) -> Any:
 
 
 _PG_LOCK_NOT_AVAILABLE = "55P03"
-_MISSING_TABLE_MARKERS = ("no such table", "undefinedtable", "does not exist")
+_PG_UNDEFINED_TABLE = "42P01"
 
 
 @contextmanager
@@ -807,10 +818,10 @@ def translate_errors() -> Iterator[None]:
     try:
         yield
     except exc.DBAPIError as error:
-        text = f"{type(error.orig).__name__} {error.orig}".lower()
-        if any(marker in text for marker in _MISSING_TABLE_MARKERS):
+        sqlstate = getattr(error.orig, "sqlstate", None)
+        if sqlstate == _PG_UNDEFINED_TABLE or "no such table" in str(error.orig):
             raise LedgerSchemaError() from error
-        if getattr(error.orig, "sqlstate", None) == _PG_LOCK_NOT_AVAILABLE:
+        if sqlstate == _PG_LOCK_NOT_AVAILABLE:
             raise LedgerError(
                 "a ledger row is held by another open transaction (lock_timeout reached); "
                 "try again once it ends"

@@ -34,13 +34,15 @@ class PolicyBook:
         self._warned: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
 
-    def effective(self, definition: JobDefinition[Any], publish_policy: str | None) -> str:
-        """The policy a new dispatch of `definition` is accepted under."""
+    def effective(self, definition: JobDefinition[Any], requested: str | None) -> str:
+        """The policy a new dispatch is accepted under.
+
+        `requested` is the call's queue_policy merged over the job's; it counts only
+        while the ledger records none for the job.
+        """
         recorded = self._recorded(definition.name)
-        if recorded is None:
-            candidate = definition.options.get("queue_policy") or publish_policy
-            if candidate is not None and candidate != STANDARD:
-                recorded = self._store(definition.name, candidate)
+        if recorded is None and requested is not None and requested != STANDARD:
+            recorded = self._store(definition.name, requested)
         if recorded is not None:
             self._check_declared(definition, recorded)
         return recorded or STANDARD

@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 
 from celery import bootsteps
 
-from .dispatch import Dispatcher
+from .dispatch import Dispatcher, relay_time_for_retry
 from .errors import QuestpieError
 from .ledger import DispatchRow, Ledger, utcnow
 from .options import RunOptions
@@ -74,6 +74,9 @@ class Relay:
                 self.run_once()
             except QuestpieError as exc:
                 log.warning("relay pass failed (%s); trying again", type(exc).__name__)
+            except Exception:
+                # Never let one bad pass end recovery for the life of the worker.
+                log.exception("relay pass failed unexpectedly; trying again")
             stop.wait(self.interval)
 
     def _resend(self, row: DispatchRow) -> bool:
@@ -109,7 +112,8 @@ class Relay:
         run = RunOptions.from_dict(row.options.get("run"))
         if row.attempt <= run.retry_limit:
             delay = run.delay_before_retry(row.attempt)
-            if not self.ledger.expire_claim(row, retry_in=delay):
+            relay_at = relay_time_for_retry(delay)
+            if not self.ledger.expire_claim(row, retry_in=delay, relay_at=relay_at):
                 return False  # renewed or recovered by someone else meanwhile
             log.warning(
                 "dispatch %s of job %s: lease expired on attempt %d; retrying",
@@ -118,9 +122,10 @@ class Relay:
                 row.attempt,
                 extra={"dispatch_id": row.id, "job_name": row.job_name},
             )
-            fresh = self.ledger.get(row.id)
-            if fresh is not None and fresh.status == "retry":
-                self.dispatcher.send_row(fresh, attempt=fresh.attempt + 1)
+            if relay_at is None:  # due soon: send it now; else a later pass sends it
+                fresh = self.ledger.get(row.id)
+                if fresh is not None and fresh.status == "retry":
+                    self.dispatcher.send_row(fresh, attempt=fresh.attempt + 1)
             return True
         if not self.ledger.expire_claim(row, retry_in=None):
             return False

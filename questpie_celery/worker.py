@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from datetime import timedelta
 from typing import Any
 
 from celery import Celery, Task
@@ -20,7 +19,7 @@ from celery.exceptions import Ignore
 
 from .broker import HEADER, MessageHeader
 from .crypto import Keyring, Sealed
-from .dispatch import ETA_HORIZON_SECONDS
+from .dispatch import relay_time_for_retry
 from .errors import (
     PayloadValidationError,
     PermanentFailure,
@@ -29,7 +28,7 @@ from .errors import (
 )
 from .jobs import JobContext, JobDefinition
 from .leases import LeaseKeeper
-from .ledger import DispatchRow, Ledger, utcnow
+from .ledger import DispatchRow, Ledger
 from .options import RunOptions, resolve_options
 from .slots import SlotKeeper
 
@@ -42,7 +41,6 @@ class JobTask(Task):  # type: ignore[misc]  # celery ships no type information
     #: Retry limits are ours (per dispatch, in the message header), not Celery's.
     max_retries = None
     questpie_definition: JobDefinition[Any]
-    questpie_runner: Runner
 
 
 class Runner:
@@ -76,7 +74,6 @@ class Runner:
             shared=False,
             serializer="json",
             questpie_definition=definition,
-            questpie_runner=runner,
         )(run)
 
     def execute(self, task: JobTask, payload: Any) -> Any:
@@ -141,30 +138,34 @@ class Runner:
             raise Ignore()
         row, token = claim.row, claim.token
         run = RunOptions.from_dict(row.options.get("run"))
+        # Exceptions are handled after their `except` block has closed, so that what we
+        # raise for a secret dispatch carries no __context__ that could hold plaintext.
+        failure: Exception | None = None
+        for_good = False
+        result: Any = None
         try:
             model = self._payload_of(definition, row, payload)
-        except (PayloadValidationError, SecretDecryptionError) as exc:
-            # Nothing a retry could mend: fail for good (which erases a secret's key).
-            self._record_failure(row, token, exc)
-            raise _sanitized(row, exc) from None
-        ctx = JobContext(
-            dispatch_id=dispatch_id,
-            job_name=definition.name,
-            idempotency_key=row.idempotency_key,
-            attempt=row.attempt,
-            retry_limit=run.retry_limit,
-            singleton_key=row.singleton_key,
-        )
-        try:
+            ctx = JobContext(
+                dispatch_id=dispatch_id,
+                job_name=definition.name,
+                idempotency_key=row.idempotency_key,
+                attempt=row.attempt,
+                retry_limit=run.retry_limit,
+                singleton_key=row.singleton_key,
+            )
             with self.leases.hold(dispatch_id, token, run.expire_in_seconds):
                 result = _call(definition, model, ctx)
-        except PermanentFailure as exc:
-            self._record_failure(row, token, exc)
-            raise _sanitized(row, exc) from None
+        except (PayloadValidationError, SecretDecryptionError, PermanentFailure) as exc:
+            failure = exc
+            # A bad payload or ciphertext is not mended by retrying; a worker missing the
+            # right secret might be, by a better-configured one.
+            for_good = not getattr(exc, "retryable", False)
         except Exception as exc:
-            if row.attempt > run.retry_limit:
-                self._record_failure(row, token, exc)
-                raise _sanitized(row, exc) from None
+            failure = exc
+        if failure is not None:
+            if for_good or row.attempt > run.retry_limit:
+                self._record_failure(row, token, failure)
+                raise _sanitized(row, failure)
             self._retry(
                 task,
                 definition=definition,
@@ -172,7 +173,7 @@ class Runner:
                 token=token,
                 attempt=row.attempt,
                 run=run,
-                exc=_sanitized(row, exc),
+                exc=_sanitized(row, failure),
             )
         if not self.ledger.complete(dispatch_id, token):
             # Our lease lapsed and the dispatch moved on; its new holder records it.
@@ -193,7 +194,7 @@ class Runner:
         if not row.secret:
             return definition.validate(row.payload if row.payload is not None else message_payload)
         if self.keyring is None:
-            raise SecretDecryptionError("this worker has no secret configured")
+            raise SecretDecryptionError("this worker has no secret configured", retryable=True)
         if row.secret_ciphertext is None or row.secret_wrapped_key is None:
             raise SecretDecryptionError("the secret payload's key was erased")
         plaintext = self.keyring.open(
@@ -225,9 +226,9 @@ class Runner:
         exc: Exception,
     ) -> None:
         delay = run.delay_before_retry(attempt)
-        if delay > ETA_HORIZON_SECONDS:
+        relay_at = relay_time_for_retry(delay)
+        if relay_at is not None:
             # A long wait stays in the ledger, not in a worker's memory as an ETA.
-            relay_at = utcnow() + timedelta(seconds=delay - ETA_HORIZON_SECONDS)
             if self.ledger.schedule_retry(
                 dispatch_id, token, delay, type(exc).__name__, relay_at=relay_at
             ):
@@ -263,8 +264,15 @@ class Runner:
 
 
 def _sanitized(row: DispatchRow, exc: Exception) -> Exception:
-    """For a secret dispatch, the exception Celery may see: its class name, nothing else."""
-    return SecretJobError(type(exc).__name__) if row.secret else exc
+    """For a secret dispatch, the exception Celery may see: its class name, nothing else.
+
+    It is created fresh outside any `except` block: no __cause__, no __context__.
+    """
+    if not row.secret:
+        return exc
+    error = SecretJobError(type(exc).__name__)
+    error.__suppress_context__ = True
+    return error
 
 
 def _call(definition: JobDefinition[Any], model: Any, ctx: JobContext) -> Any:

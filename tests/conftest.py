@@ -105,7 +105,7 @@ def _stack(env: dict[str, str]) -> Iterator[Stack]:
     finally:
         worker.stop()
         engine.dispose()
-        questpie.engine.dispose()
+        questpie.close()
 
 
 @pytest.fixture(scope="session")

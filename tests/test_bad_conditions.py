@@ -26,6 +26,7 @@ def test_unreachable_ledger_raises_and_sends_nothing(redis_url: str) -> None:
     assert isinstance(caught.value, QuestpieError)
     assert time.monotonic() - started < 15
     assert redis.Redis.from_url(redis_url).llen(queue) == 0
+    questpie.close()
 
 
 def test_unreachable_broker_leaves_a_pending_row_and_returns_fast(
@@ -49,7 +50,7 @@ def test_unreachable_broker_leaves_a_pending_row_and_returns_fast(
     again_started = time.monotonic()
     assert questpie.queue.record.publish({"tag": "x"}, idempotency_key="broker-down") == dispatch_id
     assert time.monotonic() - again_started < 2
-    questpie.engine.dispose()
+    questpie.close()
 
 
 def test_unreachable_broker_unledgered_publish_raises(pg_unit_url: str) -> None:
@@ -58,4 +59,4 @@ def test_unreachable_broker_unledgered_publish_raises(pg_unit_url: str) -> None:
     with pytest.raises(BrokerError):
         questpie.queue.record.publish({"tag": "x"})
     assert time.monotonic() - started < 10
-    questpie.engine.dispose()
+    questpie.close()

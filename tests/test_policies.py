@@ -238,8 +238,8 @@ def test_first_recorded_policy_wins_and_policy_set_changes_it(
     assert exclusive.ledger.get_policy(name) == "stately"
     shown = CliRunner().invoke(main, ["policy", "show", name, "--ledger-url", pg_unit_url])
     assert "stately" in shown.output
-    exclusive.engine.dispose()
-    short.engine.dispose()
+    exclusive.close()
+    short.close()
 
 
 def test_publish_time_policy_counts_only_while_none_is_recorded(pg_unit_url: str) -> None:
@@ -257,7 +257,7 @@ def test_publish_time_policy_counts_only_while_none_is_recorded(pg_unit_url: str
     assert client.publish({"tag": "b"}, queue_policy="exclusive") is None
     # Recorded now: a different publish-time policy changes nothing.
     assert client.publish({"tag": "c"}, queue_policy="standard") is None
-    questpie.engine.dispose()
+    questpie.close()
 
 
 def test_killed_worker_frees_its_slot_when_the_lease_expires(

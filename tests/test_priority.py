@@ -62,4 +62,5 @@ def test_higher_priority_runs_first(
             time.sleep(0.2)
     finally:
         worker.stop()
+        questpie.close()
     assert [int(t.rsplit(":", 1)[1]) for t in tags] == sorted(PRIORITIES, reverse=True)

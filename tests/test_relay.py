@@ -40,7 +40,7 @@ def relaying(pg_unit_url: str, redis_url: str, queue_name: str) -> Iterator[Ques
     )
     questpie.migrate()
     yield questpie
-    questpie.engine.dispose()
+    questpie.close()
 
 
 def waiting(redis_url: str, queue: str, dispatch_id: str | None = None) -> int:
@@ -97,7 +97,7 @@ def test_pending_row_of_a_publisher_whose_broker_was_down_is_sent(
 ) -> None:
     _, offline = jobapp.build(broker=f"redis://127.0.0.1:{free_port()}/0", ledger=pg_unit_url)
     dispatch_id = offline.queue.record.publish({"tag": "p"}, idempotency_key=uuid.uuid4().hex)
-    offline.engine.dispose()
+    offline.close()
     assert dispatch_id is not None
     row = relaying.ledger.get(dispatch_id)
     assert row is not None and row.status == "pending"
@@ -172,7 +172,7 @@ def test_two_relays_send_a_due_row_once(
     assert waiting(redis_url, queue_name, dispatch_id) == 1
     row = relaying.ledger.get(dispatch_id)
     assert row is not None and row.send_count == 1
-    other.engine.dispose()
+    other.close()
 
 
 def test_relay_command_makes_one_pass(relaying: Questpie, monkeypatch: pytest.MonkeyPatch) -> None:

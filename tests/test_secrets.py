@@ -146,7 +146,7 @@ def secret_stack(pg_url: str, redis_url: str) -> Iterator[Stack]:
     finally:
         worker.stop()
         engine.dispose()
-        questpie.engine.dispose()
+        questpie.close()
 
 
 def canary() -> str:
@@ -301,7 +301,7 @@ def test_rotation_previous_secrets_open_old_work(secret_stack: Stack) -> None:
     assert dispatch_id is not None
     stack.wait_status(dispatch_id, "completed")
     assert [r["note"] for r in stack.runs(t)] == [digest(secret)]
-    old_publisher.engine.dispose()
+    old_publisher.close()
 
 
 def test_wrong_secret_fails_closed(secret_stack: Stack) -> None:
@@ -320,7 +320,7 @@ def test_wrong_secret_fails_closed(secret_stack: Stack) -> None:
     assert row.last_error == "SecretDecryptionError"
     assert row.secret_wrapped_key is None
     assert stack.runs(t) == []
-    stranger.engine.dispose()
+    stranger.close()
 
 
 def test_receipts_through_the_lifecycle(secret_stack: Stack) -> None:
@@ -384,8 +384,8 @@ def test_secret_publish_preconditions(pg_unit_url: str) -> None:
     memory.register(jobapp.secret_link)
     with pytest.raises(PublishOptionsError, match="in-memory"):
         memory.queue.secret_link.publish(link, idempotency_key="k", secret_payload=True)
-    for questpie in (no_secret, short):
-        questpie.engine.dispose()
+    for questpie in (no_secret, short, memory):
+        questpie.close()
 
 
 def test_secret_validation_error_holds_no_input(secret_stack: Stack) -> None:

@@ -30,7 +30,7 @@ def idle(pg_unit_url: str, redis_url: str) -> Iterator[tuple[Questpie, redis.Red
     yield questpie, client
     client.delete(QUEUE)
     client.close()
-    questpie.engine.dispose()
+    questpie.close()
 
 
 def _written(questpie: Questpie, client: redis.Redis) -> tuple[int, int]:
@@ -117,6 +117,7 @@ def test_validation_error_does_not_echo_input_values(idle: tuple[Questpie, redis
     with pytest.raises(PayloadValidationError) as caught:
         questpie.queue.record.publish({"tag": {"nested": "CANARY-7731"}})
     assert "CANARY-7731" not in str(caught.value)
+    # Nothing chained either: pydantic's error holds the input values.
     assert caught.value.__cause__ is None
-    assert caught.value.__suppress_context__
+    assert caught.value.__context__ is None
     assert "tag" in str(caught.value)

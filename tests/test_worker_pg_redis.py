@@ -247,3 +247,17 @@ def test_bad_messages_fail_without_killing_the_worker(pg_redis: Stack) -> None:
     assert len(pg_redis.wait_runs(t, 1)) == 1
     assert pg_redis.worker.alive()
     assert "no-such-job" in pg_redis.worker.log()
+
+
+def test_expire_in_seconds_caps_a_run(pg_redis: Stack) -> None:
+    """On prefork, expire_in_seconds is the run's soft time limit: a failed attempt."""
+    t = tag()
+    dispatch_id = pg_redis.questpie.queue.record.publish(
+        {"tag": t, "sleep": 30}, idempotency_key=f"expire:{t}", expire_in_seconds=2,
+        retry_limit=0,
+    )  # fmt: skip
+    assert dispatch_id is not None
+    row = pg_redis.wait_status(dispatch_id, "failed", timeout=25)
+    assert (row.attempt, row.last_error) == (1, "SoftTimeLimitExceeded")
+    assert row.finished_at is not None and row.started_at is not None
+    assert row.finished_at - row.started_at < timedelta(seconds=30)
