@@ -8,7 +8,6 @@ from datetime import timedelta
 from typing import Any
 
 from celery import Celery
-from celery.signals import worker_process_init
 from sqlalchemy import Engine
 
 from .broker import Sender, configure_app, visibility_timeout
@@ -16,6 +15,7 @@ from .client import JobClient, QueueClient
 from .crypto import MIN_SECRET_BYTES, Keyring
 from .dispatch import Dispatcher
 from .errors import ConfigurationError, JobDefinitionError, PublishOptionsError
+from .forking import reset_in_child
 from .jobs import JobContext, JobDefinition, P, job
 from .leases import LeaseKeeper
 from .ledger import DEFAULT_REDELIVER_AFTER_SECONDS, Ledger, create_ledger_engine
@@ -58,19 +58,9 @@ class Questpie:
             raise ConfigurationError("pass exactly one of ledger_url= and engine=")
         if engine is not None and not isinstance(engine, Engine):
             raise ConfigurationError("engine must be a sqlalchemy.Engine")
-        if isinstance(lease_seconds, bool) or not isinstance(lease_seconds, int | float):
-            raise ConfigurationError("lease_seconds must be a number")
-        if lease_seconds <= 0:
-            raise ConfigurationError("lease_seconds must be > 0")
-        if isinstance(relay_interval, bool) or not isinstance(relay_interval, int | float):
-            raise ConfigurationError("relay_interval must be a number")
-        if relay_interval <= 0:
-            raise ConfigurationError("relay_interval must be > 0")
-        if isinstance(redeliver_after, bool) or not isinstance(redeliver_after, int | float):
-            raise ConfigurationError("redeliver_after must be a number")
-        if redeliver_after <= 0:
-            raise ConfigurationError("redeliver_after must be > 0")
-        self._redeliver_after = float(redeliver_after)
+        lease_seconds = _positive_seconds(lease_seconds, "lease_seconds")
+        relay_interval = _positive_seconds(relay_interval, "relay_interval")
+        self._redeliver_after = _positive_seconds(redeliver_after, "redeliver_after")
         current = _as_secret(secret, "secret")
         previous = tuple(
             s for s in (_as_secret(p, "previous_secrets") for p in previous_secrets) if s
@@ -90,9 +80,9 @@ class Questpie:
         self.dispatcher = Dispatcher(self.ledger, self.sender)
         self.policies = PolicyBook(self.ledger)
         slots = SlotKeeper(self.ledger, self.dispatcher)
-        leases = LeaseKeeper(self.ledger, float(lease_seconds))
+        leases = LeaseKeeper(self.ledger, lease_seconds)
         self.runner = Runner(self.ledger, leases, slots, self.keyring)
-        self.relay = Relay(self.ledger, self.dispatcher, slots, float(relay_interval))
+        self.relay = Relay(self.ledger, self.dispatcher, slots, relay_interval)
         self.queue = QueueClient(self)
         self._definitions: dict[str, JobDefinition[Any]] = {}
         self._clients_by_name: dict[str, JobClient[Any]] = {}
@@ -103,8 +93,9 @@ class Questpie:
             self._configure()
         else:
             celery_app.on_after_configure.connect(self._on_configure, weak=False)
-        # An engine's pooled connections must not be shared across fork (SPEC section 10).
-        worker_process_init.connect(self._after_fork, weak=False)
+        # Pooled connections must not be shared across fork (SPEC section 10): a prefork
+        # child, a gunicorn worker or a multiprocessing child each opens its own.
+        reset_in_child(self._after_fork)
         celery_app.steps["worker"].add(type("QuestpieRelayStep", (RelayStep,), {"questpie": self}))
         self.register(*jobs)
 
@@ -214,8 +205,14 @@ class Questpie:
         visibility = visibility_timeout(self.celery_app)
         self.ledger.redeliver_after = timedelta(seconds=max(self._redeliver_after, visibility))
 
-    def _after_fork(self, **_: Any) -> None:
+    def _after_fork(self) -> None:
         self.engine.dispose(close=False)
+
+
+def _positive_seconds(value: object, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ConfigurationError(f"{name} must be a number of seconds > 0")
+    return float(value)
 
 
 def _is_private_sqlite(engine: Engine) -> bool:
