@@ -63,6 +63,7 @@ class JobDefinition(Generic[P]):
         self.handler = handler
         self.options: JobOptions = validated
         self.is_async = inspect.iscoroutinefunction(handler)
+        self._has_secret_fields = _has_secret_fields(schema)
 
     @property
     def attribute_name(self) -> str:
@@ -102,7 +103,10 @@ class JobDefinition(Generic[P]):
         Dumped by alias, so the worker's validation accepts it, and with pydantic's
         `Secret*` values unwrapped: the handler needs the value, not its mask.
         """
-        dumped = _jsonable(self.validate(payload).model_dump(by_alias=True))
+        model = self.validate(payload)
+        if not self._has_secret_fields:  # pydantic's own JSON dump is much faster
+            return model.model_dump(mode="json", by_alias=True)
+        dumped = _jsonable(model.model_dump(by_alias=True))
         assert isinstance(dumped, dict)
         return dumped
 
@@ -123,6 +127,28 @@ def job(
         return JobDefinition(name=name, schema=schema, handler=handler, options=options)
 
     return decorate
+
+
+def _has_secret_fields(schema: type[BaseModel], seen: frozenset[type] = frozenset()) -> bool:
+    """Whether any field, however nested, may hold one of pydantic's `Secret*` values."""
+    if schema in seen:
+        return False
+    for field in schema.model_fields.values():
+        stack = [field.annotation]
+        while stack:
+            annotation = stack.pop()
+            if isinstance(annotation, type):
+                if hasattr(annotation, "get_secret_value"):
+                    return True
+                if issubclass(annotation, BaseModel) and _has_secret_fields(
+                    annotation, seen | {schema}
+                ):
+                    return True
+            stack.extend(get_args(annotation))
+            origin = getattr(annotation, "__origin__", None)
+            if origin is not None and hasattr(origin, "get_secret_value"):
+                return True
+    return False
 
 
 def _jsonable(value: Any) -> Any:
