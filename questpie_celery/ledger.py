@@ -344,32 +344,29 @@ class _Statements:
         self.renew = (
             update(dispatch_table).where(held).values(lease_expires_at=bindparam("new_lease"))
         )
+        # What ending a claim writes: for good, or until a retry.
+        ended: dict[str, Any] = {
+            "claim_token": None,
+            "lease_expires_at": None,
+            "last_error": bindparam("error"),
+        }
+        terminal = {
+            **ended,
+            "finished_at": bindparam("now"),
+            # Key erasure is part of the terminal write, never a second step.
+            "secret_ciphertext": None,
+            "secret_wrapped_key": None,
+        }
+        retrying = {
+            **ended,
+            "status": "retry",
+            "run_after": bindparam("new_run_after"),
+            "next_send_at": bindparam("redeliver_at"),
+        }
         self.finish = (
-            update(dispatch_table)
-            .where(held)
-            .values(
-                status=bindparam("new_status"),
-                claim_token=None,
-                lease_expires_at=None,
-                finished_at=bindparam("now"),
-                last_error=bindparam("error"),
-                # Key erasure is part of the terminal write, never a second step.
-                secret_ciphertext=None,
-                secret_wrapped_key=None,
-            )
+            update(dispatch_table).where(held).values(status=bindparam("new_status"), **terminal)
         )
-        self.retry = (
-            update(dispatch_table)
-            .where(held)
-            .values(
-                status="retry",
-                claim_token=None,
-                lease_expires_at=None,
-                run_after=bindparam("new_run_after"),
-                next_send_at=bindparam("redeliver_at"),
-                last_error=bindparam("error"),
-            )
-        )
+        self.retry = update(dispatch_table).where(held).values(**retrying)
         self.park = (
             update(dispatch_table)
             .where(by_id, claimable, t.attempt == bindparam("previous_attempt"))
@@ -405,14 +402,7 @@ class _Statements:
         self.give_up = (
             update(dispatch_table)
             .where(seen)
-            .values(
-                status="failed",
-                finished_at=bindparam("now"),
-                next_send_at=None,
-                last_error=RELAY_GAVE_UP,
-                secret_ciphertext=None,
-                secret_wrapped_key=None,
-            )
+            .values(status="failed", **{**terminal, "last_error": RELAY_GAVE_UP})
         )
         self.slot_running = (
             select(t.id).where(in_slot, t.status.in_(RUNNING), t.policy.is_not(None)).limit(1)
@@ -424,31 +414,8 @@ class _Statements:
             .limit(bindparam("limit"))
         )
         lapsed = and_(held, t.lease_expires_at < bindparam("now"))
-        self.expire_retry = (
-            update(dispatch_table)
-            .where(lapsed)
-            .values(
-                status="retry",
-                claim_token=None,
-                lease_expires_at=None,
-                run_after=bindparam("new_run_after"),
-                next_send_at=bindparam("redeliver_at"),
-                last_error=bindparam("error"),
-            )
-        )
-        self.expire_fail = (
-            update(dispatch_table)
-            .where(lapsed)
-            .values(
-                status="failed",
-                claim_token=None,
-                lease_expires_at=None,
-                finished_at=bindparam("now"),
-                last_error=bindparam("error"),
-                secret_ciphertext=None,
-                secret_wrapped_key=None,
-            )
-        )
+        self.expire_retry = update(dispatch_table).where(lapsed).values(**retrying)
+        self.expire_fail = update(dispatch_table).where(lapsed).values(status="failed", **terminal)
         running = dispatch_table.alias("running")
         self.free_parked_slots = (
             select(t.job_name, t.slot)
