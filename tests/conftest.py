@@ -89,17 +89,20 @@ def redis_url() -> Iterator[str]:
         yield url
 
 
-def _stack(env: dict[str, str]) -> Iterator[Stack]:
+def make_stack(env: dict[str, str], *, loglevel: str = "info") -> Iterator[Stack]:
+    """The parts `env` describes: this process's app and Questpie, and a worker process."""
     celery_app, questpie = jobapp.build(
         broker=env["QP_TEST_BROKER"],
         ledger=env["QP_TEST_LEDGER"],
         backend=env.get("QP_TEST_BACKEND"),
         fs_dir=env.get("QP_TEST_FS_DIR"),
+        secret=env.get("QP_TEST_SECRET"),
+        extended=bool(env.get("QP_TEST_EXTENDED")),
     )
     questpie.migrate()
     engine = create_ledger_engine(env["QP_TEST_LEDGER"])
     jobapp.runs_metadata.create_all(engine)
-    worker = Worker(env).start()
+    worker = Worker(env, loglevel=loglevel).start()
     try:
         yield Stack(env, celery_app, questpie, engine, worker)
     finally:
@@ -112,7 +115,7 @@ def _stack(env: dict[str, str]) -> Iterator[Stack]:
 def pg_redis(pg_url: str, redis_url: str) -> Iterator[Stack]:
     """PostgreSQL ledger, Redis broker and result backend, a prefork worker."""
     backend = redis_url.rsplit("/", 1)[0] + "/1"
-    yield from _stack(
+    yield from make_stack(
         {"QP_TEST_BROKER": redis_url, "QP_TEST_BACKEND": backend, "QP_TEST_LEDGER": pg_url}
     )
 
@@ -121,7 +124,7 @@ def pg_redis(pg_url: str, redis_url: str) -> Iterator[Stack]:
 def sqlite_fs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """The embedded default: SQLite ledger file, filesystem broker, two prefork children."""
     folder: Path = tmp_path_factory.mktemp("embedded")
-    yield from _stack(
+    yield from make_stack(
         {
             "QP_TEST_BROKER": "filesystem://",
             "QP_TEST_FS_DIR": str(folder / "broker"),

@@ -25,10 +25,9 @@ from celery.result import AsyncResult
 from sqlalchemy import Engine, inspect, select, text, update
 
 from questpie_celery import PublishOptionsError, Questpie, Receipt
-from questpie_celery.ledger import create_ledger_engine, dispatch_table
+from questpie_celery.ledger import dispatch_table
 from tests import jobapp
-from tests.conftest import Stack, tag
-from tests.services import Worker
+from tests.conftest import Stack, make_stack, tag
 
 SECRET = "s" * 16 + "-test-secret-0123456789abcdef"
 OLD_SECRET = "o" * 16 + "-old-secret-0123456789abcdefgh"
@@ -130,23 +129,7 @@ def secret_stack(pg_url: str, redis_url: str) -> Iterator[Stack]:
         "QP_TEST_PREVIOUS": OLD_SECRET,
         "QP_TEST_EXTENDED": "1",
     }
-    celery_app, questpie = jobapp.build(
-        broker=env["QP_TEST_BROKER"],
-        ledger=pg_url,
-        backend=env["QP_TEST_BACKEND"],
-        secret=SECRET,
-        extended=True,
-    )
-    questpie.migrate()
-    engine = create_ledger_engine(pg_url)
-    jobapp.runs_metadata.create_all(engine)
-    worker = Worker(env, loglevel="debug").start()
-    try:
-        yield Stack(env, celery_app, questpie, engine, worker)
-    finally:
-        worker.stop()
-        engine.dispose()
-        questpie.close()
+    yield from make_stack(env, loglevel="debug")
 
 
 def canary() -> str:
