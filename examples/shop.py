@@ -27,6 +27,8 @@ celery_app.conf.update(
     broker_transport_options={
         "data_folder_in": str(BROKER_DIR),
         "data_folder_out": str(BROKER_DIR),
+        # Absolute, like the rest: kombu's default is "control" in the working directory.
+        "control_folder": str(DEMO_DIR / "control"),
         "polling_interval": 0.1,
     },
     worker_prefetch_multiplier=1,

@@ -91,6 +91,8 @@ def make_celery(
         conf["broker_transport_options"] = {
             "data_folder_in": fs_dir,
             "data_folder_out": fs_dir,
+            # kombu's default is a folder named "control" in the working directory.
+            "control_folder": os.path.join(fs_dir, "control"),
             "store_processed": False,
             "polling_interval": 0.1,
         }
