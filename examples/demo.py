@@ -17,6 +17,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
+
+from sqlalchemy import create_engine, select
+
+from questpie_celery import metadata
+
+dispatch_table = metadata.tables["questpie_queue_dispatch"]
 
 HERE = Path(__file__).resolve().parent
 DEMO_DIR = Path(tempfile.mkdtemp(prefix="questpie-demo-"))
@@ -42,11 +49,22 @@ def start_worker(log_path: Path) -> subprocess.Popen[bytes]:
 def wait_for(dispatch_ids: list[str], timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        rows = [shop.questpie.ledger.get(i) for i in dispatch_ids]
+        rows = [shop.questpie.queue.get_status(i) for i in dispatch_ids]
         if all(r is not None and r.status in ("completed", "failed") for r in rows):
             return
         time.sleep(0.2)
     raise SystemExit("the worker did not finish in time; see the log above")
+
+
+def stored_secret(dispatch_id: str) -> dict[str, Any]:
+    """What the ledger table itself holds for a secret dispatch, read with plain SQL."""
+    engine = create_engine(f"sqlite:///{DEMO_DIR / 'ledger.sqlite3'}")
+    with engine.connect() as conn:
+        row = conn.execute(
+            select(dispatch_table).where(dispatch_table.c.id == dispatch_id)
+        ).mappings().one()
+    engine.dispose()
+    return dict(row)
 
 
 def main() -> None:
@@ -112,13 +130,13 @@ def main() -> None:
         )
         assert secret_id is not None
         [message] = (DEMO_DIR / "broker").glob("*.held.msg")
-        row = shop.questpie.ledger.get(secret_id)
-        assert row is not None
+        stored = stored_secret(secret_id)
         print(f"   dispatch id {secret_id}")
         print(f"   link in the broker message: {link.encode() in message.read_bytes()}")
         print(
-            f"   ledger row: payload={row.payload}, ciphertext={len(row.secret_ciphertext or b'')}"
-            f" bytes, link in it: {link.encode() in (row.secret_ciphertext or b'')}"
+            f"   ledger row: payload={stored['payload']}, ciphertext="
+            f"{len(stored['secret_ciphertext'] or b'')} bytes, link in it: "
+            f"{link.encode() in (stored['secret_ciphertext'] or b'')}"
         )
         receipt = queue.get_receipt(secret_id)
         assert receipt is not None
@@ -130,11 +148,11 @@ def main() -> None:
         wait_for([first, retried, permanent, held, secret_id])
         done = queue.get_receipt(secret_id)
         assert done is not None
-        row = shop.questpie.ledger.get(secret_id)
-        assert row is not None
+        stored = stored_secret(secret_id)
+        erased = stored["secret_wrapped_key"] is None and stored["secret_ciphertext"] is None
         print(
             f"   receipt after the run: status={done.status}, handled_at={done.handled_at:%H:%M:%S}"
-            f"; key and ciphertext erased: {row.secret_wrapped_key is None}"
+            f"; key and ciphertext erased: {erased}"
         )
         time.sleep(1)  # let the unledgered run land in the log too
     finally:
@@ -149,11 +167,11 @@ def main() -> None:
     print(f"   -> usr_777's three deliveries ran the handler {runs_777} time(s)")
     print("\nthe ledger:")
     for dispatch_id in (first, retried, permanent, held):
-        row = shop.questpie.ledger.get(dispatch_id)
-        assert row is not None
+        status = shop.questpie.queue.get_status(dispatch_id)
+        assert status is not None
         print(
-            f"   {row.id}  {row.job_name:<18} key={row.idempotency_key:<16} "
-            f"status={row.status:<9} attempts={row.attempt} error={row.last_error}"
+            f"   {status.dispatch_id}  {status.job_name:<18} key={status.idempotency_key:<16} "
+            f"status={status.status:<9} attempts={status.attempt} error={status.last_error}"
         )
     shutil.rmtree(DEMO_DIR, ignore_errors=True)
 

@@ -4,6 +4,7 @@ from .app import Questpie
 from .errors import (
     BrokerError,
     ConfigurationError,
+    HandlerAbortedError,
     InvalidInputError,
     JobDefinitionError,
     LedgerError,
@@ -13,17 +14,22 @@ from .errors import (
     PermanentFailure,
     PublishOptionsError,
     QuestpieError,
+    SecretDecryptionError,
+    SecretJobError,
     UnknownJobError,
 )
 from .ids import derive_dispatch_id
 from .jobs import JobContext, JobDefinition, job
 from .ledger import metadata
-from .options import JobOptions, QueuePolicy
-from .receipts import Receipt
+from .options import JobOptions
+from .policies import QueuePolicy, QueuePolicyName
+from .receipts import DispatchStatus, Receipt
 
 __all__ = [
     "BrokerError",
     "ConfigurationError",
+    "DispatchStatus",
+    "HandlerAbortedError",
     "InvalidInputError",
     "JobContext",
     "JobDefinition",
@@ -38,7 +44,10 @@ __all__ = [
     "Questpie",
     "QuestpieError",
     "QueuePolicy",
+    "QueuePolicyName",
     "Receipt",
+    "SecretDecryptionError",
+    "SecretJobError",
     "UnknownJobError",
     "derive_dispatch_id",
     "job",

@@ -14,11 +14,11 @@ import logging
 import threading
 import time
 import weakref
-from datetime import datetime
+from collections.abc import Callable
 
 from .errors import QuestpieError
 from .forking import reset_in_child
-from .ledger import Ledger, utcnow
+from .ledger import Ledger
 
 log = logging.getLogger(__name__)
 
@@ -26,12 +26,15 @@ FLUSH_INTERVAL_SECONDS = 0.05
 
 
 class AcceptanceRecorder:
-    _accepted: list[tuple[str, datetime]]
+    """Batches `pending -> queued` writes; `redeliver_in()` is the redelivery delay."""
+
+    _accepted: list[str]
     _lock: threading.Lock
     _thread: threading.Thread | None
 
-    def __init__(self, ledger: Ledger) -> None:
+    def __init__(self, ledger: Ledger, redeliver_in: Callable[[], float]) -> None:
         self.ledger = ledger
+        self.redeliver_in = redeliver_in
         self._closed = False
         self._forked()
         reset_in_child(self._forked)
@@ -51,10 +54,10 @@ class AcceptanceRecorder:
 
     def record(self, dispatch_id: str) -> None:
         if self._closed:
-            self.ledger.mark_queued([(dispatch_id, utcnow())])
+            self.ledger.mark_queued([dispatch_id], self.redeliver_in())
             return
         with self._lock:
-            self._accepted.append((dispatch_id, utcnow()))
+            self._accepted.append(dispatch_id)
             if self._thread is None:
                 thread = threading.Thread(
                     target=self._loop, name="questpie-acceptance", daemon=True
@@ -69,7 +72,7 @@ class AcceptanceRecorder:
         if not batch:
             return
         try:
-            self.ledger.mark_queued(batch)
+            self.ledger.mark_queued(batch, self.redeliver_in())
         except QuestpieError as exc:
             log.warning(
                 "could not record broker acceptance of %d dispatch(es) (%s); "

@@ -1,29 +1,39 @@
-"""`Questpie`: binds job definitions, a Celery app and a dispatch ledger together."""
+"""`Questpie`: binds job definitions, a Celery app and a dispatch ledger together.
+
+This is where the parts are wired; each part gets only the collaborators it
+uses. From the bottom up: the ledger; the outbox (the one way a row becomes a
+message); slots and outcomes (how a run waits and how an attempt ends); the
+fence and the worker's task; publishing and the queue client; the relay.
+"""
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterable
-from datetime import timedelta
 from typing import Any
 
 from celery import Celery
 from sqlalchemy import Engine
 
+from .bootstep import relay_step
 from .broker import Sender, configure_app, visibility_timeout
-from .client import JobClient, QueueClient
+from .client import JobClient, JobRegistry, QueueClient
 from .crypto import MIN_SECRET_BYTES, Keyring
-from .dispatch import Dispatcher
 from .errors import ConfigurationError, JobDefinitionError, PublishOptionsError
-from .forking import reset_in_child
+from .fence import Fence
 from .jobs import JobContext, JobDefinition, P, job
 from .leases import LeaseKeeper
-from .ledger import DEFAULT_REDELIVER_AFTER_SECONDS, Ledger, create_ledger_engine
+from .ledger import Ledger, create_ledger_engine, is_private_sqlite
 from .options import JobOptions
-from .policies import PolicyBook
-from .receipts import Receipt, receipt_status
-from .relay import DEFAULT_RELAY_INTERVAL_SECONDS, Relay, RelayStep
-from .slots import SlotKeeper
+from .outbox import DEFAULT_REDELIVER_AFTER_SECONDS, Outbox
+from .outcomes import Outcomes
+from .policies import QueuePolicy
+from .publish import Publisher
+from .receipts import DispatchStatus, Receipt, receipt_status
+from .recorded_policy import PolicyBook
+from .relay import DEFAULT_RELAY_INTERVAL_SECONDS, Relay
+from .slots import Slots
 from .worker import Runner
 
 log = logging.getLogger(__name__)
@@ -58,6 +68,8 @@ class Questpie:
             raise ConfigurationError("pass exactly one of ledger_url= and engine=")
         if engine is not None and not isinstance(engine, Engine):
             raise ConfigurationError("engine must be a sqlalchemy.Engine")
+        if ledger_url is not None and not isinstance(ledger_url, str):
+            raise ConfigurationError("ledger_url must be a str")
         lease_seconds = _positive_seconds(lease_seconds, "lease_seconds")
         relay_interval = _positive_seconds(relay_interval, "relay_interval")
         self._redeliver_after = _positive_seconds(redeliver_after, "redeliver_after")
@@ -67,39 +79,47 @@ class Questpie:
         )
         # A secret shorter than 32 bytes is kept out of the keyring: secret publishes then
         # fail with a clear error, and nothing is ever sealed under a weak key.
-        self.keyring = (
+        self._keyring = (
             Keyring(current, tuple(p for p in previous if len(p) >= MIN_SECRET_BYTES))
             if current is not None and len(current) >= MIN_SECRET_BYTES
             else None
         )
 
-        self.celery_app = celery_app
-        self.engine = engine if engine is not None else create_ledger_engine(str(ledger_url))
-        self.ledger = Ledger(self.engine, redeliver_after=self._redeliver_after)
-        self.sender = Sender(celery_app)
-        self.dispatcher = Dispatcher(self.ledger, self.sender)
-        self.policies = PolicyBook(self.ledger)
-        slots = SlotKeeper(self.ledger, self.dispatcher)
-        leases = LeaseKeeper(self.ledger, lease_seconds)
-        self.runner = Runner(self.ledger, leases, slots, self.keyring)
-        self.relay = Relay(self.ledger, self.dispatcher, slots, relay_interval)
-        self.queue = QueueClient(self)
-        self._definitions: dict[str, JobDefinition[Any]] = {}
-        self._clients_by_name: dict[str, JobClient[Any]] = {}
-        self._clients_by_attribute: dict[str, JobClient[Any]] = {}
-        self.tasks: dict[str, Any] = {}
+        self._celery_app = celery_app
+        self._ledger = Ledger(
+            engine if engine is not None else create_ledger_engine(ledger_url or "")
+        )
+        sender = Sender(celery_app)
+        self._outbox = Outbox(self._ledger, sender, self._redeliver_after)
+        self._policies = PolicyBook(self._ledger)
+        slots = Slots(self._ledger, self._outbox)
+        outcomes = Outcomes(self._ledger, self._outbox, slots)
+        fence = Fence(
+            self._ledger,
+            LeaseKeeper(self._ledger, lease_seconds),
+            slots,
+            outcomes,
+            self._keyring,
+            redeliver_after=lambda: self._outbox.redeliver_after,
+        )
+        self._runner = Runner(fence, self._policies)
+        self._publisher = Publisher(
+            self._ledger, self._outbox, sender, self._policies, self._keyring_for_publish
+        )
+        self._relay = Relay(self._ledger, self._outbox, outcomes, slots, relay_interval)
+        self._registry = JobRegistry()
+        self._tasks: dict[str, Any] = {}
+        self.queue = QueueClient(self._registry, self._receipt, self._status)
+        """The queue client: `questpie.queue.<job>.publish(...)`, `get_receipt(...)`."""
 
         if celery_app.configured:
             self._configure()
         else:
             celery_app.on_after_configure.connect(self._on_configure, weak=False)
-        # Pooled connections must not be shared across fork (SPEC section 10): a prefork
-        # child, a gunicorn worker or a multiprocessing child each opens its own.
-        reset_in_child(self._after_fork)
-        celery_app.steps["worker"].add(type("QuestpieRelayStep", (RelayStep,), {"questpie": self}))
+        celery_app.steps["worker"].add(relay_step(self._relay, self._record_policies))
         self.register(*jobs)
 
-    # registration
+    # --- registration ---------------------------------------------------------------------
 
     def register(self, *definitions: JobDefinition[Any]) -> None:
         """Register job definitions, creating a Celery task for each."""
@@ -108,22 +128,8 @@ class Questpie:
                 raise JobDefinitionError(
                     f"expected a JobDefinition (made with @job), got {type(definition).__name__}"
                 )
-            existing = self._definitions.get(definition.name)
-            if existing is definition:
-                continue
-            if existing is not None:
-                raise JobDefinitionError(f"job {definition.name!r} is registered twice")
-            attribute = definition.attribute_name
-            clash = self._clients_by_attribute.get(attribute)
-            if clash is not None:
-                raise JobDefinitionError(
-                    f"jobs {clash.name!r} and {definition.name!r} would both be queue.{attribute}"
-                )
-            client: JobClient[Any] = JobClient(definition, self)
-            self._definitions[definition.name] = definition
-            self._clients_by_name[definition.name] = client
-            self._clients_by_attribute[attribute] = client
-            self.tasks[definition.name] = self.runner.register(self.celery_app, definition)
+            if self._registry.add(JobClient(definition, self._publisher)):
+                self._tasks[definition.name] = self._runner.register(self._celery_app, definition)
 
     def job(
         self, *, name: str, schema: type[P], options: JobOptions | None = None
@@ -140,20 +146,55 @@ class Questpie:
 
     def client(self, definition: JobDefinition[P]) -> JobClient[P]:
         """The typed client of a registered definition (`publish` checks the schema type)."""
-        client = self._clients_by_name.get(definition.name)
+        client = self._registry.by_name(definition.name)
         if client is None or client.definition is not definition:
             raise JobDefinitionError(f"job {definition.name!r} is not registered here")
         return client
 
     @property
-    def definitions(self) -> dict[str, JobDefinition[Any]]:
-        return dict(self._definitions)
+    def celery_app(self) -> Celery:
+        return self._celery_app
 
-    # ledger
+    @property
+    def definitions(self) -> dict[str, JobDefinition[Any]]:
+        """The registered job definitions, by job name."""
+        return self._registry.definitions()
+
+    @property
+    def tasks(self) -> dict[str, Any]:
+        """The Celery task of each registered job, by job name."""
+        return dict(self._tasks)
+
+    # --- the ledger -----------------------------------------------------------------------
 
     def migrate(self) -> int:
         """Create or upgrade the ledger schema; idempotent. Returns the schema version."""
-        return self.ledger.migrate()
+        return self._ledger.migrate()
+
+    def set_policy(self, job_name: str, policy: QueuePolicy | str) -> None:
+        """Record `policy` for a job on purpose; dispatches accepted from now on follow it."""
+        parsed = QueuePolicy.parse(policy)
+        if parsed is None:
+            raise PublishOptionsError(f"queue_policy must be one of {', '.join(QueuePolicy)}")
+        self._policies.set(job_name, parsed)
+
+    def get_policy(self, job_name: str) -> QueuePolicy | None:
+        """The policy the ledger records for a job, or None when none is recorded."""
+        return self._policies.recorded(job_name)
+
+    def run_relay(self, *, once: bool = False, stop: threading.Event | None = None) -> int:
+        """Run the relay in this process: one pass (`once`), or until `stop` is set.
+
+        Returns how many dispatches a single pass moved on (0 when running on).
+        """
+        if once:
+            return self._relay.run_once()
+        self._relay.run_forever(stop or threading.Event())
+        return 0
+
+    @property
+    def relay_interval(self) -> float:
+        return self._relay.interval
 
     def close(self) -> None:
         """Write what is still batched and release the ledger's connections.
@@ -161,13 +202,13 @@ class Questpie:
         Call it before discarding a `Questpie` in a long-lived process (tests, scripts);
         a process that simply exits needs nothing: pending batches are written at exit.
         """
-        self.dispatcher.acceptance.close()
-        self.engine.dispose()
+        self._outbox.close()
+        self._ledger.close()
 
     def _receipt(self, dispatch_id: str) -> Receipt | None:
         if not isinstance(dispatch_id, str):
             return None
-        row = self.ledger.get(dispatch_id)
+        row = self._ledger.get(dispatch_id)
         if row is None or not row.secret or row.idempotency_key is None:
             return None
         return Receipt(
@@ -180,43 +221,60 @@ class Questpie:
             handled_at=row.finished_at,
         )
 
-    def keyring_for_publish(self) -> Keyring:
+    def _status(self, dispatch_id: str) -> DispatchStatus | None:
+        if not isinstance(dispatch_id, str):
+            return None
+        row = self._ledger.get(dispatch_id)
+        if row is None:
+            return None
+        return DispatchStatus(
+            dispatch_id=row.id,
+            job_name=row.job_name,
+            idempotency_key=row.idempotency_key,
+            singleton_key=row.singleton_key,
+            status=row.status,
+            attempt=row.attempt,
+            last_error=row.last_error,
+            secret=row.secret,
+            created_at=row.created_at,
+            queued_at=row.queued_at,
+            started_at=row.started_at,
+            finished_at=row.finished_at,
+        )
+
+    def _keyring_for_publish(self) -> Keyring:
         """The keyring a secret publish seals with, or the reason it may not."""
-        if self.keyring is None:
+        if self._keyring is None:
             raise PublishOptionsError(
                 f"secret_payload needs Questpie(secret=...) of at least {MIN_SECRET_BYTES} bytes"
             )
-        if _is_private_sqlite(self.engine):
+        if is_private_sqlite(self._ledger.engine):
             raise PublishOptionsError(
                 "secret_payload needs a ledger that workers and the relay share; an "
                 "in-memory SQLite ledger is private to this process, so no terminal state "
                 "could ever be recorded for the dispatch"
             )
-        return self.keyring
+        return self._keyring
 
-    # Celery hooks
+    def _record_policies(self) -> None:
+        self._policies.record_all(self._registry.definitions().values())
+
+    # --- Celery hooks ---------------------------------------------------------------------
 
     def _on_configure(self, sender: Any = None, **_: Any) -> None:
         self._configure()
 
     def _configure(self) -> None:
-        configure_app(self.celery_app)
+        configure_app(self._celery_app)
         # Redelivering sooner than the broker's own visibility timeout would only race it.
-        visibility = visibility_timeout(self.celery_app)
-        self.ledger.redeliver_after = timedelta(seconds=max(self._redeliver_after, visibility))
-
-    def _after_fork(self) -> None:
-        self.engine.dispose(close=False)
+        visibility = visibility_timeout(self._celery_app)
+        self._outbox.redeliver_after = max(self._redeliver_after, visibility)
 
 
 def _positive_seconds(value: object, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
         raise ConfigurationError(f"{name} must be a number of seconds > 0")
     return float(value)
-
-
-def _is_private_sqlite(engine: Engine) -> bool:
-    return engine.dialect.name == "sqlite" and engine.url.database in (None, "", ":memory:")
 
 
 def _as_secret(value: str | bytes | None, name: str) -> bytes | None:

@@ -8,6 +8,7 @@ Our metadata rides in one custom header, `questpie`, which Celery exposes as
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -128,8 +129,47 @@ def visibility_timeout(app: Celery) -> float:
     return float(options.get("visibility_timeout", DEFAULT_VISIBILITY_TIMEOUT))
 
 
+#: Celery options a delivery carries that a later send of the same dispatch keeps: the
+#: message's custom headers (tracing context, say) and its Canvas links.
+CARRIED_OPTIONS = (
+    "headers", "link", "link_error", "chain", "chord", "group_id", "group_index",
+    "root_id", "parent_id",
+)  # fmt: skip
+
+
+def carry_from_request(request: Any) -> dict[str, Any]:
+    """The Celery options of the delivery being run that a later send should keep."""
+    custom = {k: v for k, v in (getattr(request, "headers", None) or {}).items() if k != HEADER}
+    found = {
+        "headers": custom,
+        "link": getattr(request, "callbacks", None),
+        "link_error": getattr(request, "errbacks", None),
+        "chain": getattr(request, "chain", None),
+        "chord": getattr(request, "chord", None),
+        "group_id": getattr(request, "group", None),
+        "group_index": getattr(request, "group_index", None),
+        "root_id": getattr(request, "root_id", None),
+        "parent_id": getattr(request, "parent_id", None),
+    }
+    carry: dict[str, Any] = {}
+    for name, value in found.items():
+        if value in (None, {}, []):
+            continue
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError):
+            log.info("option %s of a delivery is not JSON; a later send will not keep it", name)
+            continue
+        carry[name] = value
+    return carry
+
+
 class Sender:
-    """Sends questpie messages through the app's producer pool."""
+    """Sends questpie messages through the app's producer pool.
+
+    With `task_always_eager` (which many projects' test suites set), a send runs the
+    task inline instead, through the same fence a worker would use.
+    """
 
     def __init__(self, app: Celery) -> None:
         self.app = app
@@ -143,12 +183,23 @@ class Sender:
         header: MessageHeader,
         priority: int | None,
         queue: str | None,
-        eta: datetime | None,
+        eta: datetime | None = None,
+        countdown: float | None = None,
+        carry: Mapping[str, Any] | None = None,
     ) -> None:
         """Publish one message; raise `BrokerError` if the broker does not take it."""
+        carried = dict(carry or {})
+        headers = {**carried.pop("headers", {}), HEADER: header.to_dict()}
+        if self.app.conf.task_always_eager:
+            # Celery's eager mode ignores ETAs as well; what the handler raises propagates
+            # exactly as it would from apply_async() when task_eager_propagates is set.
+            task = self.app.tasks[job_name]
+            task.apply(args=[payload], task_id=dispatch_id, headers=headers, **carried)
+            return
         options: dict[str, Any] = {
+            **carried,
             "task_id": dispatch_id,
-            "headers": {HEADER: header.to_dict()},
+            "headers": headers,
             "serializer": "json",
             "retry": True,
             "retry_policy": dict(PUBLISH_RETRY_POLICY),
@@ -161,14 +212,16 @@ class Sender:
             options["priority"] = mapped
         if queue is not None:
             options["queue"] = queue
-        if eta is not None:
+        if countdown is not None and countdown > 0:
+            options["countdown"] = countdown
+        elif eta is not None:
             options["eta"] = eta
         try:
             self.app.send_task(job_name, args=[payload], **options)
         except Exception as exc:
             # kombu raises OperationalError, socket errors, or transport-specific ones;
             # the caller decides whether that loses anything (it does not for a ledgered
-            # dispatch: the row stays pending).
+            # dispatch: the row stays in the ledger for the relay).
             raise BrokerError(
                 f"the broker did not accept dispatch {dispatch_id} of job {job_name!r}: "
                 f"{type(exc).__name__}"

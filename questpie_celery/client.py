@@ -2,30 +2,27 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Generic
+from typing import Any, Generic
 
 from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
-from .dispatch import check_transaction_args
-from .errors import UnknownJobError
+from .errors import JobDefinitionError, UnknownJobError
 from .jobs import JobDefinition, P
-from .options import QueuePolicy, resolve_options
-from .policies import STANDARD
-from .receipts import Receipt
-
-if TYPE_CHECKING:
-    from .app import Questpie
+from .options import resolve_options
+from .policies import QueuePolicy, QueuePolicyName
+from .publish import Publisher
+from .receipts import DispatchStatus, Receipt
 
 
 class JobClient(Generic[P]):
     """What the queue client offers for one job."""
 
-    def __init__(self, definition: JobDefinition[P], questpie: Questpie) -> None:
+    def __init__(self, definition: JobDefinition[P], publisher: Publisher) -> None:
         self.definition = definition
-        self._questpie = questpie
+        self._publisher = publisher
 
     @property
     def name(self) -> str:
@@ -37,7 +34,7 @@ class JobClient(Generic[P]):
         *,
         idempotency_key: str | None = None,
         singleton_key: str | None = None,
-        queue_policy: QueuePolicy | None = None,
+        queue_policy: QueuePolicy | QueuePolicyName | None = None,
         secret_payload: bool = False,
         priority: int | None = None,
         start_after: float | str | datetime | None = None,
@@ -49,11 +46,11 @@ class JobClient(Generic[P]):
         session: Session | None = None,
         connection: Connection | None = None,
     ) -> str | None:
-        """Enqueue one run; return its dispatch id.
+        """Enqueue one run; return its dispatch id, or None when its queue policy
+        suppressed it.
 
         Everything is validated before anything reaches the ledger or the broker.
         """
-        check_transaction_args(session, connection)
         options = resolve_options(
             self.definition.options,
             {
@@ -70,59 +67,94 @@ class JobClient(Generic[P]):
                 "queue": queue,
             },
         )
-        keyring = None
-        if options.secret_payload:
-            keyring = self._questpie.keyring_for_publish()
-        body = self.definition.to_json(payload)
-        policies = self._questpie.policies
-        policy = policies.effective(self.definition, options.queue_policy)
-        if policy == STANDARD and options.singleton_key is not None:
-            policies.warn_ignored_singleton_key(self.definition.name)
-        return self._questpie.dispatcher.dispatch(
-            self.definition.name,
-            body,
-            options,
-            policy=policy,
-            keyring=keyring,
-            session=session,
-            connection=connection,
+        return self._publisher.publish(
+            self.definition, payload, options, session=session, connection=connection
         )
 
     def __repr__(self) -> str:
         return f"<JobClient {self.definition.name!r}>"
 
 
+class JobRegistry:
+    """The jobs registered with one `Questpie`, by name and by attribute name."""
+
+    def __init__(self) -> None:
+        self._by_name: dict[str, JobClient[Any]] = {}
+        self._by_attribute: dict[str, JobClient[Any]] = {}
+
+    def add(self, client: JobClient[Any]) -> bool:
+        """Add a job's client; False if that very definition is registered already."""
+        definition = client.definition
+        existing = self._by_name.get(definition.name)
+        if existing is not None and existing.definition is definition:
+            return False
+        if existing is not None:
+            raise JobDefinitionError(f"job {definition.name!r} is registered twice")
+        attribute = definition.attribute_name
+        clash = self._by_attribute.get(attribute)
+        if clash is not None:
+            raise JobDefinitionError(
+                f"jobs {clash.name!r} and {definition.name!r} would both be queue.{attribute}"
+            )
+        self._by_name[definition.name] = client
+        self._by_attribute[attribute] = client
+        return True
+
+    def by_name(self, job_name: str) -> JobClient[Any] | None:
+        return self._by_name.get(job_name)
+
+    def by_attribute(self, attribute: str) -> JobClient[Any] | None:
+        return self._by_attribute.get(attribute)
+
+    def attributes(self) -> list[str]:
+        return sorted(self._by_attribute)
+
+    def definitions(self) -> dict[str, JobDefinition[Any]]:
+        return {name: client.definition for name, client in self._by_name.items()}
+
+    def known(self) -> str:
+        return ", ".join(sorted(self._by_name)) or "(none)"
+
+
 class QueueClient:
     """`questpie.queue`: one `JobClient` per registered job, by attribute or by name."""
 
-    def __init__(self, questpie: Questpie) -> None:
-        self._questpie = questpie
+    def __init__(
+        self,
+        registry: JobRegistry,
+        receipt: Callable[[str], Receipt | None],
+        status: Callable[[str], DispatchStatus | None],
+    ) -> None:
+        self._registry = registry
+        self._receipt = receipt
+        self._status = status
 
     def __getattr__(self, attribute: str) -> JobClient[Any]:
         if attribute.startswith("__"):
             raise AttributeError(attribute)
-        client = self._questpie._clients_by_attribute.get(attribute)
+        client = self._registry.by_attribute(attribute)
         if client is None:
             raise AttributeError(
-                f"no job is registered as queue.{attribute}; known: {self._known()}"
+                f"no job is registered as queue.{attribute}; known: {self._registry.known()}"
             )
         return client
 
     def __getitem__(self, job_name: str) -> JobClient[Any]:
-        client = self._questpie._clients_by_name.get(job_name)
+        client = self._registry.by_name(job_name)
         if client is None:
             raise UnknownJobError(
-                f"no job named {job_name!r} is registered; known: {self._known()}"
+                f"no job named {job_name!r} is registered; known: {self._registry.known()}"
             )
         return client
 
     def __dir__(self) -> list[str]:
-        return sorted({*super().__dir__(), *self._questpie._clients_by_attribute})
+        return sorted({*super().__dir__(), *self._registry.attributes()})
 
     def get_receipt(self, dispatch_id: str) -> Receipt | None:
         """The receipt of a secret dispatch, or None for anything else."""
-        return self._questpie._receipt(dispatch_id)
+        return self._receipt(dispatch_id)
 
-    def _known(self) -> str:
-        names = sorted(self._questpie._clients_by_name)
-        return ", ".join(names) if names else "(none)"
+    def get_status(self, dispatch_id: str) -> DispatchStatus | None:
+        """Where a ledgered dispatch stands, or None for an unknown id (and for an
+        unledgered dispatch, which has no row). Holds no payload."""
+        return self._status(dispatch_id)

@@ -82,3 +82,8 @@ class SecretJobError(QuestpieError):
     Raised `from None` in place of the real exception, so no message, argument or
     cause that might hold the plaintext reaches Celery's logs, events or results.
     """
+
+
+class HandlerAbortedError(QuestpieError):
+    """The handler raised a BaseException that is not an Exception (such as
+    `asyncio.CancelledError`); Celery sees this in its place, the ledger its class name."""

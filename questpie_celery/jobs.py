@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import re
 from collections.abc import Awaitable, Callable, Mapping
@@ -200,3 +201,10 @@ def _field_named(model: type[BaseModel], name: str) -> FieldInfo | None:
 def job_attribute_name(job_name: str) -> str:
     """`send-welcome-email` -> `send_welcome_email` (SPEC section 2)."""
     return _NON_ALNUM.sub("_", job_name.lower())
+
+
+def call_handler(definition: JobDefinition[Any], model: Any, ctx: JobContext) -> Any:
+    """Run the handler; an `async def` one gets an event loop of its own for the run."""
+    if definition.is_async:
+        return asyncio.run(definition.handler(model, ctx))
+    return definition.handler(model, ctx)

@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any, Literal, TypedDict, cast, get_args
+from typing import Any, TypedDict, cast
 
 from .errors import PublishOptionsError
-
-QueuePolicy = Literal["standard", "short", "singleton", "stately", "exclusive"]
-QUEUE_POLICIES: tuple[str, ...] = get_args(QueuePolicy)
+from .policies import QueuePolicy, QueuePolicyName
 
 DEFAULT_RETRY_LIMIT = 2
 DEFAULT_RETRY_DELAY = 0.0
@@ -24,13 +22,18 @@ DEFAULT_EXPIRE_IN_SECONDS = 900
 MAX_KEY_LENGTH = 512
 MAX_RETRY_BACKOFF_SECONDS = 3600
 MAX_PRIORITY = 9
+#: Upper bounds no worker could honour past (and datetime arithmetic overflows beyond).
+MAX_START_AFTER_SECONDS = 10 * 365 * 86400
+MAX_RETRY_DELAY_SECONDS = 365 * 86400
+MAX_EXPIRE_IN_SECONDS = 7 * 86400
+MAX_QUEUE_NAME_LENGTH = 255
 
 
 class JobOptions(TypedDict, total=False):
     """Options a job declares once; every publish inherits them."""
 
     singleton_key: str
-    queue_policy: QueuePolicy
+    queue_policy: QueuePolicy | QueuePolicyName
     priority: int
     start_after: int | float | str | datetime
     retry_limit: int
@@ -70,14 +73,60 @@ class RunOptions:
         try:
             return cls(
                 retry_limit=_int(data.get("retry_limit", DEFAULT_RETRY_LIMIT), "retry_limit", 0),
-                retry_delay=_seconds(data.get("retry_delay", DEFAULT_RETRY_DELAY), "retry_delay"),
+                retry_delay=_seconds(
+                    data.get("retry_delay", DEFAULT_RETRY_DELAY),
+                    "retry_delay",
+                    MAX_RETRY_DELAY_SECONDS,
+                ),
                 retry_backoff=_bool(data.get("retry_backoff", False), "retry_backoff"),
                 expire_in_seconds=_int(
-                    data.get("expire_in_seconds", DEFAULT_EXPIRE_IN_SECONDS), "expire_in_seconds", 1
+                    data.get("expire_in_seconds", DEFAULT_EXPIRE_IN_SECONDS),
+                    "expire_in_seconds",
+                    1,
+                    MAX_EXPIRE_IN_SECONDS,
                 ),
             )
         except PublishOptionsError:
             return cls()
+
+
+@dataclass(frozen=True)
+class StoredOptions:
+    """What the ledger keeps of a dispatch's options, to send its message again.
+
+    `carry` holds the Celery options of a delivery taken into the ledger at the
+    worker (its custom headers and Canvas links), so a later send keeps them.
+    This class is the only reader and writer of the ledger's `options` column.
+    """
+
+    run: RunOptions = field(default_factory=RunOptions)
+    priority: int | None = None
+    queue: str | None = None
+    carry: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "run": self.run.to_dict(),
+            "priority": self.priority,
+            "queue": self.queue,
+        }
+        if self.carry:
+            data["carry"] = dict(self.carry)
+        return data
+
+    @classmethod
+    def from_json(cls, data: object) -> StoredOptions:
+        if not isinstance(data, Mapping):
+            return cls()
+        priority = data.get("priority")
+        queue = data.get("queue")
+        carry = data.get("carry")
+        return cls(
+            run=RunOptions.from_dict(data.get("run")),
+            priority=priority if isinstance(priority, int) and 0 <= priority <= 9 else None,
+            queue=queue if isinstance(queue, str) and queue else None,
+            carry=carry if isinstance(carry, Mapping) else {},
+        )
 
 
 @dataclass(frozen=True)
@@ -92,6 +141,9 @@ class DispatchOptions:
     priority: int | None = None
     start_after: datetime | None = None
     queue: str | None = None
+
+    def stored(self) -> StoredOptions:
+        return StoredOptions(run=self.run, priority=self.priority, queue=self.queue)
 
 
 def validate_job_options(options: Mapping[str, Any] | None) -> JobOptions:
@@ -169,11 +221,11 @@ def _int(value: object, name: str, minimum: int, maximum: int | None = None) -> 
     return value
 
 
-def _seconds(value: object, name: str) -> float:
+def _seconds(value: object, name: str, maximum: float) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise PublishOptionsError(f"{name} must be a number of seconds")
-    if not math.isfinite(value) or value < 0:
-        raise PublishOptionsError(f"{name} must be a finite number >= 0")
+    if not math.isfinite(value) or not 0 <= value <= maximum:
+        raise PublishOptionsError(f"{name} must be a number of seconds from 0 to {maximum:g}")
     return float(value)
 
 
@@ -184,6 +236,10 @@ def _key(value: object, name: str) -> str:
         raise PublishOptionsError(f"{name} must be 1 to {MAX_KEY_LENGTH} characters long")
     if "\0" in value:
         raise PublishOptionsError(f"{name} must not contain NUL")
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        raise PublishOptionsError(f"{name} must be valid Unicode (no lone surrogates)") from None
     return value
 
 
@@ -191,8 +247,10 @@ def _start_after(value: object, now: datetime) -> datetime:
     if isinstance(value, bool):
         raise PublishOptionsError("start_after must be seconds, an ISO-8601 string or a datetime")
     if isinstance(value, int | float):
-        if not math.isfinite(value) or value < 0:
-            raise PublishOptionsError("start_after in seconds must be a finite number >= 0")
+        if not math.isfinite(value) or not 0 <= value <= MAX_START_AFTER_SECONDS:
+            raise PublishOptionsError(
+                f"start_after in seconds must be a number from 0 to {MAX_START_AFTER_SECONDS}"
+            )
         return now + timedelta(seconds=value)
     if isinstance(value, str):
         try:
@@ -209,14 +267,17 @@ def _start_after(value: object, now: datetime) -> datetime:
 
 
 def _policy(value: object) -> QueuePolicy:
-    if value not in QUEUE_POLICIES:
-        raise PublishOptionsError(f"queue_policy must be one of {', '.join(QUEUE_POLICIES)}")
-    return value  # type: ignore[return-value]
+    policy = QueuePolicy.parse(value)
+    if policy is None:
+        raise PublishOptionsError(f"queue_policy must be one of {', '.join(QueuePolicy)}")
+    return policy
 
 
 def _queue(value: object) -> str:
-    if not isinstance(value, str) or not value:
-        raise PublishOptionsError("queue must be a non-empty str")
+    if not isinstance(value, str) or not value or len(value) > MAX_QUEUE_NAME_LENGTH:
+        raise PublishOptionsError(f"queue must be a str of 1 to {MAX_QUEUE_NAME_LENGTH} characters")
+    if not value.isprintable():
+        raise PublishOptionsError("queue must not contain control characters")
     return value
 
 
@@ -228,8 +289,8 @@ _VALIDATORS: dict[str, Any] = {
     "priority": lambda v, _now: _int(v, "priority", 0, MAX_PRIORITY),
     "start_after": _start_after,
     "retry_limit": lambda v, _now: _int(v, "retry_limit", 0),
-    "retry_delay": lambda v, _now: _seconds(v, "retry_delay"),
+    "retry_delay": lambda v, _now: _seconds(v, "retry_delay", MAX_RETRY_DELAY_SECONDS),
     "retry_backoff": lambda v, _now: _bool(v, "retry_backoff"),
-    "expire_in_seconds": lambda v, _now: _int(v, "expire_in_seconds", 1),
+    "expire_in_seconds": lambda v, _now: _int(v, "expire_in_seconds", 1, MAX_EXPIRE_IN_SECONDS),
     "queue": lambda v, _now: _queue(v),
 }

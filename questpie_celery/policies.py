@@ -1,96 +1,72 @@
-"""Which queue policy is in force for a job, as recorded in the ledger.
+"""The five queue policies and the slot rules each one imposes.
 
-The first process to record a job's policy wins (pg-boss: the queue's policy is
-fixed when it is created). Workers record every registered job's policy before
-they consume; a publisher records a declared or publish-time policy only while
-none is recorded. A different declaration later is logged and ignored;
-`questpie-celery policy set JOB POLICY` changes it on purpose.
+A policy limits how many dispatches of one *slot* (a job as a whole, or one
+`singleton_key` of it) may be waiting and running at once:
+
+| policy      | waiting (pending, queued, parked) | running (active, awaiting retry) |
+|-------------|-----------------------------------|----------------------------------|
+| `standard`  | unlimited                         | unlimited                        |
+| `short`     | one                               | unlimited                        |
+| `singleton` | unlimited                         | one                              |
+| `stately`   | one                               | one                              |
+| `exclusive` | one in both together                                                 |
+
+The ledger turns each rule into a partial unique index, so the database, not
+a check-then-act in Python, decides who gets a slot.
 """
 
 from __future__ import annotations
 
-import logging
-import threading
-import time
-from collections.abc import Iterable
-from typing import Any
+from enum import StrEnum
+from typing import Literal, get_args
 
-from .jobs import JobDefinition
-from .ledger import Ledger
-
-log = logging.getLogger(__name__)
-
-STANDARD = "standard"
-#: Policies that limit runs, so a delivered run may have to wait for its slot.
-RUN_LIMITED = frozenset({"singleton", "stately", "exclusive"})
-#: How long a process trusts its cached copy of a recorded policy.
-POLICY_CACHE_SECONDS = 10.0
+QueuePolicyName = Literal["standard", "short", "singleton", "stately", "exclusive"]
+"""The policy names a user writes (`queue_policy="stately"`)."""
 
 
-class PolicyBook:
-    def __init__(self, ledger: Ledger) -> None:
-        self.ledger = ledger
-        self._cache: dict[str, tuple[str | None, float]] = {}
-        self._warned: set[tuple[str, str]] = set()
-        self._lock = threading.Lock()
+class QueuePolicy(StrEnum):
+    """One queue policy and its slot rules; a `str`, so it compares equal to its name."""
 
-    def effective(self, definition: JobDefinition[Any], requested: str | None) -> str:
-        """The policy a new dispatch is accepted under.
+    STANDARD = "standard"
+    SHORT = "short"
+    SINGLETON = "singleton"
+    STATELY = "stately"
+    EXCLUSIVE = "exclusive"
 
-        `requested` is the call's queue_policy merged over the job's; it counts only
-        while the ledger records none for the job.
-        """
-        recorded = self._recorded(definition.name)
-        if recorded is None and requested is not None and requested != STANDARD:
-            recorded = self._store(definition.name, requested)
-        if recorded is not None:
-            self._check_declared(definition, recorded)
-        return recorded or STANDARD
+    @property
+    def one_waiting(self) -> bool:
+        """At most one dispatch of a slot waits to run."""
+        return self in (QueuePolicy.SHORT, QueuePolicy.STATELY)
 
-    def record_all(self, definitions: Iterable[JobDefinition[Any]]) -> None:
-        """Record the declared policy (or standard) of every job that has none."""
-        for definition in definitions:
-            declared = definition.options.get("queue_policy") or STANDARD
-            self._check_declared(definition, self._store(definition.name, declared))
+    @property
+    def one_running(self) -> bool:
+        """At most one dispatch of a slot runs (or awaits its retry)."""
+        return self in (QueuePolicy.SINGLETON, QueuePolicy.STATELY)
 
-    def warn_ignored_singleton_key(self, job_name: str) -> None:
-        self._warn_once(
-            (job_name, "singleton_key"),
-            "job %s has the standard queue policy: singleton_key has no effect",
-            job_name,
-        )
+    @property
+    def one_overall(self) -> bool:
+        """At most one dispatch of a slot waits or runs."""
+        return self is QueuePolicy.EXCLUSIVE
 
-    def _recorded(self, job_name: str) -> str | None:
-        cached = self._cache.get(job_name)
-        now = time.monotonic()
-        if cached is not None and now - cached[1] < POLICY_CACHE_SECONDS:
-            return cached[0]
-        policy = self.ledger.get_policy(job_name)
-        self._cache[job_name] = (policy, now)
-        return policy
+    @property
+    def limits_runs(self) -> bool:
+        """A delivered run may find its slot busy: it parks, and a finished run hands on."""
+        return self.one_running or self.one_overall
 
-    def _store(self, job_name: str, policy: str) -> str:
-        recorded = self.ledger.record_policy(job_name, policy)
-        self._cache[job_name] = (recorded, time.monotonic())
-        return recorded
+    @property
+    def ledgered(self) -> bool:
+        """Every dispatch of the job needs a ledger row (all policies but `standard`)."""
+        return self is not QueuePolicy.STANDARD
 
-    def _check_declared(self, definition: JobDefinition[Any], recorded: str) -> None:
-        declared = definition.options.get("queue_policy")
-        if declared is not None and declared != recorded:
-            self._warn_once(
-                (definition.name, f"declared:{declared}:{recorded}"),
-                "job %s declares queue_policy=%s but the ledger records %s, which stays in "
-                "force; run `questpie-celery policy set %s %s` to change it",
-                definition.name,
-                declared,
-                recorded,
-                definition.name,
-                declared,
-            )
+    @classmethod
+    def parse(cls, value: object) -> QueuePolicy | None:
+        """The policy named `value`, or None when it names none."""
+        try:
+            return cls(value) if isinstance(value, str) else None
+        except ValueError:
+            return None
 
-    def _warn_once(self, key: tuple[str, str], message: str, *args: object) -> None:
-        with self._lock:
-            if key in self._warned:
-                return
-            self._warned.add(key)
-        log.warning(message, *args)
+
+# The Literal exists for type checkers; this keeps it and the enum one vocabulary.
+if set(get_args(QueuePolicyName)) != {policy.value for policy in QueuePolicy}:  # pragma: no cover
+    raise AssertionError("QueuePolicyName and QueuePolicy disagree")

@@ -1,33 +1,33 @@
 """Run-side queue policy slots: parking a run whose slot is busy, handing a slot on.
 
-A delivered run that its policy keeps from starting (`singleton`, `stately`) is
-parked: its message is acknowledged, it is neither failed nor counted as an
-attempt, and it waits in the ledger. The worker that frees the slot sends the
-oldest parked run of that slot at once; the relay is the safety net for a worker
-that dies before it can.
+A delivered run that its policy keeps from starting (`singleton`, `stately`,
+`exclusive`) is parked: its message is acknowledged, it is neither failed nor
+counted as an attempt, and it waits in the ledger. Whoever ends a run for good
+sends the oldest parked run of that slot at once; the relay is the safety net
+for a worker that dies before it can.
 """
 
 from __future__ import annotations
 
 import logging
 
-from .dispatch import Dispatcher
 from .ledger import DispatchRow, Ledger
-from .policies import RUN_LIMITED
+from .outbox import Outbox
 from .signals import run_parked
 
 log = logging.getLogger(__name__)
 
 
-class SlotKeeper:
-    def __init__(self, ledger: Ledger, dispatcher: Dispatcher) -> None:
-        self.ledger = ledger
-        self.dispatcher = dispatcher
+class Slots:
+    def __init__(self, ledger: Ledger, outbox: Outbox) -> None:
+        self._ledger = ledger
+        self._outbox = outbox
 
-    def park(self, dispatch_id: str, attempt: int) -> None:
-        if not self.ledger.park(dispatch_id, attempt):
+    def park(self, dispatch_id: str, job_name: str, attempt: int) -> None:
+        """Set delivery `attempt` aside until its slot frees."""
+        if not self._ledger.park(dispatch_id, job_name, attempt):
             return  # the row moved on meanwhile (finished, or parked by a duplicate)
-        row = self.ledger.get(dispatch_id)
+        row = self._ledger.get(dispatch_id)
         if row is None or row.slot is None:
             return
         log.info(
@@ -46,21 +46,21 @@ class SlotKeeper:
         )
         # The holder may have finished between our claim and our park, and then nobody
         # would hand the slot on: look again.
-        if not self.ledger.slot_running(row.job_name, row.slot):
+        if not self._ledger.slot_running(row.job_name, row.slot):
             self.send_next(row.job_name, row.slot)
 
     def hand_on(self, finished: DispatchRow) -> None:
         """After a run ended for good, start the next parked run of its slot."""
-        if finished.policy in RUN_LIMITED and finished.slot is not None:
-            self.send_next(finished.job_name, finished.slot)
+        slot = finished.limited_slot
+        if slot is not None:
+            self.send_next(*slot)
 
     def send_next(self, job_name: str, slot: str) -> bool:
-        """Unpark the oldest parked run of a slot and send it; True if one was sent."""
-        row = self.ledger.unpark_next(job_name, slot)
+        """Unpark the oldest parked run of a slot and send it; True if one was sent.
+
+        A refused send leaves it queued and due for the relay.
+        """
+        row = self._ledger.unpark_next(job_name, slot, self._outbox.redeliver_after)
         if row is None:
             return False
-        if self.dispatcher.send_row(row, attempt=row.attempt + 1):
-            return True
-        # The broker refused: park it again, so the relay finds it.
-        self.ledger.park(row.id, row.attempt + 1)
-        return False
+        return self._outbox.send(row, attempt=row.attempt + 1)

@@ -12,7 +12,7 @@ from celery import Celery
 from sqlalchemy import Engine, create_engine, delete, func, select, text
 
 from questpie_celery import Questpie
-from questpie_celery.ledger import Ledger, create_ledger_engine, dispatch_table
+from questpie_celery.ledger import Ledger, create_ledger_engine, dispatch_table, open_ledger
 from tests import jobapp
 from tests.services import Worker, postgres_server, redis_server
 
@@ -26,6 +26,7 @@ class Stack:
     questpie: Questpie
     engine: Engine
     worker: Worker
+    ledger: Ledger
 
     def runs(self, tag: str) -> list[dict[str, Any]]:
         with self.engine.connect() as conn:
@@ -51,7 +52,7 @@ class Stack:
         deadline = time.monotonic() + timeout
         row = None
         while time.monotonic() < deadline:
-            row = self.questpie.ledger.get(dispatch_id)
+            row = self.ledger.get(dispatch_id)
             if row is not None and row.status == status:
                 return row
             time.sleep(0.1)
@@ -103,11 +104,13 @@ def make_stack(env: dict[str, str], *, loglevel: str = "info") -> Iterator[Stack
     engine = create_ledger_engine(env["QP_TEST_LEDGER"])
     jobapp.runs_metadata.create_all(engine)
     worker = Worker(env, loglevel=loglevel).start()
+    ledger = open_ledger(env["QP_TEST_LEDGER"])
     try:
-        yield Stack(env, celery_app, questpie, engine, worker)
+        yield Stack(env, celery_app, questpie, engine, worker, ledger)
     finally:
         worker.stop()
         engine.dispose()
+        ledger.close()
         questpie.close()
 
 

@@ -126,7 +126,7 @@ def test_known_idempotency_key_is_answered_before_the_policy(pg_redis: Stack) ->
     assert client.publish({"tag": t}, idempotency_key=key, queue=IDLE) == dispatch_id
     assert client.publish({"tag": t}, idempotency_key=key + "-other", queue=IDLE) is None
     # Leave the whole-job slot free for other tests: run it out of the idle queue.
-    pg_redis.questpie.dispatcher.send_row(pg_redis.questpie.ledger.get(dispatch_id), attempt=1)
+    pg_redis.questpie.dispatcher.send_row(pg_redis.ledger.get(dispatch_id), attempt=1)
 
 
 def test_short_allows_one_queued_and_any_number_active(pg_redis: Stack) -> None:

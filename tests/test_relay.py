@@ -54,7 +54,7 @@ def waiting(redis_url: str, queue: str, dispatch_id: str | None = None) -> int:
 
 
 def make_due(questpie: Questpie, dispatch_id: str, **values: object) -> None:
-    with questpie.engine.begin() as conn:
+    with open_ledger(str(questpie_url(questpie))).engine.begin() as conn:
         conn.execute(
             update(dispatch_table)
             .where(dispatch_table.c.id == dispatch_id)

@@ -243,7 +243,7 @@ def test_tampered_or_swapped_ciphertext_fails_closed(secret_stack: Stack) -> Non
     ]
     a, b, c = ids
     assert a is not None and b is not None and c is not None
-    row_a, row_b, row_c = (stack.questpie.ledger.get(i) for i in (a, b, c))
+    row_a, row_b, row_c = (stack.ledger.get(i) for i in (a, b, c))
     assert row_a and row_b and row_c and row_c.secret_ciphertext is not None
     flipped = bytes([row_c.secret_ciphertext[-1] ^ 1])
     with stack.engine.begin() as conn:

@@ -20,7 +20,7 @@ def test_session_publish_runs_after_commit(pg_redis: Stack) -> None:
         dispatch_id = pg_redis.questpie.queue.record.publish({"tag": t}, session=session)
         assert dispatch_id is not None
         # Not visible outside the transaction, not sent yet.
-        assert pg_redis.questpie.ledger.get(dispatch_id) is None
+        assert pg_redis.ledger.get(dispatch_id) is None
     pg_redis.wait_status(dispatch_id, "completed")
     assert len(pg_redis.wait_runs(t, 1)) == 1
     engine.dispose()
@@ -36,7 +36,7 @@ def test_session_rollback_leaves_nothing_and_runs_nothing(pg_redis: Stack) -> No
         )
         session.rollback()
     assert dispatch_id is not None
-    assert pg_redis.questpie.ledger.get(dispatch_id) is None
+    assert pg_redis.ledger.get(dispatch_id) is None
     assert pg_redis.wait_runs(t, 1, timeout=2) == []
     engine.dispose()
 
@@ -51,7 +51,7 @@ def test_rolled_back_savepoint_is_not_sent_after_commit(pg_redis: Stack) -> None
         nested.rollback()
     assert kept is not None and dropped is not None
     pg_redis.wait_status(kept, "completed")
-    assert pg_redis.questpie.ledger.get(dropped) is None
+    assert pg_redis.ledger.get(dropped) is None
     assert pg_redis.wait_runs(t, 1, timeout=2) == []
     engine.dispose()
 
@@ -62,12 +62,12 @@ def test_connection_publish_is_sent_by_the_relay_after_commit(pg_redis: Stack) -
     with engine.begin() as conn:
         dispatch_id = pg_redis.questpie.queue.record.publish({"tag": t}, connection=conn)
         assert dispatch_id is not None
-        assert pg_redis.questpie.ledger.get(dispatch_id) is None  # not committed yet
+        assert pg_redis.ledger.get(dispatch_id) is None  # not committed yet
     # Nothing in this process sends it: the relay inside the worker does.
     pg_redis.wait_status(dispatch_id, "completed")
     # The relay's send was accepted by the broker (recorded in a batch moments later).
     deadline = time.monotonic() + 5
-    while (row := pg_redis.questpie.ledger.get(dispatch_id)) and row.queued_at is None:
+    while (row := pg_redis.ledger.get(dispatch_id)) and row.queued_at is None:
         assert time.monotonic() < deadline, "the relay's send was never recorded"
         time.sleep(0.05)
     assert len(pg_redis.wait_runs(t, 1)) == 1
@@ -82,7 +82,7 @@ def test_connection_rollback_leaves_nothing(pg_redis: Stack) -> None:
         dispatch_id = pg_redis.questpie.queue.record.publish({"tag": t}, connection=conn)
         transaction.rollback()
     assert dispatch_id is not None
-    assert pg_redis.questpie.ledger.get(dispatch_id) is None
+    assert pg_redis.ledger.get(dispatch_id) is None
     assert pg_redis.wait_runs(t, 1, timeout=3) == []
     engine.dispose()
 

@@ -23,7 +23,7 @@ def test_unkeyed_publish_runs_once_without_a_ledger_row(pg_redis: Stack) -> None
     assert [(r["dispatch_id"], r["attempt"], r["idempotency_key"]) for r in runs] == [
         (dispatch_id, 1, None)
     ]
-    assert pg_redis.questpie.ledger.get(dispatch_id) is None
+    assert pg_redis.ledger.get(dispatch_id) is None
     assert pg_redis.dispatch_count() == rows_before
 
 

@@ -1,0 +1,42 @@
+"""The dispatch ledger: the only part of the package that talks SQL.
+
+- `schema`: the tables, the status vocabulary and the policy slot indexes
+- `engine`: engines tuned per dialect, and their life across forks
+- `statements`: every statement, per dialect, on the database's clock
+- `store`: `Ledger`, the operations the rest of the package calls
+- `transactions`: rows written in a caller's Session or Connection
+- `errors`: SQLAlchemy's errors turned into the package's own
+"""
+
+from .engine import create_ledger_engine, is_private_sqlite
+from .rows import Claim, DispatchRow, NewDispatch
+from .schema import (
+    LEASE_EXPIRED,
+    RELAY_GAVE_UP,
+    SCHEMA_VERSION,
+    Status,
+    dispatch_table,
+    metadata,
+    policy_table,
+)
+from .store import Ledger, open_ledger
+from .transactions import check_same_database, send_after_commit
+
+__all__ = [
+    "LEASE_EXPIRED",
+    "RELAY_GAVE_UP",
+    "SCHEMA_VERSION",
+    "Claim",
+    "DispatchRow",
+    "Ledger",
+    "NewDispatch",
+    "Status",
+    "check_same_database",
+    "create_ledger_engine",
+    "dispatch_table",
+    "is_private_sqlite",
+    "metadata",
+    "open_ledger",
+    "policy_table",
+    "send_after_commit",
+]

@@ -1,0 +1,101 @@
+"""Ledger engines: creation tuned per dialect, and their life across forks.
+
+Every ledger statement stands alone in autocommit, so `BEGIN`/`COMMIT` round
+trips would be pure cost. There is no `pool_pre_ping` either (a round trip per
+checkout): a statement that meets a connection the server dropped is retried
+once on a fresh one by the store, which SQLAlchemy provides after invalidating
+the pool.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from typing import Any
+
+from sqlalchemy import Connection, Engine, create_engine, event
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+from ..errors import ConfigurationError
+
+SQLITE_BUSY_TIMEOUT_MS = 15_000
+PG_CONNECT_TIMEOUT_SECONDS = 5
+PG_LOCK_TIMEOUT_MS = 5_000
+
+#: Engines made by create_ledger_engine(), which already run in autocommit.
+_AUTOCOMMIT_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+def create_ledger_engine(url: str) -> Engine:
+    """Create an engine tuned for the ledger's access pattern on its dialect."""
+    try:
+        parsed = make_url(url)
+        backend = parsed.get_backend_name()
+        if backend == "sqlite":
+            engine = create_engine(parsed, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000})
+            _configure_sqlite(engine)
+            return engine
+        if backend != "postgresql":
+            raise ConfigurationError(
+                f"the ledger runs on PostgreSQL or SQLite, not {backend!r} "
+                "(use postgresql+psycopg://... or sqlite:///path)"
+            )
+        if parsed.drivername == "postgresql":
+            # Plain postgresql:// means psycopg2 to SQLAlchemy; the ledger uses psycopg 3.
+            parsed = parsed.set(drivername="postgresql+psycopg")
+        connect_args: dict[str, Any] = {
+            "connect_timeout": PG_CONNECT_TIMEOUT_SECONDS,
+            # A caller's long transaction that holds a policy slot row makes a publish
+            # wait this long at most, then fail with a LedgerError.
+            "options": f"-c lock_timeout={PG_LOCK_TIMEOUT_MS}",
+        }
+        engine = create_engine(parsed, connect_args=connect_args, isolation_level="AUTOCOMMIT")
+    except (ArgumentError, NoSuchModuleError) as error:
+        raise ConfigurationError(f"invalid ledger URL: {error}") from None
+    _AUTOCOMMIT_ENGINES.add(engine)
+    return engine
+
+
+def runs_in_autocommit(engine: Engine) -> bool:
+    return engine in _AUTOCOMMIT_ENGINES
+
+
+def dispose_in_children(engine: Engine) -> None:
+    """Never share the pool's connections across fork: each child opens its own.
+
+    Prefork children, gunicorn workers and multiprocessing children all fork; a
+    connection used from two processes corrupts both sides' protocol state.
+    """
+    ref = weakref.ref(engine)
+
+    def drop() -> None:
+        alive = ref()
+        if alive is not None:
+            alive.dispose(close=False)
+
+    os.register_at_fork(after_in_child=drop)
+
+
+def is_private_sqlite(engine: Engine) -> bool:
+    """An in-memory SQLite database, which no other process can share."""
+    return engine.dialect.name == "sqlite" and engine.url.database in (None, "", ":memory:")
+
+
+def _configure_sqlite(engine: Engine) -> None:
+    # Several prefork children write the same file: WAL lets readers run beside the
+    # writer, and BEGIN IMMEDIATE takes the write lock up front, so two writers queue on
+    # the busy timeout instead of failing with "database is locked" on lock upgrade.
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.isolation_level = None  # let SQLAlchemy's BEGIN below rule
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(connection: Connection) -> None:
+        if connection.get_execution_options().get("isolation_level") != "AUTOCOMMIT":
+            connection.exec_driver_sql("BEGIN IMMEDIATE")

@@ -1,0 +1,54 @@
+"""SQLAlchemy's errors turned into the package's own, once, at the ledger's boundary."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from sqlalchemy import exc
+
+from ..errors import LedgerError, LedgerSchemaError, LedgerUnavailableError
+
+_PG_LOCK_NOT_AVAILABLE = "55P03"
+_PG_UNDEFINED_TABLE = "42P01"
+
+
+class SlotTaken(Exception):
+    """A statement met a queue-policy slot index (internal to the ledger)."""
+
+
+def is_disconnect(error: BaseException) -> bool:
+    """The statement's connection was found dead (the server restarted or killed it)."""
+    return isinstance(error, exc.DBAPIError) and error.connection_invalidated
+
+
+@contextmanager
+def translate_errors() -> Iterator[None]:
+    """Raise `LedgerError` subclasses for whatever SQLAlchemy raises inside the block."""
+    try:
+        yield
+    except exc.DBAPIError as error:
+        raise _translate(error) from error
+    except exc.SQLAlchemyError as error:
+        raise LedgerError(f"ledger statement failed: {type(error).__name__}") from error
+
+
+def _translate(error: exc.DBAPIError) -> LedgerError:
+    sqlstate = getattr(error.orig, "sqlstate", None)
+    if sqlstate == _PG_UNDEFINED_TABLE or "no such table" in str(error.orig):
+        return LedgerSchemaError()
+    if sqlstate == _PG_LOCK_NOT_AVAILABLE:
+        return LedgerError(
+            "a ledger row is held by another open transaction (lock_timeout reached); "
+            "try again once it ends"
+        )
+    if error.connection_invalidated or isinstance(error, exc.OperationalError | exc.InterfaceError):
+        # The driver's first line says why (refused, timed out, auth failed); connection
+        # errors carry no statement parameters, so nothing of a payload.
+        reason = str(error.orig).strip().splitlines()[0] if str(error.orig).strip() else ""
+        return LedgerUnavailableError(
+            "the dispatch ledger database cannot be reached: "
+            f"{type(error.orig).__name__}{': ' + reason if reason else ''}"
+        )
+    # Other driver messages may quote statement values: keep only the class.
+    return LedgerError(f"ledger statement failed: {type(error.orig).__name__}")

@@ -1,0 +1,97 @@
+"""The ledger's rows as the rest of the package sees them."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Literal
+
+from ..options import StoredOptions
+from ..policies import QueuePolicy
+from .schema import Status
+
+
+@dataclass(frozen=True)
+class DispatchRow:
+    """One ledger row."""
+
+    id: str
+    job_name: str
+    idempotency_key: str | None
+    singleton_key: str | None
+    status: Status
+    policy: QueuePolicy | None
+    slot: str | None
+    payload: dict[str, Any] | None
+    secret: bool
+    secret_ciphertext: bytes | None
+    secret_wrapped_key: bytes | None
+    secret_key_id: str | None
+    options: StoredOptions
+    attempt: int
+    claim_token: str | None
+    lease_expires_at: datetime | None
+    run_after: datetime
+    send_count: int
+    next_send_at: datetime | None
+    created_at: datetime
+    queued_at: datetime | None
+    started_at: datetime | None
+    finished_at: datetime | None
+    last_error: str | None
+
+    @classmethod
+    def from_mapping(cls, row: Mapping[Any, Any]) -> DispatchRow:
+        return cls(**{name: row[name] for name in cls.__dataclass_fields__})
+
+    @property
+    def limited_slot(self) -> tuple[str, str] | None:
+        """(job, slot) when the row's policy limits runs: it may park, and hands on."""
+        if self.policy is not None and self.policy.limits_runs and self.slot is not None:
+            return self.job_name, self.slot
+        return None
+
+
+@dataclass(frozen=True)
+class NewDispatch:
+    """A row to insert. Times left None are the database's now (plus `send_in`)."""
+
+    id: str
+    job_name: str
+    payload: dict[str, Any] | None
+    options: StoredOptions
+    idempotency_key: str | None = None
+    singleton_key: str | None = None
+    policy: QueuePolicy | None = None
+    #: "queued" for a delivery the worker takes into the ledger: the broker already has it.
+    status: Literal["pending", "queued"] = "pending"
+    run_after: datetime | None = None
+    #: When the relay first looks at the row: this time, or `send_in` seconds from now.
+    next_send_at: datetime | None = None
+    send_in: float = 0.0
+    secret_ciphertext: bytes | None = None
+    secret_wrapped_key: bytes | None = None
+    secret_key_id: str | None = None
+
+    @property
+    def slot(self) -> str | None:
+        """The policy slot: the singleton key, or "" for the job as a whole."""
+        if self.policy is None or not self.policy.ledgered:
+            return None
+        return self.singleton_key or ""
+
+
+ClaimOutcome = Literal["claimed", "done", "stale", "busy", "blocked", "unknown"]
+
+
+@dataclass(frozen=True)
+class Claim:
+    """The result of trying to take the execution claim of one delivery.
+
+    `unknown` covers a row that does not exist and one that belongs to another job.
+    """
+
+    outcome: ClaimOutcome
+    row: DispatchRow | None = None
+    token: str | None = None

@@ -1,0 +1,189 @@
+"""The ledger's tables, and the vocabulary of a dispatch's life.
+
+A ledgered dispatch is one row of `questpie_queue_dispatch`, keyed by its
+dispatch id. Its `status` moves
+
+    pending ──(broker accepted)──▶ queued ──(claim)──▶ active ──▶ completed
+       │                           │   ▲                 │
+       │                  (slot busy)  └─ parked         ├──▶ failed
+       └─────────────(claim)───────┴────────────────────▶│
+                                        retry ◀──────────┘ (claimed again)
+
+`attempt` counts claims. A claim sets a random `claim_token` (the fencing
+token) and a lease; only a statement that names the current token and finds the
+row `active` can record an outcome, so a worker whose lease was taken over can
+never overwrite its successor's result. The token stays on the row after the
+holder records an outcome, so a holder whose connection died mid-write can read
+back whether its write landed; recovering a lapsed lease clears it.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    Column,
+    Dialect,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Table,
+    Text,
+    and_,
+)
+from sqlalchemy.types import DateTime, TypeDecorator
+
+from ..options import StoredOptions
+from ..policies import QueuePolicy
+
+SCHEMA_VERSION = 2
+
+Status = Literal["pending", "queued", "parked", "active", "retry", "completed", "failed"]
+#: States from which a delivery may take the execution claim.
+CLAIMABLE: tuple[Status, ...] = ("pending", "queued", "retry")
+TERMINAL: tuple[Status, ...] = ("completed", "failed")
+#: Accepted and waiting to run. A run awaiting its retry keeps the slot it held: running.
+WAITING: tuple[Status, ...] = ("pending", "queued", "parked")
+RUNNING: tuple[Status, ...] = ("active", "retry")
+#: States the relay (re)sends once their next_send_at has passed.
+RESENDABLE: tuple[Status, ...] = ("pending", "queued", "retry")
+
+#: `last_error` of an attempt whose lease lapsed, and of a dispatch the relay gave up on.
+LEASE_EXPIRED = "LeaseExpired"
+RELAY_GAVE_UP = "RelayGaveUp"
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """Aware UTC datetimes on every dialect (SQLite stores them naive)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        value = value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+class StoredOptionsType(TypeDecorator[StoredOptions]):
+    """The `options` column: JSON in the database, `StoredOptions` in Python."""
+
+    impl = JSON
+    cache_ok = True
+
+    def process_bind_param(
+        self, value: StoredOptions | None, dialect: Dialect
+    ) -> dict[str, Any] | None:
+        return None if value is None else value.to_json()
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> StoredOptions:
+        return StoredOptions.from_json(value)
+
+
+class PolicyType(TypeDecorator[QueuePolicy]):
+    """A policy name in the database, a `QueuePolicy` in Python."""
+
+    impl = String(16)
+    cache_ok = True
+
+    def process_bind_param(self, value: QueuePolicy | None, dialect: Dialect) -> str | None:
+        return None if value is None else str(value)
+
+    def process_result_value(self, value: str | None, dialect: Dialect) -> QueuePolicy | None:
+        return QueuePolicy.parse(value)
+
+
+metadata = MetaData()
+"""The ledger schema, for a project's own Alembic migrations (`target_metadata`)."""
+
+dispatch_table = Table(
+    "questpie_queue_dispatch",
+    metadata,
+    # The id is derived from (job name, idempotency key) when there is a key, so
+    # uniqueness of the id is uniqueness of the pair: no wide index on the key.
+    Column("id", String(36), primary_key=True),
+    Column("job_name", String(200), nullable=False),
+    Column("idempotency_key", Text, nullable=True),
+    Column("singleton_key", Text, nullable=True),
+    Column("status", String(16), nullable=False),
+    # The queue policy in force when the dispatch was accepted, and the slot it occupies
+    # (its singleton key, or "" for the job as a whole); NULL for standard dispatches.
+    Column("policy", PolicyType, nullable=True),
+    Column("slot", Text, nullable=True),
+    Column("payload", JSON, nullable=True),
+    # Secret dispatches keep no payload: only its ciphertext and the wrapped data key,
+    # both erased when the dispatch completes or fails for good.
+    Column("secret", Boolean, nullable=False, default=False),
+    Column("secret_ciphertext", LargeBinary, nullable=True),
+    Column("secret_wrapped_key", LargeBinary, nullable=True),
+    Column("secret_key_id", String(64), nullable=True),
+    # What sending the message again needs: run options, priority, queue, Celery options.
+    Column("options", StoredOptionsType, nullable=False),
+    Column("attempt", Integer, nullable=False, default=0),
+    Column("claim_token", String(36), nullable=True),
+    Column("lease_expires_at", UTCDateTime, nullable=True),
+    Column("run_after", UTCDateTime, nullable=False),
+    # Relay sends of the current attempt, and when the relay may (re)send the row next
+    # if nothing else moved it on: a publisher that died before sending, a lost message.
+    Column("send_count", Integer, nullable=False, default=0),
+    Column("next_send_at", UTCDateTime, nullable=True),
+    Column("last_error", String(200), nullable=True),
+    Column("created_at", UTCDateTime, nullable=False),
+    Column("queued_at", UTCDateTime, nullable=True),
+    Column("started_at", UTCDateTime, nullable=True),
+    Column("finished_at", UTCDateTime, nullable=True),
+    Index("questpie_queue_dispatch_due", "status", "next_send_at"),
+)
+
+
+def _slot_index(name: str, rule: str, statuses: tuple[Status, ...]) -> None:
+    """A partial unique index: at most one row per (job, slot) in `statuses`, for the
+    policies whose `rule` property holds."""
+    t = dispatch_table.c
+    policies = [str(policy) for policy in QueuePolicy if getattr(policy, rule)]
+    where = and_(t.policy.in_(policies), t.status.in_(statuses))
+    Index(name, t.job_name, t.slot, unique=True, postgresql_where=where, sqlite_where=where)
+
+
+# The queue policies, enforced by the database: a publish or a claim that would break one
+# fails its unique index, so concurrent publishers and workers can never both win a slot,
+# and no lock exists that could outlive its holder.
+_slot_index("questpie_slot_waiting", "one_waiting", WAITING)
+_slot_index("questpie_slot_running", "one_running", RUNNING)
+_slot_index("questpie_slot_exclusive", "one_overall", WAITING + RUNNING)
+
+policy_table = Table(
+    "questpie_queue_policy",
+    metadata,
+    Column("job_name", String(200), primary_key=True),
+    Column("policy", PolicyType, nullable=False),
+    Column("updated_at", UTCDateTime, nullable=False),
+)
+
+schema_version_table = Table(
+    "questpie_schema_version",
+    metadata,
+    Column("version", Integer, primary_key=True),
+    Column("applied_at", UTCDateTime, nullable=False),
+)
+
+#: Facts about the ledger database itself; today its identity, a random id set by the
+#: first migration, which tells a caller's database apart from the ledger's.
+info_table = Table(
+    "questpie_ledger_info",
+    metadata,
+    Column("key", String(64), primary_key=True),
+    Column("value", Text, nullable=False),
+)
+LEDGER_ID_KEY = "ledger_id"

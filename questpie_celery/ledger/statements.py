@@ -1,0 +1,297 @@
+"""Every SQL statement against the ledger, built once per dialect and addressed by name.
+
+Statements are built once with bind parameters and reused: SQLAlchemy then skips
+construction and cache-key generation on each call, which is most of its
+per-statement cost. Dialect differences (PostgreSQL and SQLite) live here and in
+`engine.py`, nowhere else.
+
+Times come from the database's clock (`db_time`), never a host's: leases, due
+times and redelivery times written by workers on different machines compare
+against one clock.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import (
+    ColumnElement,
+    Float,
+    Insert,
+    Select,
+    Table,
+    Update,
+    and_,
+    bindparam,
+    case,
+    func,
+    or_,
+    select,
+    update,
+)
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.sql.expression import FunctionElement
+
+from ..errors import LedgerError
+from .schema import (
+    CLAIMABLE,
+    LEDGER_ID_KEY,
+    RELAY_GAVE_UP,
+    RESENDABLE,
+    RUNNING,
+    UTCDateTime,
+    dispatch_table,
+    info_table,
+    policy_table,
+)
+
+
+class db_time(FunctionElement[Any]):
+    """The database's current time, plus an optional offset in seconds."""
+
+    type = UTCDateTime()
+    inherit_cache = True
+
+
+@compiles(db_time, "postgresql")
+def _pg_time(element: db_time, compiler: SQLCompiler, **kw: Any) -> str:
+    # now() is the statement's start in autocommit: one instant for the whole statement.
+    args = list(element.clauses)
+    if not args:
+        return "now()"
+    return f"(now() + make_interval(secs => {compiler.process(args[0], **kw)}))"
+
+
+@compiles(db_time, "sqlite")
+def _sqlite_time(element: db_time, compiler: SQLCompiler, **kw: Any) -> str:
+    # The text layout SQLAlchemy stores SQLite datetimes in, so comparisons stay textual.
+    # SQLite keeps 'now' fixed within one statement.
+    args = list(element.clauses)
+    fmt = "'%Y-%m-%d %H:%M:%f000', 'now'"
+    if not args:
+        return f"strftime({fmt})"
+    offset = compiler.process(args[0], **kw)
+    return f"strftime({fmt}, printf('%+.6f seconds', {offset}))"
+
+
+def seconds(name: str) -> Any:
+    """A bind parameter holding a number of seconds."""
+    return bindparam(name, type_=Float)
+
+
+def insert_or_nothing(dialect: str, table: Table) -> Any:
+    """INSERT ... ON CONFLICT DO NOTHING, on the dialects the ledger supports."""
+    if dialect == "postgresql":
+        return postgresql.insert(table).on_conflict_do_nothing()
+    if dialect == "sqlite":
+        return sqlite.insert(table).on_conflict_do_nothing()
+    raise LedgerError(f"the ledger supports PostgreSQL and SQLite, not {dialect!r}")
+
+
+class Statements:
+    """The ledger's statements for one dialect."""
+
+    def __init__(self, dialect: str) -> None:
+        t = dispatch_table.c
+        now = db_time()
+        by_id = t.id == bindparam("dispatch_id")
+        held = and_(by_id, t.claim_token == bindparam("token"), t.status == "active")
+        claimable = or_(*(t.status == status for status in CLAIMABLE))
+        in_slot = and_(t.job_name == bindparam("job"), t.slot == bindparam("slot_key"))
+
+        self.insert: Insert = (
+            insert_or_nothing(dialect, dispatch_table)
+            .values(
+                id=bindparam("id"),
+                job_name=bindparam("job_name"),
+                idempotency_key=bindparam("idempotency_key"),
+                singleton_key=bindparam("singleton_key"),
+                status=bindparam("status"),
+                policy=bindparam("policy", type_=t.policy.type),
+                slot=bindparam("slot"),
+                payload=bindparam("payload", type_=t.payload.type),
+                secret=bindparam("secret"),
+                secret_ciphertext=bindparam("secret_ciphertext", type_=t.secret_ciphertext.type),
+                secret_wrapped_key=bindparam("secret_wrapped_key", type_=t.secret_wrapped_key.type),
+                secret_key_id=bindparam("secret_key_id"),
+                options=bindparam("options", type_=t.options.type),
+                attempt=0,
+                send_count=0,
+                created_at=now,
+                # An absolute start (start_after) or now; the relay's first look: an
+                # absolute time or now plus a delay.
+                run_after=func.coalesce(bindparam("run_after", type_=UTCDateTime), now),
+                next_send_at=func.coalesce(
+                    bindparam("next_send_at", type_=UTCDateTime), db_time(seconds("send_in"))
+                ),
+                queued_at=case((bindparam("status") == "queued", now), else_=None),
+            )
+            .returning(t.id)
+        )
+        self.get: Select[Any] = select(dispatch_table).where(by_id)
+        self.get_many: Select[Any] = select(dispatch_table).where(
+            t.id.in_(bindparam("dispatch_ids", expanding=True))
+        )
+        self.exists: Select[Any] = select(t.id).where(by_id)
+        # A fast worker may already have claimed the row: keep its status then, and only a
+        # row still waiting for its first claim gets a redelivery time.
+        still_pending = t.status == "pending"
+        self.mark_queued: Update = (
+            update(dispatch_table)
+            .where(by_id)
+            .values(
+                queued_at=func.coalesce(t.queued_at, now),
+                status=case((still_pending, "queued"), else_=t.status),
+                next_send_at=case(
+                    (still_pending, db_time(seconds("redeliver_in"))), else_=t.next_send_at
+                ),
+            )
+        )
+        # Bound to its job: a message for another job that carries this id claims nothing.
+        deliverable = and_(
+            by_id, t.job_name == bindparam("job"), claimable, t.attempt == bindparam("previous")
+        )
+        self.claim: Update = (
+            update(dispatch_table)
+            .where(deliverable)
+            .values(
+                status="active",
+                attempt=t.attempt + 1,
+                send_count=0,  # the relay's budget counts sends per attempt
+                claim_token=bindparam("new_token"),
+                lease_expires_at=db_time(seconds("lease")),
+                started_at=now,
+            )
+            .returning(*dispatch_table.c)
+        )
+        self.renew: Update = (
+            update(dispatch_table).where(held).values(lease_expires_at=db_time(seconds("lease")))
+        )
+        ended: dict[str, Any] = {"lease_expires_at": None, "last_error": bindparam("error")}
+        terminal = {
+            **ended,
+            "finished_at": now,
+            # Key erasure is part of the terminal write, never a second step.
+            "secret_ciphertext": None,
+            "secret_wrapped_key": None,
+        }
+        retrying = {
+            **ended,
+            "status": "retry",
+            "run_after": db_time(seconds("retry_in")),
+            "next_send_at": db_time(seconds("relay_in")),
+        }
+        self.finish: Update = (
+            update(dispatch_table).where(held).values(status=bindparam("new_status"), **terminal)
+        )
+        self.retry: Update = update(dispatch_table).where(held).values(**retrying)
+        # Ending a lapsed lease is the relay's doing, not the holder's: it clears the token,
+        # so a holder reading back after a failed write knows its own write did not land.
+        lapsed = and_(held, t.lease_expires_at < now)
+        self.lapse_retry: Update = (
+            update(dispatch_table).where(lapsed).values(claim_token=None, **retrying)
+        )
+        self.lapse_fail: Update = (
+            update(dispatch_table)
+            .where(lapsed)
+            .values(status="failed", claim_token=None, **terminal)
+        )
+        self.expired: Select[Any] = (
+            select(dispatch_table)
+            .where(t.status == "active", t.lease_expires_at < now)
+            .order_by(t.lease_expires_at)
+            .limit(bindparam("limit"))
+        )
+
+        self.park: Update = update(dispatch_table).where(deliverable).values(status="parked")
+        self.oldest_parked: Select[Any] = (
+            select(t.id).where(in_slot, t.status == "parked").order_by(t.created_at, t.id).limit(1)
+        )
+        self.unpark: Update = (
+            update(dispatch_table)
+            .where(by_id, t.status == "parked")
+            .values(status="queued", next_send_at=db_time(seconds("redeliver_in")))
+            .returning(*dispatch_table.c)
+        )
+        self.slot_running: Select[Any] = (
+            select(t.id).where(in_slot, t.status.in_(RUNNING), t.policy.is_not(None)).limit(1)
+        )
+        self.free_parked_slots: Select[Any] = _free_parked_slots()
+
+        self.due: Select[Any] = (
+            select(dispatch_table)
+            .where(t.status.in_(RESENDABLE), t.next_send_at <= now)
+            .order_by(t.next_send_at)
+            .limit(bindparam("limit"))
+        )
+        # Taking a row for a send is conditional on the exact next_send_at we read, so of
+        # several relays exactly one sends it.
+        seen = and_(
+            by_id, t.status == bindparam("seen_status"), t.next_send_at == bindparam("seen_next")
+        )
+        self.take_for_send: Update = (
+            update(dispatch_table)
+            .where(seen)
+            .values(send_count=t.send_count + 1, next_send_at=db_time(seconds("backoff")))
+            .returning(*dispatch_table.c)
+        )
+        self.give_up: Update = (
+            update(dispatch_table)
+            .where(seen)
+            .values(status="failed", claim_token=None, **{**terminal, "last_error": RELAY_GAVE_UP})
+        )
+        # After a send the broker refused: let the relay try again soon, not at the far-off
+        # safety-net time the row was given in the hope that the send would succeed.
+        self.send_soon: Update = (
+            update(dispatch_table)
+            .where(by_id, t.status.in_(RESENDABLE), t.attempt == bindparam("attempt"))
+            .values(next_send_at=db_time(seconds("send_in")))
+        )
+
+        p = policy_table.c
+        self.get_policy: Select[Any] = select(p.policy).where(p.job_name == bindparam("job"))
+        self.record_policy: Insert = insert_or_nothing(dialect, policy_table).values(
+            job_name=bindparam("job"),
+            policy=bindparam("policy", type_=p.policy.type),
+            updated_at=now,
+        )
+        upsert = (postgresql if dialect == "postgresql" else sqlite).insert(policy_table)
+        self.set_policy: Insert = upsert.values(
+            job_name=bindparam("job"),
+            policy=bindparam("policy", type_=p.policy.type),
+            updated_at=now,
+        ).on_conflict_do_update(
+            index_elements=[p.job_name],
+            set_={"policy": upsert.excluded.policy, "updated_at": upsert.excluded.updated_at},
+        )
+        self.ledger_id: Select[Any] = select(info_table.c.value).where(
+            info_table.c.key == LEDGER_ID_KEY
+        )
+
+
+def _free_parked_slots() -> Select[Any]:
+    """(job, slot) pairs holding parked runs while nothing runs in the slot.
+
+    A run on its way to the slot (an unparked or accepted run that is due, its message
+    in the broker) keeps it busy too; a delayed dispatch that is not yet due does not,
+    or a far-off start would hide the slot's parked runs from the relay.
+    """
+    t = dispatch_table.c
+    other = dispatch_table.alias("other")
+    on_its_way: ColumnElement[bool] = or_(
+        other.c.status.in_(RUNNING),
+        and_(other.c.status.in_(("pending", "queued")), other.c.run_after <= db_time()),
+    )
+    busy = (
+        select(other.c.id)
+        .where(other.c.job_name == t.job_name, other.c.slot == t.slot, on_its_way)
+        .exists()
+    )
+    return (
+        select(t.job_name, t.slot)
+        .where(t.status == "parked", ~busy)
+        .distinct()
+        .limit(bindparam("limit"))
+    )

@@ -1,0 +1,368 @@
+"""`Ledger`: every operation on the ledger tables, addressed by what it does.
+
+Each operation outside `migrate` is a single statement in autocommit: one round
+trip, atomic on its own, and no transaction left open to hold row locks. A
+statement that meets a connection the server dropped (restart, failover,
+`pg_terminate_backend`, an idle timeout) runs once more on a fresh connection.
+Where that second run cannot tell whether the first one landed (a conditional
+write that now matches nothing), the operation reads the row back and decides
+from the fencing token it names.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import Connection, Engine, exc, func, select
+from sqlalchemy.engine import RowMapping
+from sqlalchemy.sql import Executable
+
+from ..errors import LedgerSchemaError
+from ..policies import QueuePolicy
+from .engine import create_ledger_engine, dispose_in_children, runs_in_autocommit
+from .errors import SlotTaken, is_disconnect, translate_errors
+from .rows import Claim, DispatchRow, NewDispatch
+from .schema import (
+    LEASE_EXPIRED,
+    LEDGER_ID_KEY,
+    SCHEMA_VERSION,
+    TERMINAL,
+    Status,
+    info_table,
+    metadata,
+    schema_version_table,
+)
+from .statements import Statements, db_time, insert_or_nothing
+
+log = logging.getLogger(__name__)
+
+
+class Ledger:
+    """The dispatch ledger in one database."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._autocommit: Engine
+        self._transactional: Engine
+        if runs_in_autocommit(engine):
+            self._autocommit = engine
+            self._transactional = engine.execution_options(isolation_level="READ COMMITTED")
+        else:
+            # An engine the caller passed in is left as it is; ours run in autocommit.
+            self._autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
+            self._transactional = engine
+        self._sql = Statements(engine.dialect.name)
+        self._ledger_id: str | None = None
+        dispose_in_children(engine)
+
+    @property
+    def dialect(self) -> str:
+        return self.engine.dialect.name
+
+    def close(self) -> None:
+        """Release the pool's connections."""
+        self.engine.dispose()
+
+    # --- running statements ------------------------------------------------------------
+
+    def _execute(self, stmt: Executable, params: Any) -> Any:
+        """Run one statement in autocommit; once more if its connection was found dead."""
+        with translate_errors():
+            for retry in (False, True):
+                try:
+                    with self._autocommit.connect() as conn:
+                        result = conn.execute(stmt, params)
+                        return result.mappings().all() if result.returns_rows else result.rowcount
+                except exc.IntegrityError:
+                    # Only the queue-policy slot indexes can refuse these statements.
+                    raise SlotTaken() from None
+                except exc.DBAPIError as error:
+                    if retry or not is_disconnect(error):
+                        raise
+                    log.info("ledger connection was dropped by the server; reconnecting")
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _first(self, stmt: Executable, params: Any) -> RowMapping | None:
+        rows = self._execute(stmt, params)
+        return rows[0] if rows else None
+
+    def _row(self, stmt: Executable, params: Any) -> DispatchRow | None:
+        found = self._first(stmt, params)
+        return DispatchRow.from_mapping(found) if found is not None else None
+
+    # --- schema ------------------------------------------------------------------------
+
+    def migrate(self) -> int:
+        """Create or upgrade the schema; safe to run again. Returns the schema version."""
+        with translate_errors(), self._transactional.begin() as conn:
+            metadata.create_all(conn, checkfirst=True)
+            conn.execute(
+                insert_or_nothing(self.dialect, info_table).values(
+                    key=LEDGER_ID_KEY, value=str(uuid.uuid4())
+                )
+            )
+            current = conn.execute(select(func.max(schema_version_table.c.version))).scalar()
+            if current is None or current < SCHEMA_VERSION:
+                conn.execute(
+                    insert_or_nothing(self.dialect, schema_version_table).values(
+                        version=SCHEMA_VERSION, applied_at=db_time()
+                    )
+                )
+        return SCHEMA_VERSION
+
+    def schema_version(self) -> int | None:
+        with translate_errors(), self._autocommit.connect() as conn:
+            return conn.execute(select(func.max(schema_version_table.c.version))).scalar()
+
+    def ledger_id(self, conn: Connection | None = None) -> str:
+        """The random identity the first migration gave this ledger database.
+
+        With `conn`, read through the caller's connection: which database that is.
+        """
+        if conn is None and self._ledger_id is not None:
+            return self._ledger_id
+        if conn is not None:
+            with translate_errors():
+                found = conn.execute(self._sql.ledger_id).scalar()
+        else:
+            row = self._first(self._sql.ledger_id, {})
+            found = row["value"] if row is not None else None
+        if not isinstance(found, str):
+            raise LedgerSchemaError()
+        if conn is None:
+            self._ledger_id = found
+        return found
+
+    # --- publishing --------------------------------------------------------------------
+
+    def insert(self, new: NewDispatch, conn: Connection | None = None) -> bool:
+        """Insert the row unless its id (or its policy slot) is taken; True if inserted.
+
+        One statement, so concurrent publishers of one key race inside the database:
+        exactly one of them gets True. With `conn`, it runs in the caller's transaction.
+        """
+        params = {
+            "id": new.id,
+            "job_name": new.job_name,
+            "idempotency_key": new.idempotency_key,
+            "singleton_key": new.singleton_key,
+            "status": new.status,
+            "policy": new.policy if new.slot is not None else None,
+            "slot": new.slot,
+            "payload": new.payload,
+            "secret": new.secret_ciphertext is not None,
+            "secret_ciphertext": new.secret_ciphertext,
+            "secret_wrapped_key": new.secret_wrapped_key,
+            "secret_key_id": new.secret_key_id,
+            "options": new.options,
+            "run_after": new.run_after,
+            "next_send_at": new.next_send_at,
+            "send_in": new.send_in,
+        }
+        if conn is None:
+            # A retried insert that now conflicts may be our own first try: the caller
+            # then treats the id as known, and the relay sends the row after its delay.
+            return bool(self._execute(self._sql.insert, params))
+        stmt = self._sql.insert
+        if conn.dialect.name != self.dialect:
+            stmt = Statements(conn.dialect.name).insert
+        with translate_errors():
+            return conn.execute(stmt, params).first() is not None
+
+    def exists(self, dispatch_id: str, conn: Connection | None = None) -> bool:
+        """Whether the row exists (with `conn`: as the caller's transaction sees it)."""
+        params = {"dispatch_id": dispatch_id}
+        if conn is not None:
+            with translate_errors():
+                return conn.execute(self._sql.exists, params).first() is not None
+        return self._first(self._sql.exists, params) is not None
+
+    def get(self, dispatch_id: str) -> DispatchRow | None:
+        return self._row(self._sql.get, {"dispatch_id": dispatch_id})
+
+    def get_many(self, dispatch_ids: Sequence[str]) -> list[DispatchRow]:
+        if not dispatch_ids:
+            return []
+        rows = self._execute(self._sql.get_many, {"dispatch_ids": list(dispatch_ids)})
+        return [DispatchRow.from_mapping(row) for row in rows]
+
+    def mark_queued(self, dispatch_ids: Sequence[str], redeliver_in: float) -> None:
+        """Record that the broker accepted these dispatches, in one batch."""
+        if dispatch_ids:
+            params = [{"dispatch_id": i, "redeliver_in": redeliver_in} for i in dispatch_ids]
+            self._execute(self._sql.mark_queued, params)
+
+    def send_soon(self, dispatch_id: str, attempt: int, send_in: float) -> None:
+        """After a refused send: let the relay send attempt `attempt + 1` in `send_in` s."""
+        params = {"dispatch_id": dispatch_id, "attempt": attempt, "send_in": send_in}
+        self._execute(self._sql.send_soon, params)
+
+    # --- the fence ---------------------------------------------------------------------
+
+    def claim(self, dispatch_id: str, job_name: str, attempt: int, lease_seconds: float) -> Claim:
+        """Take the execution claim for delivery `attempt` of a dispatch of `job_name`.
+
+        Succeeds only when the row belongs to the job, is claimable and has made exactly
+        `attempt - 1` claims: a delivery of an attempt the row has moved past is `stale`,
+        one of a finished dispatch `done`, one that meets a live claim `busy`, one for a
+        row of another job or none at all `unknown`, and one whose policy slot is taken
+        `blocked`.
+        """
+        token = str(uuid.uuid4())
+        params = {
+            "dispatch_id": dispatch_id,
+            "job": job_name,
+            "previous": attempt - 1,
+            "new_token": token,
+            "lease": lease_seconds,
+        }
+        try:
+            row = self._row(self._sql.claim, params)
+        except SlotTaken:
+            return Claim("blocked")
+        if row is not None:
+            return Claim("claimed", row, token)
+        # Not claimed: read the row to say why (the answer may be a moment old).
+        found = self.get(dispatch_id)
+        if found is None or found.job_name != job_name:
+            return Claim("unknown")
+        if found.claim_token == token and found.status == "active":
+            return Claim("claimed", found, token)  # our first try landed; its reply was lost
+        if found.status in TERMINAL:
+            return Claim("done", found)
+        if found.status == "active" and found.attempt == attempt:
+            return Claim("busy", found)
+        return Claim("stale", found)
+
+    def renew(self, dispatch_id: str, token: str, lease_seconds: float) -> bool:
+        """Extend a live claim; False when the claim is no longer ours."""
+        params = {"dispatch_id": dispatch_id, "token": token, "lease": lease_seconds}
+        return bool(self._execute(self._sql.renew, params))
+
+    def finish(self, dispatch_id: str, token: str, status: Status, error: str | None) -> bool:
+        """Record `completed` or `failed` (erasing a secret's key); only the holder can.
+
+        False when the claim was lost (the relay ended the lapsed lease).
+        """
+        params = {"dispatch_id": dispatch_id, "token": token, "new_status": status, "error": error}
+        return self._held_write(self._sql.finish, params, dispatch_id, token, status)
+
+    def retry(
+        self, dispatch_id: str, token: str, *, retry_in: float, relay_in: float, error: str
+    ) -> bool:
+        """End the claim as a failed attempt, due again in `retry_in` s.
+
+        `relay_in` is when the relay sends the retry if no message claims it first.
+        """
+        params = {
+            "dispatch_id": dispatch_id,
+            "token": token,
+            "retry_in": retry_in,
+            "relay_in": relay_in,
+            "error": error,
+        }
+        return self._held_write(self._sql.retry, params, dispatch_id, token, "retry")
+
+    def _held_write(
+        self, stmt: Executable, params: dict[str, Any], dispatch_id: str, token: str, to: Status
+    ) -> bool:
+        if self._execute(stmt, params):
+            return True
+        # Nothing matched. If a dropped connection made us run it twice, the first run
+        # may have landed: then the row carries our token in the state we wrote.
+        row = self.get(dispatch_id)
+        return row is not None and row.claim_token == token and row.status == to
+
+    def expired_claims(self, limit: int = 100) -> list[DispatchRow]:
+        """Active rows whose lease has lapsed: their holder died or overran."""
+        rows = self._execute(self._sql.expired, {"limit": limit})
+        return [DispatchRow.from_mapping(row) for row in rows]
+
+    def lapse(self, row: DispatchRow, *, retry_in: float | None, relay_in: float) -> bool:
+        """End a lapsed claim as a failed attempt: due again in `retry_in` s, or failed."""
+        params: dict[str, Any] = {
+            "dispatch_id": row.id,
+            "token": row.claim_token,
+            "error": LEASE_EXPIRED,
+        }
+        if retry_in is None:
+            return bool(self._execute(self._sql.lapse_fail, params))
+        params.update(retry_in=retry_in, relay_in=relay_in)
+        return bool(self._execute(self._sql.lapse_retry, params))
+
+    # --- queue policy slots ------------------------------------------------------------
+
+    def park(self, dispatch_id: str, job_name: str, attempt: int) -> bool:
+        """Set a delivered run aside until its slot frees; not an attempt."""
+        params = {"dispatch_id": dispatch_id, "job": job_name, "previous": attempt - 1}
+        return bool(self._execute(self._sql.park, params))
+
+    def slot_running(self, job_name: str, slot: str) -> bool:
+        """Whether a run holds the slot's running place (active, or awaiting its retry)."""
+        return self._first(self._sql.slot_running, {"job": job_name, "slot_key": slot}) is not None
+
+    def unpark_next(self, job_name: str, slot: str, redeliver_in: float) -> DispatchRow | None:
+        """Move the oldest parked run of a slot back to `queued`; the caller sends it.
+
+        A conditional update, so of several processes handing the same slot on, one
+        wins each parked row and exactly one message is sent for it.
+        """
+        for _ in range(5):
+            oldest = self._first(self._sql.oldest_parked, {"job": job_name, "slot_key": slot})
+            if oldest is None:
+                return None
+            params = {"dispatch_id": oldest["id"], "redeliver_in": redeliver_in}
+            row = self._row(self._sql.unpark, params)
+            if row is not None:
+                return row
+        return None
+
+    def free_parked_slots(self, limit: int = 100) -> list[tuple[str, str]]:
+        """(job, slot) pairs holding parked runs while nothing runs in the slot."""
+        rows = self._execute(self._sql.free_parked_slots, {"limit": limit})
+        return [(row["job_name"], row["slot"]) for row in rows]
+
+    # --- recorded policies -------------------------------------------------------------
+
+    def get_policy(self, job_name: str) -> QueuePolicy | None:
+        found = self._first(self._sql.get_policy, {"job": job_name})
+        return None if found is None else QueuePolicy.parse(found["policy"])
+
+    def record_policy(self, job_name: str, policy: QueuePolicy) -> QueuePolicy:
+        """Record a job's policy unless one is recorded; return the one in force."""
+        self._execute(self._sql.record_policy, {"job": job_name, "policy": policy})
+        return self.get_policy(job_name) or policy
+
+    def set_policy(self, job_name: str, policy: QueuePolicy) -> None:
+        """Change a job's recorded policy on purpose (new dispatches follow it)."""
+        self._execute(self._sql.set_policy, {"job": job_name, "policy": policy})
+
+    # --- the relay's sends -------------------------------------------------------------
+
+    def due_for_send(self, limit: int = 100) -> list[DispatchRow]:
+        rows = self._execute(self._sql.due, {"limit": limit})
+        return [DispatchRow.from_mapping(row) for row in rows]
+
+    def take_for_send(self, row: DispatchRow, backoff: float) -> DispatchRow | None:
+        """Count one relay send of `row`, the next no sooner than `backoff` s; None if
+        another relay took it first."""
+        params = {
+            "dispatch_id": row.id,
+            "seen_status": row.status,
+            "seen_next": row.next_send_at,
+            "backoff": backoff,
+        }
+        return self._row(self._sql.take_for_send, params)
+
+    def give_up(self, row: DispatchRow) -> bool:
+        """Record `failed` (erasing a secret's key) after the relay ran out of sends."""
+        params = {"dispatch_id": row.id, "seen_status": row.status, "seen_next": row.next_send_at}
+        return bool(self._execute(self._sql.give_up, params))
+
+
+def open_ledger(url: str) -> Ledger:
+    """A `Ledger` on an engine of its own, for tools that have a URL and no `Questpie`."""
+    return Ledger(create_ledger_engine(url))

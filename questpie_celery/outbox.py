@@ -1,0 +1,219 @@
+"""The outbox: the one way a ledger row becomes a broker message.
+
+Publishing, the worker (retries), parking and the relay all send through it. It
+owns the decisions about *when*: how long a fresh row is left to its publisher
+before the relay steps in, which delays wait in the ledger rather than as a
+broker ETA, how a retry is sent, how relay sends back off, and when the relay
+gives up. After a send the broker refused, the row is made due for the relay
+soon; once the broker accepted a first send, the row is marked `queued`
+(batched, off the publish path).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any, Literal, Protocol
+
+from .acceptance import AcceptanceRecorder
+from .broker import MessageHeader, Sender
+from .errors import BrokerError, QuestpieError
+from .ledger import DispatchRow, Ledger
+from .options import StoredOptions
+
+log = logging.getLogger(__name__)
+
+#: A dispatch due further ahead than this waits in the ledger, not as a broker ETA held
+#: in worker memory (which Redis duplicates past its visibility timeout and RabbitMQ
+#: refuses past its consumer_timeout).
+ETA_HORIZON_SECONDS = 60.0
+#: How long the relay leaves a freshly written row to the process that wrote it.
+PENDING_GRACE_SECONDS = 30.0
+#: After a refused send, how soon the relay tries.
+REFUSED_SEND_RETRY_SECONDS = 5.0
+#: Relay sends per attempt before the dispatch is recorded failed.
+MAX_RELAY_SENDS = 25
+MAX_RELAY_BACKOFF_SECONDS = 3600.0
+#: An accepted dispatch no worker claimed within this long is sent again.
+DEFAULT_REDELIVER_AFTER_SECONDS = 3600.0
+
+
+class Sendable(Protocol):
+    """What a send needs of a row: a stored row and a new one both have it."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def job_name(self) -> str: ...
+    @property
+    def payload(self) -> dict[str, Any] | None: ...
+    @property
+    def options(self) -> StoredOptions: ...
+    @property
+    def run_after(self) -> datetime | None: ...
+
+
+@dataclass(frozen=True)
+class FirstSend:
+    """When a new row is first sent: by its publisher now, or by the relay."""
+
+    publisher_sends: bool
+    next_send_at: datetime | None = None  # an absolute relay time (a far-off start)
+    send_in: float = PENDING_GRACE_SECONDS  # else: the relay's first look, from now
+
+
+@dataclass(frozen=True)
+class RetryPlan:
+    """When a failed attempt runs again, and who sends its message."""
+
+    retry_in: float
+    relay_in: float  # when the relay sends it if no message has claimed it by then
+    send_now: bool  # the caller sends it at once, with `retry_in` as countdown
+
+
+SendResult = Literal["sent", "refused", "taken"]
+
+
+class Outbox:
+    def __init__(self, ledger: Ledger, sender: Sender, redeliver_after: float) -> None:
+        self._ledger = ledger
+        self._sender = sender
+        self.redeliver_after = redeliver_after
+        self._acceptance = AcceptanceRecorder(ledger, lambda: self.redeliver_after)
+
+    def close(self) -> None:
+        """Write the acceptance marks still batched."""
+        self._acceptance.close()
+
+    # --- when ---------------------------------------------------------------------------
+
+    @staticmethod
+    def is_far_off(start_after: datetime | None, now: datetime) -> bool:
+        """Too far ahead for a broker ETA: the dispatch waits in the ledger."""
+        return start_after is not None and start_after > now + timedelta(
+            seconds=ETA_HORIZON_SECONDS
+        )
+
+    def first_send(
+        self, start_after: datetime | None, now: datetime, *, after_commit_hook: bool
+    ) -> FirstSend:
+        if self.is_far_off(start_after, now) and start_after is not None:
+            return FirstSend(
+                False, next_send_at=start_after - timedelta(seconds=ETA_HORIZON_SECONDS)
+            )
+        if not after_commit_hook:
+            # A Connection has no after-commit hook: the relay sends it once committed.
+            return FirstSend(False, send_in=0.0)
+        return FirstSend(True)
+
+    def plan_retry(self, delay: float) -> RetryPlan:
+        if delay <= ETA_HORIZON_SECONDS:
+            return RetryPlan(delay, delay + self.redeliver_after, send_now=True)
+        # A long wait stays in the ledger, not in a worker's memory as an ETA.
+        return RetryPlan(delay, delay - ETA_HORIZON_SECONDS, send_now=False)
+
+    def out_of_sends(self, row: DispatchRow) -> bool:
+        return row.send_count >= MAX_RELAY_SENDS
+
+    def _relay_backoff(self, row: DispatchRow) -> float:
+        backoff = min(2.0 ** (row.send_count + 1), MAX_RELAY_BACKOFF_SECONDS)
+        if row.status != "pending":  # the broker accepted it once: it may just be waiting
+            backoff = max(backoff, self.redeliver_after)
+        return backoff
+
+    # --- sending ------------------------------------------------------------------------
+
+    def send(
+        self,
+        row: Sendable,
+        *,
+        attempt: int,
+        countdown: float | None = None,
+        carry: Mapping[str, Any] | None = None,
+        by_relay: bool = False,
+    ) -> bool:
+        """Send the message for `attempt` of a ledgered dispatch; False if refused.
+
+        A refused send leaves the row due for the relay shortly (a relay's own send has
+        already set its backed-off next time). `carry` overrides the Celery options
+        stored with the row (the delivery being retried has the newest).
+        """
+        options = row.options
+        run_after = row.run_after
+        if run_after is not None and run_after <= datetime.now(UTC):
+            run_after = None
+        try:
+            self._sender.send(
+                job_name=row.job_name,
+                dispatch_id=row.id,
+                payload=row.payload,
+                header=MessageHeader(ledgered=True, attempt=attempt, run=options.run),
+                priority=options.priority,
+                queue=options.queue,
+                countdown=countdown,
+                # An ETA only within the horizon: further out, rows wait in the ledger.
+                eta=run_after if countdown is None else None,
+                carry=options.carry if carry is None else carry,
+            )
+        except BrokerError as exc:
+            log.warning(
+                "dispatch %s of job %s: the broker refused attempt %d (%s); it stays in "
+                "the ledger and the relay sends it",
+                row.id,
+                row.job_name,
+                attempt,
+                type(exc.__cause__).__name__,
+                extra={"dispatch_id": row.id, "job_name": row.job_name},
+            )
+            if not by_relay:
+                self._due_soon(row.id, attempt)
+            return False
+        if attempt == 1:
+            self._acceptance.record(row.id)
+        return True
+
+    def _due_soon(self, dispatch_id: str, attempt: int) -> None:
+        try:
+            self._ledger.send_soon(dispatch_id, attempt - 1, REFUSED_SEND_RETRY_SECONDS)
+        except QuestpieError as exc:
+            log.warning(
+                "dispatch %s: could not mark it due for the relay (%s); the relay sends it "
+                "at its fallback time",
+                dispatch_id,
+                type(exc).__name__,
+                extra={"dispatch_id": dispatch_id},
+            )
+
+    def send_committed(self, dispatch_ids: Sequence[str]) -> None:
+        """Send rows a caller's transaction committed; skip what its savepoints dropped."""
+        try:
+            rows = self._ledger.get_many(dispatch_ids)
+        except QuestpieError as exc:
+            # The caller's commit succeeded; the relay sends the rows after their grace.
+            log.warning(
+                "%d committed dispatch(es) not sent (%s); the relay will send them",
+                len(dispatch_ids),
+                type(exc).__name__,
+            )
+            return
+        for row in rows:
+            if row.status == "pending":
+                self.send(row, attempt=1)
+
+    def resend(self, row: DispatchRow) -> SendResult:
+        """The relay's send of a due row: counted, backed off, and only by one relay."""
+        taken = self._ledger.take_for_send(row, self._relay_backoff(row))
+        if taken is None:
+            return "taken"  # another relay took it
+        log.info(
+            "relay sends dispatch %s of job %s (%s, send %d)",
+            row.id,
+            row.job_name,
+            row.status,
+            taken.send_count,
+            extra={"dispatch_id": row.id, "job_name": row.job_name},
+        )
+        sent = self.send(taken, attempt=taken.attempt + 1, by_relay=True)
+        return "sent" if sent else "refused"

@@ -1,0 +1,168 @@
+"""How an attempt ends: the one routine the worker and the relay both call.
+
+Every end goes through here: the conditional write that records it (only the
+claim holder's token, or the relay's view of a lapsed lease, can move the row),
+the key erasure that is part of every terminal write, handing a freed slot on,
+and for a retry whether its message is sent now (with a countdown) or left in
+the ledger for the relay (a delay beyond the ETA horizon).
+
+A holder whose write meets an unreachable ledger tries again until `until` (the
+end of its lease): a database restart under a running handler then costs no
+second run.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+from .errors import LedgerUnavailableError
+from .ledger import DispatchRow, Ledger
+from .outbox import Outbox
+from .slots import Slots
+
+log = logging.getLogger(__name__)
+
+#: Longest pause between two tries of a write while the ledger is unreachable.
+MAX_WRITE_PAUSE_SECONDS = 2.0
+
+Ending = Literal["failed", "retrying", "lost"]
+
+
+class Outcomes:
+    def __init__(self, ledger: Ledger, outbox: Outbox, slots: Slots) -> None:
+        self._ledger = ledger
+        self._outbox = outbox
+        self._slots = slots
+
+    # --- the claim holder (a worker) ------------------------------------------------------
+
+    def completed(self, row: DispatchRow, token: str, *, until: float | None = None) -> bool:
+        """Record completion (erasing a secret's key); False if the claim was lost."""
+        if not self._patiently(
+            lambda: self._ledger.finish(row.id, token, "completed", None), row, until
+        ):
+            _lost(row, "finished")
+            return False
+        self._slots.hand_on(row)
+        return True
+
+    def attempt_failed(
+        self,
+        row: DispatchRow,
+        token: str,
+        error: str,
+        *,
+        for_good: bool,
+        carry: Mapping[str, Any] | None = None,
+        until: float | None = None,
+    ) -> Ending:
+        """Record a failed attempt: a retry while the dispatch has retries left and the
+        failure may mend, else `failed` for good (erasing a secret's key)."""
+        run = row.options.run
+        if for_good or row.attempt > run.retry_limit:
+            if not self._patiently(
+                lambda: self._ledger.finish(row.id, token, "failed", error), row, until
+            ):
+                _lost(row, "failed")
+                return "lost"
+            self._slots.hand_on(row)
+            return "failed"
+        plan = self._outbox.plan_retry(run.delay_before_retry(row.attempt))
+        if not self._patiently(
+            lambda: self._ledger.retry(
+                row.id, token, retry_in=plan.retry_in, relay_in=plan.relay_in, error=error
+            ),
+            row,
+            until,
+        ):
+            _lost(row, "failed")
+            return "lost"
+        if plan.send_now:
+            self._outbox.send(row, attempt=row.attempt + 1, countdown=plan.retry_in, carry=carry)
+        else:
+            log.info(
+                "dispatch %s: attempt %d failed (%s); the relay sends its retry in %.0fs",
+                row.id,
+                row.attempt,
+                error,
+                plan.retry_in,
+                extra={"dispatch_id": row.id, "job_name": row.job_name},
+            )
+        return "retrying"
+
+    def _patiently(self, write: Callable[[], bool], row: DispatchRow, until: float | None) -> bool:
+        pause = 0.1
+        while True:
+            try:
+                return write()
+            except LedgerUnavailableError as exc:
+                if until is None or time.monotonic() + pause >= until:
+                    raise
+                log.warning(
+                    "dispatch %s: the ledger is unreachable while recording its outcome "
+                    "(%s); trying again for up to %.0fs",
+                    row.id,
+                    exc,
+                    until - time.monotonic(),
+                    extra={"dispatch_id": row.id, "job_name": row.job_name},
+                )
+                time.sleep(pause)
+                pause = min(pause * 2, MAX_WRITE_PAUSE_SECONDS)
+
+    # --- the relay ------------------------------------------------------------------------
+
+    def lapsed(self, row: DispatchRow) -> bool:
+        """End a claim whose lease lapsed (its worker died or overran) as a failed
+        attempt: retried as the dispatch's options say, or failed for good."""
+        run = row.options.run
+        if row.attempt <= run.retry_limit:
+            plan = self._outbox.plan_retry(run.delay_before_retry(row.attempt))
+            if not self._ledger.lapse(row, retry_in=plan.retry_in, relay_in=plan.relay_in):
+                return False  # renewed or recovered by someone else meanwhile
+            log.warning(
+                "dispatch %s of job %s: lease expired on attempt %d; retrying",
+                row.id,
+                row.job_name,
+                row.attempt,
+                extra={"dispatch_id": row.id, "job_name": row.job_name},
+            )
+            if plan.send_now:
+                self._outbox.send(row, attempt=row.attempt + 1, countdown=plan.retry_in)
+            return True
+        if not self._ledger.lapse(row, retry_in=None, relay_in=0.0):
+            return False
+        log.warning(
+            "dispatch %s of job %s: lease expired on its last attempt; failed",
+            row.id,
+            row.job_name,
+            extra={"dispatch_id": row.id, "job_name": row.job_name},
+        )
+        self._slots.hand_on(row)
+        return True
+
+    def gave_up(self, row: DispatchRow) -> bool:
+        """Record `failed` for a dispatch no worker took within the relay's sends."""
+        if not self._ledger.give_up(row):
+            return False
+        log.warning(
+            "dispatch %s of job %s: no worker took it after %d sends; failed",
+            row.id,
+            row.job_name,
+            row.send_count,
+            extra={"dispatch_id": row.id, "job_name": row.job_name},
+        )
+        self._slots.hand_on(row)
+        return True
+
+
+def _lost(row: DispatchRow, what: str) -> None:
+    log.warning(
+        "dispatch %s %s after losing its claim; the outcome is not recorded here (the "
+        "relay ended the lapsed lease, and its retry records the outcome)",
+        row.id,
+        what,
+        extra={"dispatch_id": row.id, "job_name": row.job_name},
+    )
