@@ -5,25 +5,30 @@ build the same app:
 
 - QP_TEST_BROKER: Celery broker URL (for `filesystem://`, QP_TEST_FS_DIR is the folder)
 - QP_TEST_BACKEND: optional result backend URL
-- QP_TEST_LEDGER: SQLAlchemy URL of the ledger; the `test_runs` table lives there too
-- QP_TEST_LEASE: lease length in seconds
+- QP_TEST_LEDGER: SQLAlchemy URL of the ledger
+- QP_TEST_RUNS: SQLAlchemy URL of the `test_runs` table (default: the ledger's database)
+- QP_TEST_QUEUE: the default queue (each stack has its own)
+- QP_TEST_LEASE: lease length in seconds; QP_TEST_RELAY: relay interval
 - QP_TEST_SECRET, QP_TEST_PREVIOUS (comma-separated): the secret and older ones
 - QP_TEST_EXTENDED: turn on result_extended, task events and track_started
 
-Handlers record each run in `test_runs`, so tests observe what really ran.
+Handlers record each run in `test_runs`, so tests observe what really ran. A
+handler given a `gate` (a file path) records its start and then waits until the
+test creates that file: a run stays `active` exactly as long as the test wants.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
 import time
 from typing import Any
 
 from celery import Celery
 from kombu import Queue
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 from sqlalchemy import (
     Column,
     DateTime,
@@ -32,12 +37,12 @@ from sqlalchemy import (
     MetaData,
     String,
     Table,
+    create_engine,
     func,
     insert,
 )
 
 from questpie_celery import JobContext, PermanentFailure, Questpie, job
-from questpie_celery.ledger import create_ledger_engine
 
 runs_metadata = MetaData()
 runs_table = Table(
@@ -103,12 +108,27 @@ def make_celery(
 _engines: dict[int, Engine] = {}
 
 
+def runs_url() -> str:
+    return os.environ.get("QP_TEST_RUNS") or os.environ["QP_TEST_LEDGER"]
+
+
 def runs_engine() -> Engine:
     """One engine per process: a pool must not cross fork."""
     pid = os.getpid()
     if pid not in _engines:
-        _engines[pid] = create_ledger_engine(os.environ["QP_TEST_LEDGER"])
+        _engines[pid] = create_engine(runs_url())
     return _engines[pid]
+
+
+def wait_at(gate: str | None) -> None:
+    """Block until the test opens the gate (creates the file)."""
+    if gate is None:
+        return
+    deadline = time.monotonic() + 120
+    while not os.path.exists(gate):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"gate {gate} never opened")
+        time.sleep(0.01)
 
 
 def record(ctx: JobContext, tag: str, phase: str = "start", note: str | None = None) -> None:
@@ -132,12 +152,17 @@ class Work(BaseModel):
     sleep: float = 0.0
     fail_times: int = 0
     permanent: bool = False
-    hang_attempts: int = 0  # sleep this long... on attempts up to this one: a stuck run
+    hang_attempts: int = 0  # sleep 60 s on attempts up to this one: a stuck run
+    gate: str | None = None  # wait for this file to exist after recording the start
+    gate_attempts: int = 1_000  # ... on attempts up to this one only
+    raise_base: str | None = None  # raise this BaseException class (by name) instead
 
 
 def policy_handler(payload: Work, ctx: JobContext) -> None:
     """Records a start and an end row, so tests can see whether runs overlapped."""
     record(ctx, payload.tag)
+    if ctx.attempt <= payload.gate_attempts:
+        wait_at(payload.gate)
     time.sleep(60 if ctx.attempt <= payload.hang_attempts else payload.sleep)
     if ctx.attempt <= payload.fail_times:
         raise RuntimeError("planned failure")
@@ -153,12 +178,19 @@ POLICY_JOBS = tuple(
 @job(name="record", schema=Work)
 def record_job(payload: Work, ctx: JobContext) -> str:
     record(ctx, payload.tag)
+    if ctx.attempt <= payload.gate_attempts:
+        wait_at(payload.gate)
     if payload.sleep:
         time.sleep(payload.sleep)
+    if payload.raise_base == "SystemExit":
+        raise SystemExit(3)
+    if payload.raise_base == "CancelledError":
+        raise asyncio.CancelledError()
     if payload.permanent:
         raise PermanentFailure("asked to fail for good")
     if ctx.attempt <= payload.fail_times:
         raise RuntimeError(f"planned failure on attempt {ctx.attempt}")
+    record(ctx, payload.tag, phase="end")
     return payload.tag
 
 
@@ -182,12 +214,14 @@ class SecretWork(BaseModel):
     sleep: float = 0.0
     fail_times: int = 0
     permanent: bool = False
+    gate: str | None = None
 
 
 @job(name="secret.link", schema=SecretWork, options={"retry_limit": 2})
 def secret_link(payload: SecretWork, ctx: JobContext) -> str:
     # Prove the plaintext arrived without writing it anywhere: record its digest.
     record(ctx, payload.tag, note=hashlib.sha256(payload.link.encode()).hexdigest())
+    wait_at(payload.gate)
     time.sleep(payload.sleep)
     if payload.permanent:
         raise PermanentFailure(f"cannot deliver {payload.link}")
@@ -196,7 +230,22 @@ def secret_link(payload: SecretWork, ctx: JobContext) -> str:
     return f"sent {payload.link}"  # a return value that echoes the secret
 
 
-JOBS = (record_job, record_async, send_welcome_email, *POLICY_JOBS, secret_link)
+class Anything(BaseModel):
+    """A permissive schema: any object validates."""
+
+    model_config = ConfigDict(extra="allow")
+
+    tag: str = "anything"
+
+
+@job(name="permissive", schema=Anything)
+def permissive(payload: Anything, ctx: JobContext) -> None:
+    # Records a digest of whatever it was handed, so a test can tell whose payload it got.
+    dumped = json.dumps(payload.model_dump(), sort_keys=True)
+    record(ctx, payload.tag, note=hashlib.sha256(dumped.encode()).hexdigest())
+
+
+JOBS = (record_job, record_async, send_welcome_email, *POLICY_JOBS, secret_link, permissive)
 
 
 def build(
@@ -206,6 +255,7 @@ def build(
     backend: str | None = None,
     fs_dir: str | None = None,
     lease_seconds: float = 60.0,
+    relay_interval: float = 2.0,
     queue: str = "celery",
     secret: str | None = None,
     previous_secrets: tuple[str, ...] = (),
@@ -217,6 +267,7 @@ def build(
         ledger_url=ledger,
         jobs=JOBS,
         lease_seconds=lease_seconds,
+        relay_interval=relay_interval,
         secret=secret,
         previous_secrets=previous_secrets,
     )
@@ -230,6 +281,8 @@ def build_from_env() -> tuple[Celery, Questpie]:
         backend=os.environ.get("QP_TEST_BACKEND") or None,
         fs_dir=os.environ.get("QP_TEST_FS_DIR"),
         lease_seconds=float(os.environ.get("QP_TEST_LEASE", "60")),
+        relay_interval=float(os.environ.get("QP_TEST_RELAY", "2")),
+        queue=os.environ.get("QP_TEST_QUEUE", "celery"),
         secret=os.environ.get("QP_TEST_SECRET") or None,
         previous_secrets=tuple(filter(None, os.environ.get("QP_TEST_PREVIOUS", "").split(","))),
         extended=bool(os.environ.get("QP_TEST_EXTENDED")),

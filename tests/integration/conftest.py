@@ -1,0 +1,143 @@
+"""The real servers and stacks the integration tests run against.
+
+One PostgreSQL, one Redis and one RabbitMQ server serve the whole session; every
+stack gets a database, a Redis database and a queue of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from questpie_celery.ledger import Ledger, dispatch_table, open_ledger
+from tests.support.services import PostgresServer, RabbitServer, RedisServer
+from tests.support.stack import Stack, build_stack
+
+StackFactory = Callable[..., Stack]
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[PostgresServer]:
+    server = PostgresServer().start()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    server = RedisServer().start()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="session")
+def rabbit() -> Iterator[RabbitServer]:
+    server = RabbitServer().start()
+    yield server
+    server.close()
+
+
+def broker_env(request: pytest.FixtureRequest, broker: str, folder: Path) -> dict[str, str]:
+    """Broker (and, for Redis, result backend) settings of a new stack."""
+    if broker == "redis":
+        redis: RedisServer = request.getfixturevalue("redis_server")
+        return {
+            "QP_TEST_BROKER": redis.url(redis.new_db()),
+            "QP_TEST_BACKEND": redis.url(redis.new_db()),
+        }
+    if broker == "rabbitmq":
+        rabbit: RabbitServer = request.getfixturevalue("rabbit")
+        return {"QP_TEST_BROKER": rabbit.url()}
+    if broker == "filesystem":
+        return {"QP_TEST_BROKER": "filesystem://", "QP_TEST_FS_DIR": str(folder / "broker")}
+    raise ValueError(broker)
+
+
+def new_stack(
+    request: pytest.FixtureRequest,
+    folder: Path,
+    broker: str,
+    *,
+    ledger: str = "postgresql",
+    env: dict[str, str] | None = None,
+    **worker: Any,
+) -> Stack:
+    settings = broker_env(request, broker, folder)
+    if ledger == "postgresql":
+        settings["QP_TEST_LEDGER"] = request.getfixturevalue("postgres").create_database()
+    else:
+        settings["QP_TEST_LEDGER"] = f"sqlite:///{folder / 'ledger.sqlite3'}"
+    settings.update(env or {})
+    return build_stack(settings, folder, broker, **worker)
+
+
+@pytest.fixture
+def make_stack(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[StackFactory]:
+    """A factory of stacks for one test: `make_stack("redis", env={...}, concurrency=1)`."""
+    made: list[Stack] = []
+
+    def make(broker: str = "redis", **kwargs: Any) -> Stack:
+        stack = new_stack(request, tmp_path_factory.mktemp("stack"), broker, **kwargs)
+        made.append(stack)
+        return stack
+
+    yield make
+    for stack in made:
+        stack.close()
+
+
+@pytest.fixture(scope="module", params=["redis", "rabbitmq"])
+def stack(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
+    """PostgreSQL ledger, a prefork worker (two children), on Redis and on RabbitMQ."""
+    made = new_stack(request, tmp_path_factory.mktemp("stack"), request.param)
+    yield made
+    made.close()
+
+
+@pytest.fixture(scope="module")
+def pg_redis(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
+    """PostgreSQL ledger, Redis broker and result backend, a prefork worker."""
+    made = new_stack(request, tmp_path_factory.mktemp("stack"), "redis")
+    yield made
+    made.close()
+
+
+@pytest.fixture(scope="module")
+def sqlite_fs(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
+    """The embedded default: SQLite ledger file, filesystem broker, two prefork children."""
+    made = new_stack(request, tmp_path_factory.mktemp("embedded"), "filesystem", ledger="sqlite")
+    yield made
+    made.close()
+
+
+@pytest.fixture
+def pg_db(postgres: PostgresServer) -> str:
+    """A fresh, empty PostgreSQL database of this test's own."""
+    return postgres.create_database("unit")
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def ledger(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Ledger]:
+    """A migrated, empty ledger on each dialect (no broker, no worker)."""
+    url = (
+        f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
+        if request.param == "sqlite"
+        else request.getfixturevalue("pg_db")
+    )
+    made = open_ledger(url)
+    made.migrate()
+    with made.engine.begin() as conn:
+        conn.execute(dispatch_table.delete())
+    yield made
+    made.close()

@@ -1,0 +1,252 @@
+"""End to end on the production parts: PostgreSQL ledger, Redis or RabbitMQ, a prefork worker."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from datetime import UTC, datetime, timedelta
+
+from celery.result import AsyncResult
+
+from questpie_celery import derive_dispatch_id
+from tests.support.brokers import capture, deliver, queue_depth
+from tests.support.jobapp import Work
+from tests.support.stack import Stack, tag
+
+
+def test_unkeyed_publish_runs_once_without_a_ledger_row(stack: Stack) -> None:
+    t = tag()
+    rows_before = stack.dispatch_count()
+    dispatch_id = stack.questpie.queue.record.publish({"tag": t})
+    assert dispatch_id is not None
+    [end] = stack.wait_ends(t, 1)
+    assert (end["dispatch_id"], end["attempt"], end["idempotency_key"]) == (dispatch_id, 1, None)
+    assert stack.questpie.queue.get_status(dispatch_id) is None
+    assert stack.dispatch_count() == rows_before
+
+
+def test_repeated_key_returns_the_same_id_and_runs_once(stack: Stack) -> None:
+    t = tag()
+    queue = stack.questpie.queue
+    first = queue.record.publish({"tag": t}, idempotency_key=f"welcome:{t}")
+    again = queue["record"].publish({"tag": t + "-changed"}, idempotency_key=f"welcome:{t}")
+    assert first == again == derive_dispatch_id("record", f"welcome:{t}")
+    stack.wait_status(first, "completed")
+    # Much later, after completion, the key still answers with its id and runs nothing.
+    assert queue.record.publish({"tag": t}, idempotency_key=f"welcome:{t}") == first
+    # A completed dispatch is final: every run it had is recorded by now.
+    runs = stack.runs(t)
+    assert len(runs) == 1
+    assert runs[0]["idempotency_key"] == f"welcome:{t}"
+    assert stack.runs(t + "-changed") == []  # the first accepted payload won
+
+
+def test_eight_concurrent_publishers_one_row_one_run(stack: Stack) -> None:
+    t = tag()
+    key = f"concurrent:{t}"
+    barrier = threading.Barrier(8)
+    results: list[str | None] = []
+    lock = threading.Lock()
+
+    def publish() -> None:
+        barrier.wait()
+        dispatch_id = stack.questpie.queue.record.publish({"tag": t}, idempotency_key=key)
+        with lock:
+            results.append(dispatch_id)
+
+    threads = [threading.Thread(target=publish) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert results == [derive_dispatch_id("record", key)] * 8
+    row = stack.wait_status(derive_dispatch_id("record", key), "completed")
+    assert (row.attempt, row.idempotency_key) == (1, key)
+    assert len(stack.runs(t)) == 1
+
+
+def test_message_delivered_three_times_runs_once_and_keeps_its_result(stack: Stack) -> None:
+    t = tag()
+    idle = f"idle-{uuid.uuid4().hex[:8]}"  # no worker reads it: the message waits there
+    gate = stack.gate()
+    dispatch_id = stack.questpie.queue.record.publish(
+        {"tag": t, "gate": str(gate)}, idempotency_key=f"bytes:{t}", queue=idle
+    )
+    assert dispatch_id is not None
+    message = capture(stack, idle)
+    # Two copies to the worker's queue: the second meets a live claim (the gate holds the
+    # first run open) and is dropped.
+    deliver(stack, message, copies=2)
+    stack.wait_status(dispatch_id, "active")
+    gate.open()
+    stack.wait_status(dispatch_id, "completed")
+    assert len(stack.runs(t)) == 1
+    # A third copy after completion is acknowledged without running.
+    deliver(stack, message, copies=1)
+    stack.wait_log(dispatch_id, "skipped (done)")
+    assert len(stack.runs(t)) == 1
+    if stack.broker == "redis":  # the one stack with a result backend
+        assert AsyncResult(dispatch_id, app=stack.celery_app).get(timeout=10) == t
+
+
+def test_message_carries_payload_and_questpie_header(stack: Stack) -> None:
+    t = tag()
+    idle = f"idle-{uuid.uuid4().hex[:8]}"
+    dispatch_id = stack.questpie.queue.record.publish(
+        {"tag": t}, idempotency_key=f"hdr:{t}", queue=idle
+    )
+    message = capture(stack, idle)
+    assert message.headers["task"] == "record"
+    assert message.headers["id"] == dispatch_id
+    assert message.headers["questpie"]["ledgered"] is True
+    assert message.headers["questpie"]["attempt"] == 1
+    assert message.content_type == "application/json"
+    assert message.decode()[0] == [{"tag": t, **_defaults()}]
+
+
+def _defaults() -> dict[str, object]:
+    return {k: v for k, v in Work(tag="x").model_dump().items() if k != "tag"}
+
+
+def test_retries_count_attempts_and_complete(stack: Stack) -> None:
+    t = tag()
+    dispatch_id = stack.questpie.queue.record.publish(
+        {"tag": t, "fail_times": 2}, idempotency_key=f"retry:{t}", retry_limit=3
+    )
+    assert dispatch_id is not None
+    assert stack.wait_status(dispatch_id, "completed").attempt == 3
+    assert [r["attempt"] for r in stack.runs(t)] == [1, 2, 3]
+
+
+def test_retries_exhausted_records_failed_and_the_key_stays_spent(stack: Stack) -> None:
+    t = tag()
+    dispatch_id = stack.questpie.queue.record.publish(
+        {"tag": t, "fail_times": 10}, idempotency_key=f"exhaust:{t}", retry_limit=1
+    )
+    assert dispatch_id is not None
+    row = stack.wait_status(dispatch_id, "failed")
+    assert (row.attempt, row.last_error) == (2, "RuntimeError")
+    assert [r["attempt"] for r in stack.runs(t)] == [1, 2]
+    # A failed key keeps its id for good; publishing it again sends nothing at all.
+    idle = f"idle-{uuid.uuid4().hex[:8]}"
+    again = stack.questpie.queue.record.publish(
+        {"tag": t}, idempotency_key=f"exhaust:{t}", queue=idle
+    )
+    assert again == dispatch_id
+    assert queue_depth(stack, idle) == 0
+
+
+def test_default_retry_limit_is_two(stack: Stack) -> None:
+    t = tag()
+    dispatch_id = stack.questpie.queue.record.publish(
+        {"tag": t, "fail_times": 10}, idempotency_key=f"default:{t}"
+    )
+    assert dispatch_id is not None
+    stack.wait_status(dispatch_id, "failed")
+    assert [r["attempt"] for r in stack.runs(t)] == [1, 2, 3]
+
+
+def test_retry_delay_and_backoff_are_respected(stack: Stack) -> None:
+    t = tag()
+    dispatch_id = stack.questpie.queue.record.publish(
+        {"tag": t, "fail_times": 2}, idempotency_key=f"delay:{t}", retry_delay=1, retry_backoff=True
+    )
+    assert dispatch_id is not None
+    stack.wait_status(dispatch_id, "completed")
+    first, second, third = stack.runs(t)
+    # Backoff: retry 1 waits max(1, 1) * 2**0 = 1 s, retry 2 waits 2 s.
+    assert second["ran_at"] - first["ran_at"] >= timedelta(seconds=0.9)
+    assert third["ran_at"] - second["ran_at"] >= timedelta(seconds=1.9)
+
+
+def test_permanent_failure_is_not_retried(stack: Stack) -> None:
+    t = tag()
+    dispatch_id = stack.questpie.queue.record.publish(
+        {"tag": t, "permanent": True}, idempotency_key=f"perm:{t}", retry_limit=5
+    )
+    assert dispatch_id is not None
+    row = stack.wait_status(dispatch_id, "failed")
+    assert (row.attempt, row.last_error) == (1, "PermanentFailure")
+    assert len(stack.runs(t)) == 1
+
+
+def test_unledgered_retries_use_celery_retries(stack: Stack) -> None:
+    t = tag()
+    dispatch_id = stack.questpie.queue.record.publish({"tag": t, "fail_times": 1}, retry_limit=1)
+    ends = stack.wait_ends(t, 1)
+    assert [(r["dispatch_id"], r["attempt"]) for r in ends] == [(dispatch_id, 2)]
+    assert [r["attempt"] for r in stack.runs(t)] == [1, 2]
+
+
+def test_async_handler_and_job_option_defaults(stack: Stack) -> None:
+    t = tag()
+    # record.async declares retry_limit=1: two runs, then failed.
+    dispatch_id = stack.questpie.queue.record_async.publish(
+        {"tag": t, "fail_times": 5}, idempotency_key=f"async:{t}"
+    )
+    assert dispatch_id is not None
+    stack.wait_status(dispatch_id, "failed")
+    assert [r["attempt"] for r in stack.runs(t)] == [1, 2]
+
+
+def test_call_time_option_wins_over_job_option(stack: Stack) -> None:
+    t = tag()
+    dispatch_id = stack.questpie.queue.record_async.publish(
+        {"tag": t, "fail_times": 2}, idempotency_key=f"async-win:{t}", retry_limit=2
+    )
+    assert dispatch_id is not None
+    stack.wait_status(dispatch_id, "completed")
+    assert [r["attempt"] for r in stack.runs(t)] == [1, 2, 3]
+
+
+def test_start_after_delays_the_first_run(stack: Stack) -> None:
+    t = tag()
+    published = datetime.now(UTC)
+    dispatch_id = stack.questpie.queue.record.publish(
+        {"tag": t}, idempotency_key=f"later:{t}", start_after=2
+    )
+    assert dispatch_id is not None
+    stack.wait_status(dispatch_id, "completed")
+    [run] = stack.runs(t)
+    assert run["ran_at"] >= published + timedelta(seconds=1.9)
+    t2 = tag()
+    iso = (datetime.now(UTC) + timedelta(seconds=1)).isoformat()
+    stack.questpie.queue.record.publish({"tag": t2}, start_after=iso)
+    assert len(stack.wait_ends(t2, 1)) == 1
+
+
+def test_plain_celery_calls_run_unledgered(stack: Stack) -> None:
+    t = tag()
+    stack.celery_app.send_task("record", args=[{"tag": t}])
+    stack.questpie.tasks["record"].delay({"tag": t})
+    ends = stack.wait_ends(t, 2)
+    assert len(ends) == 2
+    assert all(r["attempt"] == 1 and r["idempotency_key"] is None for r in ends)
+    assert all(stack.questpie.queue.get_status(r["dispatch_id"]) is None for r in ends)
+
+
+def test_bad_messages_fail_without_killing_the_worker(stack: Stack) -> None:
+    app = stack.celery_app
+    app.send_task("no-such-job", args=[{"tag": "x"}])
+    bad = app.send_task("record", args=[{"tag": ["not", "a", "string"]}])
+    stack.wait_log(bad.id, "PayloadValidationError")
+    # The worker is alive and still serves work.
+    t = tag()
+    stack.questpie.queue.record.publish({"tag": t})
+    assert len(stack.wait_ends(t, 1)) == 1
+    assert stack.worker.alive()
+    assert "no-such-job" in stack.worker.log()
+
+
+def test_expire_in_seconds_caps_a_run(stack: Stack) -> None:
+    """On prefork, expire_in_seconds is the run's soft time limit: a failed attempt."""
+    t = tag()
+    dispatch_id = stack.questpie.queue.record.publish(
+        {"tag": t, "sleep": 30}, idempotency_key=f"expire:{t}", expire_in_seconds=2,
+        retry_limit=0,
+    )  # fmt: skip
+    assert dispatch_id is not None
+    row = stack.wait_status(dispatch_id, "failed", timeout=25)
+    assert (row.attempt, row.last_error) == (1, "SoftTimeLimitExceeded")
+    assert row.finished_at is not None and row.started_at is not None
+    assert row.finished_at - row.started_at < timedelta(seconds=30)

@@ -1,0 +1,290 @@
+"""Real servers for the test suite: PostgreSQL, Redis, RabbitMQ and `celery worker` processes.
+
+Each server is started from the binaries on the machine, on free ports, in a
+temporary folder, and can be stopped and started again on the same port (the
+restart tests do). PostgreSQL refuses to run as root, so as root it runs as the
+`postgres` user.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kombu import Connection
+from sqlalchemy import create_engine, text
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_for_port(port: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on port {port} after {timeout}s")
+
+
+def _pg_bin(name: str) -> str:
+    found = shutil.which(name)
+    if found:
+        return found
+    for candidate in sorted(Path("/usr/lib/postgresql").glob(f"*/bin/{name}"), reverse=True):
+        return str(candidate)
+    raise RuntimeError(f"PostgreSQL's {name} is not installed")
+
+
+class PostgresServer:
+    """A PostgreSQL cluster of its own. `durable=False` turns fsync off: tests only."""
+
+    def __init__(self, *, durable: bool = False) -> None:
+        self.as_root = os.geteuid() == 0
+        self.base = Path(tempfile.mkdtemp(prefix="qp-pg-"))
+        self.data = self.base / "data"
+        self.port = free_port()
+        self.user = "postgres" if self.as_root else os.environ.get("USER", "postgres")
+        self._run_as = ["runuser", "-u", "postgres", "--"] if self.as_root else []
+        if self.as_root:
+            shutil.chown(self.base, "postgres", "postgres")
+        subprocess.run(
+            [*self._run_as, _pg_bin("initdb"), "-D", str(self.data), "-U", self.user,
+             "-A", "trust", "--no-sync"],
+            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        self.options = (
+            f"-p {self.port} -k {self.base} -c listen_addresses=127.0.0.1 -c max_connections=300"
+        )
+        if not durable:
+            self.options += " -c fsync=off -c synchronous_commit=off -c full_page_writes=off"
+        self._databases = 0
+
+    def start(self) -> PostgresServer:
+        subprocess.run(
+            [*self._run_as, _pg_bin("pg_ctl"), "-D", str(self.data), "-o", self.options,
+             "-l", str(self.base / "log"), "-w", "start"],
+            check=True, stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+        return self
+
+    def stop(self, mode: str = "fast") -> None:
+        subprocess.run(
+            [*self._run_as, _pg_bin("pg_ctl"), "-D", str(self.data), "-m", mode, "-w", "stop"],
+            check=False, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+
+    def url(self, database: str = "postgres") -> str:
+        return f"postgresql+psycopg://{self.user}@127.0.0.1:{self.port}/{database}"
+
+    def create_database(self, prefix: str = "qp") -> str:
+        """A new, empty database on this server; returns its URL."""
+        self._databases += 1
+        name = f"{prefix}_{os.getpid()}_{self._databases}"
+        admin = create_engine(self.url(), isolation_level="AUTOCOMMIT")
+        with admin.connect() as conn:
+            conn.execute(text(f'CREATE DATABASE "{name}"'))
+        admin.dispose()
+        return self.url(name)
+
+    def terminate_backends(self, database_url: str) -> int:
+        """Kill every server process serving `database_url`'s database (as a failover,
+        a restart or an idle timeout would), except our own; returns how many."""
+        name = database_url.rsplit("/", 1)[1]
+        admin = create_engine(self.url(), isolation_level="AUTOCOMMIT")
+        with admin.connect() as conn:
+            killed = conn.execute(
+                text(
+                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                    "WHERE datname = :name AND pid <> pg_backend_pid()"
+                ),
+                {"name": name},
+            ).scalar_one()
+        admin.dispose()
+        return int(killed)
+
+    def close(self) -> None:
+        self.stop("immediate")
+        shutil.rmtree(self.base, ignore_errors=True)
+
+
+class RedisServer:
+    """A Redis server of its own, with 256 databases so every stack gets one."""
+
+    def __init__(self) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
+        self.binary = binary
+        self.port = free_port()
+        self.folder = tempfile.mkdtemp(prefix="qp-redis-")
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._databases = 0
+
+    def start(self) -> RedisServer:
+        self.proc = subprocess.Popen(
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", self.folder, "--databases", "256"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        wait_for_port(self.port)
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+    def url(self, db: int = 0) -> str:
+        return f"redis://127.0.0.1:{self.port}/{db}"
+
+    def new_db(self) -> int:
+        self._databases += 1
+        if self._databases >= 256:
+            raise RuntimeError("out of Redis databases")
+        return self._databases
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _amqp_ready(url: str) -> bool:
+    try:
+        with Connection(url, connect_timeout=1) as conn:
+            conn.connect()
+            return True
+    except Exception:
+        return False
+
+
+class RabbitServer:
+    """A RabbitMQ node of its own (plugins off, state in a temporary folder)."""
+
+    def __init__(self) -> None:
+        script = shutil.which("rabbitmq-server", path="/usr/lib/rabbitmq/bin:" + os.environ["PATH"])
+        if script is None:
+            raise RuntimeError("rabbitmq-server is not installed (apt-get install rabbitmq-server)")
+        self.script = script
+        self.base = Path(tempfile.mkdtemp(prefix="qp-rabbit-"))
+        (self.base / "enabled_plugins").write_text("[].\n")
+        self.port = free_port()
+        self.env = {
+            **os.environ,
+            "RABBITMQ_NODENAME": f"qp{self.port}@localhost",
+            "RABBITMQ_NODE_IP_ADDRESS": "127.0.0.1",
+            "RABBITMQ_NODE_PORT": str(self.port),
+            "RABBITMQ_DIST_PORT": str(free_port()),
+            "RABBITMQ_MNESIA_BASE": str(self.base / "mnesia"),
+            "RABBITMQ_LOG_BASE": str(self.base / "log"),
+            "RABBITMQ_CONFIG_FILE": str(self.base / "none"),
+            "RABBITMQ_ENABLED_PLUGINS_FILE": str(self.base / "enabled_plugins"),
+        }
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def url(self) -> str:
+        return f"amqp://guest:guest@127.0.0.1:{self.port}//"
+
+    def start(self) -> RabbitServer:
+        with (self.base / "out.log").open("ab") as out:
+            self.proc = subprocess.Popen(
+                [self.script], env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+        deadline = time.monotonic() + 90
+        while not _amqp_ready(self.url()):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                log = (self.base / "out.log").read_text(errors="replace")
+                raise RuntimeError(f"RabbitMQ did not start:\n{log}")
+            time.sleep(0.5)
+        return self
+
+    def close(self) -> None:
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        shutil.rmtree(self.base, ignore_errors=True)
+
+
+@dataclass
+class Worker:
+    """A real `celery worker` process running tests/support/jobapp.py."""
+
+    env: dict[str, str]
+    concurrency: int = 2
+    pool: str = "prefork"
+    queues: str | None = None
+    app: str = "tests.support.jobapp:celery_app"
+    loglevel: str = "info"
+    log_path: Path = field(default_factory=lambda: Path(tempfile.mktemp(prefix="qp-worker-")))
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 60.0) -> Worker:
+        cmd = [
+            sys.executable, "-m", "celery", "-A", self.app, "worker",
+            "-l", self.loglevel, "-P", self.pool, "-c", str(self.concurrency),
+            "--without-gossip", "--without-mingle", "--without-heartbeat",
+            "-n", f"qp-{os.getpid()}-{time.monotonic_ns()}@localhost",
+        ]  # fmt: skip
+        if self.queues:
+            cmd += ["-Q", self.queues]
+        env = {**os.environ, **self.env, "PYTHONPATH": str(ROOT)}
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if " ready." in self.log():
+                return self
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"celery worker exited early:\n{self.log()}")
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"celery worker not ready after {timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def log_about(self, dispatch_id: str) -> list[str]:
+        """The worker's log lines that name one dispatch."""
+        return [line for line in self.log().splitlines() if dispatch_id in line]
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group: the pool children die mid-run."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)

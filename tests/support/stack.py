@@ -1,0 +1,166 @@
+"""A stack: one configuration of the real parts, isolated from every other stack.
+
+Each stack has its own ledger database (a PostgreSQL database of its own, or a
+SQLite file), its own Redis database or RabbitMQ queue, a `celery worker`
+process, and in this process a Celery app and `Questpie` built the same way.
+Its relay therefore never sends another stack's rows.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from celery import Celery
+from sqlalchemy import Engine, create_engine, func, select
+
+from questpie_celery import Questpie
+from questpie_celery.ledger import DispatchRow, Ledger, dispatch_table, open_ledger
+from tests.support import jobapp
+from tests.support.services import Worker
+
+
+def tag() -> str:
+    return f"t-{uuid.uuid4().hex[:12]}"
+
+
+@dataclass
+class Gate:
+    """A file a gated handler waits for; `open()` lets it go on."""
+
+    path: Path
+
+    def open(self) -> None:
+        self.path.touch()
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+
+@dataclass
+class Stack:
+    env: dict[str, str]
+    celery_app: Celery
+    questpie: Questpie
+    ledger: Ledger  # this process's own view of the ledger, for inspection
+    runs_engine: Engine
+    worker: Worker
+    folder: Path
+    broker: str  # "redis", "rabbitmq" or "filesystem"
+    extra_workers: list[Worker] = field(default_factory=list)
+
+    @property
+    def queue_name(self) -> str:
+        return self.env["QP_TEST_QUEUE"]
+
+    def gate(self) -> Gate:
+        return Gate(self.folder / f"gate-{uuid.uuid4().hex[:10]}")
+
+    def runs(self, tag: str, phase: str = "start") -> list[dict[str, Any]]:
+        with self.runs_engine.connect() as conn:
+            rows = conn.execute(
+                select(jobapp.runs_table)
+                .where(jobapp.runs_table.c.tag == tag, jobapp.runs_table.c.phase == phase)
+                .order_by(jobapp.runs_table.c.id)
+            ).mappings()
+            return [dict(r) for r in rows]
+
+    def wait_runs(self, tag: str, count: int, timeout: float = 30.0) -> list[dict[str, Any]]:
+        """Wait until at least `count` runs of `tag` started; return them all."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found = self.runs(tag)
+            if len(found) >= count or time.monotonic() > deadline:
+                return found
+            time.sleep(0.05)
+
+    def wait_ends(self, tag: str, count: int, timeout: float = 30.0) -> list[dict[str, Any]]:
+        """Wait until at least `count` runs of `tag` finished (recorded their end)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found = self.runs(tag, phase="end")
+            if len(found) >= count or time.monotonic() > deadline:
+                return found
+            time.sleep(0.05)
+
+    def wait_log(self, dispatch_id: str, text: str, timeout: float = 20.0) -> None:
+        """Wait until a worker of this stack logged `text` on a line naming the dispatch."""
+        deadline = time.monotonic() + timeout
+        while True:
+            workers = [self.worker, *self.extra_workers]
+            if any(text in line for w in workers for line in w.log_about(dispatch_id)):
+                return
+            assert time.monotonic() < deadline, f"no worker logged {text!r} for {dispatch_id}"
+            time.sleep(0.05)
+
+    def row(self, dispatch_id: str) -> DispatchRow:
+        found = self.ledger.get(dispatch_id)
+        assert found is not None, f"dispatch {dispatch_id} has no ledger row"
+        return found
+
+    def wait_status(self, dispatch_id: str, status: str, timeout: float = 30.0) -> DispatchRow:
+        """Wait for a state that lasts: a terminal one, or one a gate holds."""
+        deadline = time.monotonic() + timeout
+        row = None
+        while time.monotonic() < deadline:
+            row = self.ledger.get(dispatch_id)
+            if row is not None and row.status == status:
+                return row
+            time.sleep(0.05)
+        raise AssertionError(f"dispatch {dispatch_id} is {row and row.status}, not {status}")
+
+    def dispatch_count(self) -> int:
+        with self.ledger.engine.connect() as conn:
+            return int(conn.execute(select(func.count()).select_from(dispatch_table)).scalar_one())
+
+    def start_worker(self, **overrides: Any) -> Worker:
+        """Another worker on this stack (stopped with it)."""
+        env = {**self.env, **overrides.pop("env", {})}
+        worker = Worker(env, **overrides).start()
+        self.extra_workers.append(worker)
+        return worker
+
+    def close(self) -> None:
+        for worker in [self.worker, *self.extra_workers]:
+            worker.stop()
+        self.questpie.close()
+        self.ledger.close()
+        self.runs_engine.dispose()
+
+
+def build_stack(
+    env: dict[str, str], folder: Path, broker: str, *, start_worker: bool = True, **worker: Any
+) -> Stack:
+    """Build this process's side of a stack from `env`, migrate, and start a worker."""
+    env = {"QP_TEST_QUEUE": f"q-{uuid.uuid4().hex[:8]}", **env}
+    celery_app, questpie = jobapp.build(
+        broker=env["QP_TEST_BROKER"],
+        ledger=env["QP_TEST_LEDGER"],
+        backend=env.get("QP_TEST_BACKEND"),
+        fs_dir=env.get("QP_TEST_FS_DIR"),
+        secret=env.get("QP_TEST_SECRET"),
+        previous_secrets=tuple(filter(None, env.get("QP_TEST_PREVIOUS", "").split(","))),
+        lease_seconds=float(env.get("QP_TEST_LEASE", "60")),
+        relay_interval=float(env.get("QP_TEST_RELAY", "2")),
+        queue=env["QP_TEST_QUEUE"],
+        extended=bool(env.get("QP_TEST_EXTENDED")),
+    )
+    questpie.migrate()
+    runs_engine = create_engine(env.get("QP_TEST_RUNS") or env["QP_TEST_LEDGER"])
+    jobapp.runs_metadata.create_all(runs_engine)
+    process = Worker(env, **worker)
+    if start_worker:
+        process.start()
+    return Stack(
+        env=env,
+        celery_app=celery_app,
+        questpie=questpie,
+        ledger=open_ledger(env["QP_TEST_LEDGER"]),
+        runs_engine=runs_engine,
+        worker=process,
+        folder=folder,
+        broker=broker,
+    )
