@@ -174,6 +174,11 @@ class Sender:
     def __init__(self, app: Celery) -> None:
         self.app = app
 
+    @property
+    def eager(self) -> bool:
+        """Sends run the task inline (`task_always_eager`)."""
+        return bool(self.app.conf.task_always_eager)
+
     def send(
         self,
         *,
@@ -190,7 +195,7 @@ class Sender:
         """Publish one message; raise `BrokerError` if the broker does not take it."""
         carried = dict(carry or {})
         headers = {**carried.pop("headers", {}), HEADER: header.to_dict()}
-        if self.app.conf.task_always_eager:
+        if self.eager:
             # Celery's eager mode ignores ETAs as well; what the handler raises propagates
             # exactly as it would from apply_async() when task_eager_propagates is set.
             task = self.app.tasks[job_name]

@@ -99,6 +99,8 @@ class Outbox:
     def first_send(
         self, start_after: datetime | None, now: datetime, *, after_commit_hook: bool
     ) -> FirstSend:
+        if self._sender.eager and after_commit_hook:
+            return FirstSend(True)  # eager mode runs everything at once, as Celery's does
         if self.is_far_off(start_after, now) and start_after is not None:
             return FirstSend(
                 False, next_send_at=start_after - timedelta(seconds=ETA_HORIZON_SECONDS)
@@ -109,7 +111,7 @@ class Outbox:
         return FirstSend(True)
 
     def plan_retry(self, delay: float) -> RetryPlan:
-        if delay <= ETA_HORIZON_SECONDS:
+        if delay <= ETA_HORIZON_SECONDS or self._sender.eager:
             return RetryPlan(delay, delay + self.redeliver_after, send_now=True)
         # A long wait stays in the ledger, not in a worker's memory as an ETA.
         return RetryPlan(delay, delay - ETA_HORIZON_SECONDS, send_now=False)

@@ -67,6 +67,7 @@ def make_celery(
     fs_dir: str | None = None,
     queue: str = "celery",
     extended: bool = False,
+    priority_queue: str | None = None,
 ) -> Celery:
     app = Celery("questpie_tests", broker=broker, backend=backend)
     conf: dict[str, Any] = {
@@ -75,7 +76,6 @@ def make_celery(
         "broker_connection_retry_on_startup": True,
         "worker_hijack_root_logger": False,
     }
-    priority_queue = os.environ.get("QP_TEST_PRIORITY_QUEUE")
     if priority_queue:
         # RabbitMQ needs x-max-priority declared on the queue; questpie never redeclares.
         conf["task_queues"] = [
@@ -260,8 +260,16 @@ def build(
     secret: str | None = None,
     previous_secrets: tuple[str, ...] = (),
     extended: bool = False,
+    redeliver_after: float = 3600.0,
+    visibility_timeout: float | None = None,
+    priority_queue: str | None = None,
 ) -> tuple[Celery, Questpie]:
-    app = make_celery(broker, backend, fs_dir, queue, extended)
+    app = make_celery(broker, backend, fs_dir, queue, extended, priority_queue)
+    if visibility_timeout is not None:
+        app.conf.broker_transport_options = {
+            **(app.conf.broker_transport_options or {}),
+            "visibility_timeout": visibility_timeout,
+        }
     questpie = Questpie(
         app,
         ledger_url=ledger,
@@ -270,6 +278,7 @@ def build(
         relay_interval=relay_interval,
         secret=secret,
         previous_secrets=previous_secrets,
+        redeliver_after=redeliver_after,
     )
     return app, questpie
 
@@ -286,7 +295,14 @@ def build_from_env() -> tuple[Celery, Questpie]:
         secret=os.environ.get("QP_TEST_SECRET") or None,
         previous_secrets=tuple(filter(None, os.environ.get("QP_TEST_PREVIOUS", "").split(","))),
         extended=bool(os.environ.get("QP_TEST_EXTENDED")),
+        redeliver_after=float(os.environ.get("QP_TEST_REDELIVER", "3600")),
+        visibility_timeout=_optional_float(os.environ.get("QP_TEST_VISIBILITY")),
+        priority_queue=os.environ.get("QP_TEST_PRIORITY_QUEUE") or None,
     )
+
+
+def _optional_float(value: str | None) -> float | None:
+    return float(value) if value else None
 
 
 # What `celery -A tests.jobapp:celery_app worker` runs; tests build their own with build().

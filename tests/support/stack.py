@@ -147,6 +147,11 @@ def build_stack(
         relay_interval=float(env.get("QP_TEST_RELAY", "2")),
         queue=env["QP_TEST_QUEUE"],
         extended=bool(env.get("QP_TEST_EXTENDED")),
+        redeliver_after=float(env.get("QP_TEST_REDELIVER", "3600")),
+        priority_queue=env.get("QP_TEST_PRIORITY_QUEUE") or None,
+        visibility_timeout=float(env["QP_TEST_VISIBILITY"])
+        if env.get("QP_TEST_VISIBILITY")
+        else None,
     )
     questpie.migrate()
     runs_engine = create_engine(env.get("QP_TEST_RUNS") or env["QP_TEST_LEDGER"])

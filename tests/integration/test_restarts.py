@@ -1,0 +1,199 @@
+"""PostgreSQL and Redis restarted under a running worker, its relay and a publishing loop.
+
+Publishes that need the ledger fail with a clear `LedgerUnavailableError` only while
+it is down and work again without restarting anything; no accepted dispatch is
+lost and none completes twice.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from sqlalchemy import select
+
+from questpie_celery import BrokerError, LedgerUnavailableError, QuestpieError
+from tests.support import jobapp
+from tests.support.services import PostgresServer, RedisServer
+from tests.support.stack import Stack, build_stack, tag
+
+#: How long each server stays down.
+OUTAGE_SECONDS = 4.0
+
+
+@dataclass
+class PublishLoop:
+    """Publishes keyed dispatches back to back in a thread, noting each outcome."""
+
+    stack: Stack
+    tag: str
+    accepted: list[str] = field(default_factory=list)
+    refused: list[tuple[float, str]] = field(default_factory=list)  # (when, error class)
+    unexpected: list[BaseException] = field(default_factory=list)
+    last_success: float = 0.0
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def start(self) -> PublishLoop:
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        n = 0
+        while not self._stop.is_set():
+            n += 1
+            try:
+                dispatch_id = self.stack.questpie.queue.record.publish(
+                    {"tag": self.tag, "sleep": 0.2}, idempotency_key=f"{self.tag}:{n}"
+                )
+            except LedgerUnavailableError as exc:
+                self.refused.append((time.monotonic(), type(exc).__name__))
+                time.sleep(0.1)
+                continue
+            except Exception as exc:
+                self.unexpected.append(exc)
+                continue
+            assert dispatch_id is not None
+            self.accepted.append(dispatch_id)
+            self.last_success = time.monotonic()
+            time.sleep(0.05)
+
+    def successes_after(self, moment: float) -> bool:
+        return self.last_success > moment
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(30)
+
+
+def wait_until(predicate: object, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():  # type: ignore[operator]
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def completions(stack: Stack, t: str) -> Counter[str]:
+    """How many times each dispatch of `t` ran its handler to the end."""
+    with stack.runs_engine.connect() as conn:
+        ids = conn.execute(
+            select(jobapp.runs_table.c.dispatch_id).where(
+                jobapp.runs_table.c.tag == t, jobapp.runs_table.c.phase == "end"
+            )
+        ).scalars()
+        return Counter(ids)
+
+
+def assert_each_completed_once(stack: Stack, loop: PublishLoop, timeout: float) -> None:
+    accepted = set(loop.accepted)
+    assert len(accepted) == len(loop.accepted), "a publish returned another publish's id"
+
+    def all_done() -> bool:
+        return all(
+            (row := stack.ledger.get(i)) is not None and row.status == "completed" for i in accepted
+        )
+
+    wait_until(all_done, timeout, "every accepted dispatch to complete")
+    ran = completions(stack, loop.tag)
+    twice = {i: n for i, n in ran.items() if n > 1}
+    assert not twice, f"dispatches completed more than once: {twice}"
+    assert accepted <= set(ran), f"accepted but never ran: {accepted - set(ran)}"
+
+
+@pytest.fixture
+def own_postgres() -> Iterator[PostgresServer]:
+    server = PostgresServer().start()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def own_redis() -> Iterator[RedisServer]:
+    server = RedisServer().start()
+    yield server
+    server.close()
+
+
+def test_postgres_restarted_under_worker_relay_and_publishers(
+    own_postgres: PostgresServer, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    env = {
+        "QP_TEST_LEDGER": own_postgres.create_database(),
+        # Runs are recorded outside the database that goes down.
+        "QP_TEST_RUNS": f"sqlite:///{tmp_path / 'runs.sqlite3'}",
+        "QP_TEST_BROKER": redis_server.url(redis_server.new_db()),
+        "QP_TEST_LEASE": "20",
+        "QP_TEST_RELAY": "0.5",
+    }
+    stack = build_stack(env, tmp_path, "redis")
+    loop = PublishLoop(stack, tag()).start()
+    try:
+        wait_until(lambda: len(loop.accepted) >= 10, 30, "publishes before the outage")
+        own_postgres.stop()
+        stopped = time.monotonic()
+        time.sleep(OUTAGE_SECONDS)  # the outage itself: this is the scenario, not a wait
+        own_postgres.start()
+        restarted = time.monotonic()
+        wait_until(lambda: loop.successes_after(restarted + 1), 30, "publishes after restart")
+        accepted_after = len(loop.accepted)
+        wait_until(lambda: len(loop.accepted) >= accepted_after + 10, 30, "more publishes")
+    finally:
+        loop.stop()
+    try:
+        assert not loop.unexpected, f"unexpected errors: {loop.unexpected!r}"
+        assert loop.refused, "no publish met the outage"
+        # Refusals came only while the database was down (plus the moment its first
+        # connections were being re-established), and were all LedgerUnavailableError.
+        assert {error for _, error in loop.refused} == {"LedgerUnavailableError"}
+        assert all(stopped - 1 <= when <= restarted + 5 for when, _ in loop.refused)
+        assert_each_completed_once(stack, loop, timeout=90)
+        assert stack.worker.alive()
+    finally:
+        stack.close()
+
+
+def test_redis_restarted_under_worker_relay_and_publishers(
+    postgres: PostgresServer, own_redis: RedisServer, tmp_path: Path
+) -> None:
+    env = {
+        "QP_TEST_LEDGER": postgres.create_database(),
+        "QP_TEST_BROKER": own_redis.url(1),
+        "QP_TEST_RELAY": "0.5",
+        # Redis here keeps no data across its restart: the messages it held are gone,
+        # and the relay must send them again; a short redelivery time keeps the test short.
+        "QP_TEST_REDELIVER": "5",
+        "QP_TEST_VISIBILITY": "5",
+    }
+    stack = build_stack(env, tmp_path, "redis")
+    loop = PublishLoop(stack, tag()).start()
+    try:
+        wait_until(lambda: len(loop.accepted) >= 10, 30, "publishes before the outage")
+        own_redis.stop()
+        time.sleep(OUTAGE_SECONDS)  # the outage itself
+        # A keyed publish needs only the ledger: it is accepted while the broker is down.
+        during = stack.questpie.queue.record.publish(
+            {"tag": loop.tag}, idempotency_key=f"{loop.tag}:during"
+        )
+        assert during is not None
+        loop.accepted.append(during)
+        # An unkeyed one has no row to fall back on: it says so.
+        with pytest.raises(BrokerError):
+            stack.questpie.queue.record.publish({"tag": "unkeyed-during-outage"})
+        own_redis.start()
+        restarted = time.monotonic()
+        wait_until(lambda: loop.successes_after(restarted + 1), 30, "publishes after restart")
+    finally:
+        loop.stop()
+    try:
+        assert not [e for e in loop.unexpected if not isinstance(e, QuestpieError)]
+        assert_each_completed_once(stack, loop, timeout=120)
+        assert stack.worker.alive()
+    finally:
+        stack.close()

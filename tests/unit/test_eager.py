@@ -1,0 +1,148 @@
+"""`task_always_eager=True`: publish() runs the handler inline, through the same fence and ledger.
+
+Many Celery projects' test suites set eager mode; adopting publish() must keep them
+working, with the same ids, keys, policies, retries and secrets as a real worker.
+The ledger here is a real SQLite file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from celery import Celery
+from pydantic import BaseModel
+
+from questpie_celery import JobContext, PermanentFailure, Questpie, derive_dispatch_id, job
+from questpie_celery.ledger import open_ledger
+
+SECRET = "e" * 40
+
+
+class Order(BaseModel):
+    order_id: str
+    fail_times: int = 0
+    permanent: bool = False
+    reenqueue: bool = False
+
+
+runs: list[tuple[str, str, int]] = []  # (job, dispatch id, attempt)
+nested: list[str | None] = []
+
+
+@job(name="eager.charge", schema=Order, options={"retry_limit": 2})
+def charge(payload: Order, ctx: JobContext) -> str:
+    runs.append((ctx.job_name, ctx.dispatch_id, ctx.attempt))
+    if payload.permanent:
+        raise PermanentFailure("card declined")
+    if ctx.attempt <= payload.fail_times:
+        raise RuntimeError("gateway timeout")
+    return payload.order_id
+
+
+@job(name="eager.sync", schema=Order, options={"queue_policy": "exclusive"})
+def sync(payload: Order, ctx: JobContext) -> None:
+    runs.append((ctx.job_name, ctx.dispatch_id, ctx.attempt))
+    if payload.reenqueue:
+        # While this run holds the exclusive slot, the same job cannot be accepted again.
+        nested.append(questpie_of_test[0].queue.eager_sync.publish({"order_id": "inner"}))
+
+
+questpie_of_test: list[Questpie] = []
+
+
+@pytest.fixture
+def questpie(tmp_path: Path) -> Iterator[Questpie]:
+    app = Celery("eager", broker="memory://")
+    app.conf.task_always_eager = True
+    made = Questpie(app, ledger_url=f"sqlite:///{tmp_path / 'ledger.db'}", jobs=[charge, sync],
+                    secret=SECRET)  # fmt: skip
+    made.migrate()
+    runs.clear()
+    nested.clear()
+    questpie_of_test[:] = [made]
+    yield made
+    made.close()
+
+
+def test_unkeyed_publish_runs_inline_under_its_id(questpie: Questpie) -> None:
+    dispatch_id = questpie.queue.eager_charge.publish({"order_id": "o1"})
+    assert runs == [("eager.charge", dispatch_id, 1)]
+    assert questpie.queue.get_status(dispatch_id or "") is None  # no ledger row
+
+
+def test_a_repeated_key_runs_once(questpie: Questpie) -> None:
+    first = questpie.queue.eager_charge.publish({"order_id": "o2"}, idempotency_key="k")
+    again = questpie.queue.eager_charge.publish({"order_id": "o2"}, idempotency_key="k")
+    assert first == again == derive_dispatch_id("eager.charge", "k")
+    assert runs == [("eager.charge", first, 1)]
+    status = questpie.queue.get_status(first or "")
+    assert status is not None
+    assert (status.status, status.attempt) == ("completed", 1)
+
+
+def test_retries_run_inline_and_count_attempts(questpie: Questpie) -> None:
+    dispatch_id = questpie.queue.eager_charge.publish(
+        {"order_id": "o3", "fail_times": 2}, idempotency_key="retry", retry_delay=600
+    )
+    # The 600 s delay would wait in the ledger for the relay; eager mode runs it at once,
+    # as Celery's own eager mode ignores countdowns.
+    assert [r[2] for r in runs] == [1, 2, 3]
+    status = questpie.queue.get_status(dispatch_id or "")
+    assert status is not None
+    assert (status.status, status.attempt, status.last_error) == ("completed", 3, None)
+
+
+def test_permanent_failure_is_recorded(questpie: Questpie) -> None:
+    dispatch_id = questpie.queue.eager_charge.publish(
+        {"order_id": "o4", "permanent": True}, idempotency_key="perm"
+    )
+    status = questpie.queue.get_status(dispatch_id or "")
+    assert status is not None
+    assert (status.status, status.attempt, status.last_error) == ("failed", 1, "PermanentFailure")
+
+
+def test_eager_propagates_raises_after_the_ledger_recorded_the_failure(
+    questpie: Questpie,
+) -> None:
+    questpie.celery_app.conf.task_eager_propagates = True
+    with pytest.raises(PermanentFailure):
+        questpie.queue.eager_charge.publish(
+            {"order_id": "o5", "permanent": True}, idempotency_key="prop"
+        )
+    status = questpie.queue.get_status(derive_dispatch_id("eager.charge", "prop"))
+    assert status is not None
+    assert status.status == "failed"
+
+
+def test_policy_holds_inline(questpie: Questpie) -> None:
+    outer = questpie.queue.eager_sync.publish({"order_id": "outer", "reenqueue": True})
+    assert outer is not None
+    assert nested == [None]  # suppressed: the outer run held the exclusive slot
+    assert [r[0] for r in runs] == ["eager.sync"]
+    # With the slot free again, the job is accepted and runs.
+    assert questpie.queue.eager_sync.publish({"order_id": "later"}) is not None
+    assert len(runs) == 2
+
+
+def test_plain_delay_of_a_policy_job_goes_through_the_ledger(questpie: Questpie) -> None:
+    result = questpie.tasks["eager.sync"].delay({"order_id": "plain"})
+    assert [r[1] for r in runs] == [result.id]
+    status = questpie.queue.get_status(result.id)
+    assert status is not None and status.status == "completed"
+
+
+def test_secret_payload_runs_inline_and_its_key_is_erased(
+    questpie: Questpie, tmp_path: Path
+) -> None:
+    dispatch_id = questpie.queue.eager_charge.publish(
+        {"order_id": "secret-order"}, idempotency_key="s", secret_payload=True
+    )
+    receipt = questpie.queue.get_receipt(dispatch_id or "")
+    assert receipt is not None and receipt.status == "completed"
+    ledger = open_ledger(f"sqlite:///{tmp_path / 'ledger.db'}")
+    row = ledger.get(dispatch_id or "")
+    ledger.close()
+    assert row is not None
+    assert (row.payload, row.secret_ciphertext, row.secret_wrapped_key) == (None, None, None)
