@@ -27,8 +27,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from questpie_celery.ids import random_dispatch_id  # noqa: E402
-from questpie_celery.ledger import NewDispatch, utcnow  # noqa: E402
-from tests.services import Worker, postgres_server, redis_server  # noqa: E402
+from questpie_celery.ledger import NewDispatch, open_ledger  # noqa: E402
+from questpie_celery.options import StoredOptions  # noqa: E402
+from tests.support.services import PostgresServer, RedisServer, Worker  # noqa: E402
 
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "5"))
 PUBLISHES = int(os.environ.get("BENCH_PUBLISHES", "300"))
@@ -43,21 +44,27 @@ def timed(batch: Callable[[int], object], count: int) -> float:
 
 
 def main() -> None:
-    with postgres_server() as pg_url, redis_server() as redis_url:
+    postgres = PostgresServer(durable=bool(os.environ.get("BENCH_DURABLE"))).start()
+    redis_server = RedisServer().start()
+    try:
+        pg_url, redis_url = postgres.url(), redis_server.url()
         os.environ["BENCH_BROKER"] = redis_url
         os.environ["BENCH_LEDGER"] = pg_url
         app = importlib.import_module("bench.app")  # configured by the variables above
         app.questpie.migrate()
-        results = publish_costs(app)
+        results = publish_costs(app, pg_url)
         throughput = worker_throughput(app, redis_url, pg_url)
         app.questpie.close()
+    finally:
+        redis_server.close()
+        postgres.close()
     print_table(results, throughput)
 
 
-def publish_costs(bench_app: Any) -> dict[str, float]:
+def publish_costs(bench_app: Any, pg_url: str) -> dict[str, float]:
     raw_task = bench_app.raw
     client = bench_app.questpie.queue.bench_noop
-    ledger = bench_app.questpie.ledger
+    ledger = open_ledger(pg_url)
     # Nobody consumes this queue during the publish benchmark.
     queue = f"bench-idle-{uuid.uuid4().hex[:6]}"
     run = uuid.uuid4().hex[:8]
@@ -66,17 +73,12 @@ def publish_costs(bench_app: Any) -> dict[str, float]:
     exclusive = bench_app.questpie.queue.bench_exclusive
 
     def bare_insert(i: int) -> bool:
-        return bool(
-            ledger.insert_dispatch(
-                NewDispatch(
-                    id=random_dispatch_id(),
-                    job_name="bench.noop",
-                    idempotency_key=None,
-                    singleton_key=None,
-                    payload={"n": i},
-                    options={"run": {}, "priority": None, "queue": queue},
-                    run_after=utcnow(),
-                )
+        return ledger.insert(
+            NewDispatch(
+                id=random_dispatch_id(),
+                job_name="bench.noop",
+                payload={"n": i},
+                options=StoredOptions(queue=queue),
             )
         )
 
@@ -118,6 +120,7 @@ def publish_costs(bench_app: Any) -> dict[str, float]:
         for name, mode in modes.items():
             samples[name].append(timed(mode, PUBLISHES))
     bench_app.celery_app.connection_for_write().default_channel.client.delete(queue)
+    ledger.close()
     return {name: statistics.median(values) for name, values in samples.items()}
 
 

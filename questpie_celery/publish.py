@@ -18,10 +18,9 @@ from sqlalchemy.orm import Session
 
 from .broker import MessageHeader, Sender
 from .crypto import Keyring
-from .errors import PublishOptionsError
 from .ids import derive_dispatch_id, random_dispatch_id
 from .jobs import JobDefinition
-from .ledger import Ledger, NewDispatch, check_same_database, send_after_commit
+from .ledger import Ledger, NewDispatch, caller_connection, send_after_commit
 from .options import DispatchOptions
 from .outbox import Outbox
 from .policies import QueuePolicy
@@ -57,17 +56,16 @@ class Publisher:
     ) -> str | None:
         """Validate the payload, then route the dispatch; return its id, or None when a
         queue policy suppressed it."""
-        check_transaction_args(session, connection)
         keyring = self._keyring() if options.secret_payload else None
         body = definition.to_json(payload)
+        caller = caller_connection(self._ledger, session, connection)
         policy = self._policies.effective(definition, options.queue_policy)
         if not policy.ledgered and options.singleton_key is not None:
             self._policies.warn_ignored_singleton_key(definition.name)
         now = datetime.now(UTC)
         if (
             options.idempotency_key is None
-            and session is None
-            and connection is None
+            and caller is None
             and not policy.ledgered
             and not options.secret_payload
             and not self._outbox.is_far_off(options.start_after, now)
@@ -84,7 +82,7 @@ class Publisher:
             )
             return dispatch_id
         return self._publish_ledgered(
-            definition.name, body, options, policy, keyring, now, session, connection
+            definition.name, body, options, policy, keyring, now, caller, session
         )
 
     def _publish_ledgered(
@@ -95,14 +93,14 @@ class Publisher:
         policy: QueuePolicy,
         keyring: Keyring | None,
         now: datetime,
+        caller: Connection | None,
         session: Session | None,
-        connection: Connection | None,
     ) -> str | None:
         key = options.idempotency_key
         dispatch_id = derive_dispatch_id(job_name, key) if key is not None else random_dispatch_id()
         sealed = keyring.seal(body, job_name=job_name, dispatch_id=dispatch_id) if keyring else None
         first = self._outbox.first_send(
-            options.start_after, now, after_commit_hook=connection is None
+            options.start_after, now, after_commit_hook=caller is None or session is not None
         )
         new = NewDispatch(
             id=dispatch_id,
@@ -120,13 +118,8 @@ class Publisher:
             send_in=first.send_in,
             policy=policy if policy.ledgered else None,
         )
-        conn = session.connection() if session is not None else connection
-        if conn is not None:
-            check_same_database(
-                self._ledger, conn, "session" if session is not None else "connection"
-            )
-        if not self._ledger.insert(new, conn):
-            return self._not_inserted(new, conn)
+        if not self._ledger.insert(new, caller):
+            return self._not_inserted(new, caller)
         if session is not None:
             if first.publisher_sends:
                 send_after_commit(session, dispatch_id, self._outbox.send_committed)
@@ -154,12 +147,3 @@ class Publisher:
             policy=str(new.policy),
         )
         return None
-
-
-def check_transaction_args(session: object, connection: object) -> None:
-    if session is not None and connection is not None:
-        raise PublishOptionsError("pass session or connection, not both")
-    if session is not None and not isinstance(session, Session):
-        raise PublishOptionsError("session must be a sqlalchemy.orm.Session")
-    if connection is not None and not isinstance(connection, Connection):
-        raise PublishOptionsError("connection must be a sqlalchemy.Connection")

@@ -20,7 +20,7 @@ from .schema import (
     policy_table,
 )
 from .store import Ledger, open_ledger
-from .transactions import check_same_database, send_after_commit
+from .transactions import caller_connection, send_after_commit
 
 __all__ = [
     "LEASE_EXPIRED",
@@ -31,7 +31,7 @@ __all__ = [
     "Ledger",
     "NewDispatch",
     "Status",
-    "check_same_database",
+    "caller_connection",
     "create_ledger_engine",
     "dispatch_table",
     "is_private_sqlite",

@@ -166,11 +166,10 @@ class Ledger:
             # A retried insert that now conflicts may be our own first try: the caller
             # then treats the id as known, and the relay sends the row after its delay.
             return bool(self._execute(self._sql.insert, params))
-        stmt = self._sql.insert
-        if conn.dialect.name != self.dialect:
-            stmt = Statements(conn.dialect.name).insert
+        # The caller's connection reaches the ledger's own database (checked by
+        # transactions.caller_connection), so the ledger's statements fit its dialect.
         with translate_errors():
-            return conn.execute(stmt, params).first() is not None
+            return conn.execute(self._sql.insert, params).first() is not None
 
     def exists(self, dispatch_id: str, conn: Connection | None = None) -> bool:
         """Whether the row exists (with `conn`: as the caller's transaction sees it)."""

@@ -28,6 +28,25 @@ _LISTENING = "questpie_listening"
 _SAME_DATABASE: weakref.WeakKeyDictionary[Engine, dict[str, bool]] = weakref.WeakKeyDictionary()
 
 
+def caller_connection(ledger: Ledger, session: object, connection: object) -> Connection | None:
+    """The connection of the caller's transaction, checked to reach the ledger's
+    database; None when the publish is not transactional."""
+    if session is not None and connection is not None:
+        raise PublishOptionsError("pass session or connection, not both")
+    if session is not None:
+        if not isinstance(session, Session):
+            raise PublishOptionsError("session must be a sqlalchemy.orm.Session")
+        conn, kind = session.connection(), "session"
+    elif connection is not None:
+        if not isinstance(connection, Connection):
+            raise PublishOptionsError("connection must be a sqlalchemy.Connection")
+        conn, kind = connection, "connection"
+    else:
+        return None
+    check_same_database(ledger, conn, kind)
+    return conn
+
+
 def check_same_database(ledger: Ledger, conn: Connection, kind: str) -> None:
     """Refuse a caller's transaction on a database other than the ledger's.
 
