@@ -262,7 +262,15 @@ def _start_after(value: object, now: datetime) -> datetime:
     if isinstance(value, datetime):
         if value.tzinfo is None or value.utcoffset() is None:
             raise PublishOptionsError("start_after must carry a timezone (naive datetime given)")
-        return value.astimezone(UTC)
+        try:
+            when = value.astimezone(UTC)
+        except OverflowError:
+            when = None
+        if when is None or when > now + timedelta(seconds=MAX_START_AFTER_SECONDS):
+            raise PublishOptionsError(
+                f"start_after must be at most {MAX_START_AFTER_SECONDS} seconds from now"
+            )
+        return when
     raise PublishOptionsError("start_after must be seconds, an ISO-8601 string or a datetime")
 
 

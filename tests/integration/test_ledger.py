@@ -1,0 +1,319 @@
+"""The ledger's operations on both dialects, against real databases (no broker, no worker)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import inspect
+
+from questpie_celery import LedgerSchemaError, LedgerUnavailableError, metadata
+from questpie_celery.ids import random_dispatch_id
+from questpie_celery.ledger import (
+    LEASE_EXPIRED,
+    SCHEMA_VERSION,
+    DispatchRow,
+    Ledger,
+    NewDispatch,
+    open_ledger,
+)
+from questpie_celery.options import RunOptions, StoredOptions
+from tests.support.services import PostgresServer, free_port
+from tests.unit.helpers import wait_until
+
+JOB = "record"
+
+
+def _new(dispatch_id: str | None = None, **fields: Any) -> NewDispatch:
+    values: dict[str, Any] = {
+        "id": dispatch_id or random_dispatch_id(),
+        "job_name": JOB,
+        "idempotency_key": "k",
+        "payload": {"tag": "x"},
+        "options": StoredOptions(run=RunOptions(retry_limit=2)),
+    }
+    values.update(fields)
+    return NewDispatch(**values)
+
+
+def _row(ledger: Ledger, dispatch_id: str) -> DispatchRow:
+    row = ledger.get(dispatch_id)
+    assert row is not None
+    return row
+
+
+def _claimed(ledger: Ledger, lease: float = 60) -> tuple[str, str]:
+    new = _new()
+    assert ledger.insert(new) is True
+    claim = ledger.claim(new.id, JOB, 1, lease)
+    assert claim.outcome == "claimed" and claim.token is not None
+    return new.id, claim.token
+
+
+def test_insert_is_insert_or_nothing(ledger: Ledger) -> None:
+    new = _new()
+    assert ledger.insert(new) is True
+    assert ledger.insert(new) is False
+    assert ledger.insert(_new(new.id, payload={"tag": "changed"})) is False
+    row = _row(ledger, new.id)
+    assert (row.status, row.attempt, row.payload) == ("pending", 0, {"tag": "x"})
+    assert (row.job_name, row.idempotency_key, row.claim_token) == (JOB, "k", None)
+    assert row.options == StoredOptions(run=RunOptions(retry_limit=2))
+    assert row.created_at.tzinfo is not None
+    assert ledger.exists(new.id) and not ledger.exists(random_dispatch_id())
+    assert [r.id for r in ledger.get_many([new.id, random_dispatch_id()])] == [new.id]
+
+
+def test_mark_queued_records_broker_acceptance(ledger: Ledger) -> None:
+    new = _new()
+    ledger.insert(new)
+    ledger.mark_queued([new.id], 3600)
+    row = _row(ledger, new.id)
+    assert row.status == "queued"
+    assert row.queued_at is not None
+    # A fast worker may have claimed the row already: acceptance never undoes that.
+    other, _token = _claimed(ledger)
+    ledger.mark_queued([other], 3600)
+    assert _row(ledger, other).status == "active"
+    assert _row(ledger, other).queued_at is not None
+
+
+def test_claim_fences_every_kind_of_duplicate(ledger: Ledger) -> None:
+    new = _new()
+    ledger.insert(new)
+    assert ledger.claim(random_dispatch_id(), JOB, 1, 60).outcome == "unknown"
+    first = ledger.claim(new.id, JOB, 1, 60)
+    assert first.outcome == "claimed"
+    assert first.row is not None and first.row.attempt == 1 and first.token
+    assert first.row.claim_token == first.token
+    # A second delivery of the same attempt meets a live claim.
+    assert ledger.claim(new.id, JOB, 1, 60).outcome == "busy"
+    # A delivery meant for an attempt the row has not reached is not claimable either.
+    assert ledger.claim(new.id, JOB, 3, 60).outcome == "stale"
+    assert ledger.finish(new.id, first.token, "completed", None) is True
+    assert ledger.claim(new.id, JOB, 1, 60).outcome == "done"
+    assert ledger.claim(new.id, JOB, 2, 60).outcome == "done"
+
+
+def test_a_claim_naming_another_job_is_unknown_and_touches_nothing(ledger: Ledger) -> None:
+    new = _new()
+    ledger.insert(new)
+    before = _row(ledger, new.id)
+    claim = ledger.claim(new.id, "some-other-job", 1, 60)
+    assert (claim.outcome, claim.row, claim.token) == ("unknown", None, None)
+    assert _row(ledger, new.id) == before
+    # The right job still claims it, as attempt 1.
+    right = ledger.claim(new.id, JOB, 1, 60)
+    assert right.outcome == "claimed" and right.row is not None and right.row.attempt == 1
+    # ... and on an active row, another job's claim is still unknown (not busy).
+    active = _row(ledger, new.id)
+    assert ledger.claim(new.id, "some-other-job", 1, 60).outcome == "unknown"
+    assert _row(ledger, new.id) == active
+
+
+def test_only_the_token_holder_records_outcomes(ledger: Ledger) -> None:
+    dispatch_id, token = _claimed(ledger)
+    assert ledger.finish(dispatch_id, "not-the-token", "completed", None) is False
+    assert ledger.finish(dispatch_id, "not-the-token", "failed", "X") is False
+    assert ledger.retry(dispatch_id, "not-the-token", retry_in=1, relay_in=2, error="X") is False
+    assert ledger.renew(dispatch_id, "not-the-token", 60) is False
+    assert _row(ledger, dispatch_id).status == "active"
+    assert ledger.renew(dispatch_id, token, 60) is True
+    assert ledger.finish(dispatch_id, token, "failed", "RuntimeError") is True
+    row = _row(ledger, dispatch_id)
+    assert (row.status, row.last_error) == ("failed", "RuntimeError")
+    assert row.finished_at is not None and row.lease_expires_at is None
+    # The token stays on the row, so a holder can read back whether its write landed ...
+    assert row.claim_token == token
+    # ... but a finished row can no longer be changed with it.
+    assert ledger.finish(dispatch_id, token, "completed", None) is False
+    assert ledger.renew(dispatch_id, token, 60) is False
+    assert ledger.retry(dispatch_id, token, retry_in=1, relay_in=2, error="X") is False
+    assert _row(ledger, dispatch_id).status == "failed"
+
+
+def test_finish_twice_reads_back_whether_our_write_landed(ledger: Ledger) -> None:
+    dispatch_id, token = _claimed(ledger)
+    assert ledger.finish(dispatch_id, token, "completed", None) is True
+    finished = _row(ledger, dispatch_id)
+    # Run again (as after a dropped connection): the row carries our token in `completed`.
+    assert ledger.finish(dispatch_id, token, "completed", None) is True
+    # Another token, or another outcome, did not land.
+    assert ledger.finish(dispatch_id, "another-token", "completed", None) is False
+    assert ledger.finish(dispatch_id, token, "failed", "X") is False
+    assert _row(ledger, dispatch_id) == finished
+
+
+def test_retry_twice_reads_back_too(ledger: Ledger) -> None:
+    dispatch_id, token = _claimed(ledger)
+    assert ledger.retry(dispatch_id, token, retry_in=5, relay_in=10, error="E") is True
+    assert ledger.retry(dispatch_id, token, retry_in=5, relay_in=10, error="E") is True
+    assert ledger.retry(dispatch_id, "another", retry_in=5, relay_in=10, error="E") is False
+
+
+def test_retry_releases_the_claim_and_moves_the_attempt_on(ledger: Ledger) -> None:
+    dispatch_id, first = _claimed(ledger)
+    assert ledger.retry(dispatch_id, first, retry_in=5, relay_in=10, error="RuntimeError") is True
+    row = _row(ledger, dispatch_id)
+    assert (row.status, row.attempt, row.last_error) == ("retry", 1, "RuntimeError")
+    assert row.lease_expires_at is None
+    assert row.run_after > datetime.now(UTC)
+    assert row.next_send_at is not None and row.next_send_at > row.run_after
+    # The old delivery (attempt 1) is stale now; the retry's delivery claims attempt 2.
+    assert ledger.claim(dispatch_id, JOB, 1, 60).outcome == "stale"
+    second = ledger.claim(dispatch_id, JOB, 2, 60)
+    assert second.outcome == "claimed"
+    assert second.row is not None and second.row.attempt == 2
+    assert second.token is not None and second.token != first
+    # The first worker's token is dead.
+    assert ledger.finish(dispatch_id, first, "completed", None) is False
+    assert ledger.renew(dispatch_id, first, 60) is False
+    assert ledger.finish(dispatch_id, second.token, "completed", None) is True
+
+
+def test_lease_expiry_is_visible_and_ends_the_claim(ledger: Ledger) -> None:
+    dispatch_id, token = _claimed(ledger, lease=0.2)
+    # Polled: the expiry is a persistent fact once reached.
+    [expired] = wait_until(
+        lambda: [r for r in ledger.expired_claims() if r.id == dispatch_id], "the lease to lapse"
+    )
+    assert expired.lease_expires_at is not None
+    assert expired.lease_expires_at < datetime.now(UTC)
+    assert ledger.lapse(expired, retry_in=None, relay_in=0) is True
+    row = _row(ledger, dispatch_id)
+    assert (row.status, row.last_error, row.claim_token) == ("failed", LEASE_EXPIRED, None)
+    # The relay cleared the token: the late holder's write, read back, did not land.
+    assert ledger.finish(dispatch_id, token, "completed", None) is False
+    assert ledger.lapse(expired, retry_in=None, relay_in=0) is False  # once only
+
+
+def test_migrate_is_idempotent_and_matches_metadata(ledger: Ledger) -> None:
+    first_id = ledger.ledger_id()
+    assert ledger.migrate() == SCHEMA_VERSION
+    assert ledger.migrate() == SCHEMA_VERSION
+    assert ledger.schema_version() == SCHEMA_VERSION
+    tables = set(inspect(ledger.engine).get_table_names())
+    assert set(metadata.tables) <= tables
+    # One identity for the database, whoever asks, however often it is migrated.
+    again = Ledger(ledger.engine)
+    assert again.ledger_id() == first_id
+    fresh = open_ledger(ledger.engine.url.render_as_string(hide_password=False))
+    try:
+        assert fresh.migrate() == SCHEMA_VERSION
+        assert fresh.ledger_id() == first_id
+    finally:
+        fresh.close()
+    with ledger.engine.connect() as conn:
+        assert ledger.ledger_id(conn) == first_id
+
+
+@pytest.mark.parametrize("dialect", ["sqlite", "postgresql"])
+def test_missing_tables_give_a_schema_error(
+    request: pytest.FixtureRequest, tmp_path: Path, dialect: str
+) -> None:
+    url = (
+        f"sqlite:///{tmp_path / 'empty.sqlite3'}"
+        if dialect == "sqlite"
+        else request.getfixturevalue("pg_db")
+    )
+    ledger = open_ledger(url)
+    try:
+        with pytest.raises(LedgerSchemaError, match="migrate"):
+            ledger.insert(_new())
+        with pytest.raises(LedgerSchemaError):
+            ledger.ledger_id()
+    finally:
+        ledger.close()
+
+
+def test_two_ledgers_have_different_identities(ledger: Ledger, tmp_path: Path) -> None:
+    other = open_ledger(f"sqlite:///{tmp_path / 'other.sqlite3'}")
+    try:
+        other.migrate()
+        assert other.ledger_id() != ledger.ledger_id()
+    finally:
+        other.close()
+
+
+# --- a connection the server dropped (PostgreSQL) -------------------------------------------
+
+
+@pytest.fixture
+def pg_ledger(pg_db: str) -> Iterator[Ledger]:
+    made = open_ledger(pg_db)
+    made.migrate()
+    yield made
+    made.close()
+
+
+def _drop_connections(postgres: PostgresServer, ledger: Ledger) -> None:
+    url = ledger.engine.url.render_as_string(hide_password=False)
+    assert postgres.terminate_backends(url) >= 1, "the ledger held no connection to drop"
+
+
+def test_finish_after_a_dropped_connection_reconnects_once(
+    postgres: PostgresServer, pg_ledger: Ledger, caplog: pytest.LogCaptureFixture
+) -> None:
+    dispatch_id, token = _claimed(pg_ledger)
+    _drop_connections(postgres, pg_ledger)
+    with caplog.at_level(logging.INFO, logger="questpie_celery.ledger.store"):
+        assert pg_ledger.finish(dispatch_id, token, "completed", None) is True
+    assert any("reconnecting" in r.getMessage() for r in caplog.records), (
+        "the statement did not meet the dropped connection"
+    )
+    row = _row(pg_ledger, dispatch_id)
+    assert (row.status, row.claim_token) == ("completed", token)
+
+
+@pytest.mark.parametrize("operation", ["insert", "claim", "renew", "retry", "get", "mark_queued"])
+def test_each_operation_survives_a_dropped_connection(
+    postgres: PostgresServer, pg_ledger: Ledger, operation: str
+) -> None:
+    dispatch_id, token = _claimed(pg_ledger)
+    _drop_connections(postgres, pg_ledger)
+    if operation == "insert":
+        assert pg_ledger.insert(_new()) is True
+    elif operation == "claim":
+        fresh = random_dispatch_id()
+        # Insert first (reconnecting), then drop again before the claim.
+        assert pg_ledger.insert(_new(fresh)) is True
+        _drop_connections(postgres, pg_ledger)
+        assert pg_ledger.claim(fresh, JOB, 1, 60).outcome == "claimed"
+    elif operation == "renew":
+        assert pg_ledger.renew(dispatch_id, token, 60) is True
+    elif operation == "retry":
+        assert pg_ledger.retry(dispatch_id, token, retry_in=1, relay_in=2, error="E") is True
+        assert _row(pg_ledger, dispatch_id).status == "retry"
+    elif operation == "get":
+        assert _row(pg_ledger, dispatch_id).status == "active"
+    else:
+        queued = _new()
+        assert pg_ledger.insert(queued) is True
+        _drop_connections(postgres, pg_ledger)
+        pg_ledger.mark_queued([queued.id], 60)
+        assert _row(pg_ledger, queued.id).status == "queued"
+
+
+def test_finish_twice_across_a_dropped_connection(
+    postgres: PostgresServer, pg_ledger: Ledger
+) -> None:
+    dispatch_id, token = _claimed(pg_ledger)
+    assert pg_ledger.finish(dispatch_id, token, "completed", None) is True
+    _drop_connections(postgres, pg_ledger)
+    # The first write landed: run again on a fresh connection, it reads back True.
+    assert pg_ledger.finish(dispatch_id, token, "completed", None) is True
+    _drop_connections(postgres, pg_ledger)
+    assert pg_ledger.finish(dispatch_id, "another-token", "completed", None) is False
+
+
+def test_a_ledger_that_stays_down_raises_unavailable() -> None:
+    ledger = open_ledger(f"postgresql+psycopg://nobody@127.0.0.1:{free_port()}/none")
+    try:
+        with pytest.raises(LedgerUnavailableError):
+            ledger.get(random_dispatch_id())
+    finally:
+        ledger.close()

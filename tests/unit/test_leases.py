@@ -1,0 +1,148 @@
+"""The lease renewer survives whatever a renewal raises, and comes back if it dies.
+
+A dead renewer would let every long run of its process lapse and run twice, so a
+failed renewal must be one skipped beat, and the next claim held must start a new
+thread when the old one is gone. Observed through the ledger row's lease_expires_at,
+which only moves forward while someone renews it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from questpie_celery.leases import LeaseKeeper
+from questpie_celery.ledger import Ledger, open_ledger
+from tests.unit.helpers import new_dispatch, sqlite_url, wait_until
+
+LEASE = 0.3  # renewed every 0.1 s
+
+
+@pytest.fixture
+def ledger(tmp_path: Path) -> Iterator[Ledger]:
+    made = open_ledger(sqlite_url(tmp_path))
+    made.migrate()
+    yield made
+    made.close()
+
+
+def _claimed(ledger: Ledger) -> tuple[str, str]:
+    new = new_dispatch()
+    assert ledger.insert(new) is True
+    claim = ledger.claim(new.id, new.job_name, 1, LEASE)
+    assert claim.outcome == "claimed" and claim.token is not None
+    return new.id, claim.token
+
+
+def _expires(ledger: Ledger, dispatch_id: str) -> datetime:
+    row = ledger.get(dispatch_id)
+    assert row is not None and row.lease_expires_at is not None
+    return row.lease_expires_at
+
+
+def _advanced_past(ledger: Ledger, dispatch_id: str, mark: datetime) -> datetime | None:
+    found = _expires(ledger, dispatch_id)
+    return found if found > mark else None
+
+
+class FailingOnce:
+    """`Ledger.renew` that raises `error` on its first call only, then renews."""
+
+    def __init__(self, ledger: Ledger, error: BaseException) -> None:
+        self._renew = ledger.renew
+        self._error = error
+        self.calls = 0
+        self.raised = threading.Event()
+
+    def __call__(self, dispatch_id: str, token: str, lease_seconds: float) -> bool:
+        self.calls += 1
+        if self.calls == 1:
+            self.raised.set()
+            raise self._error
+        return self._renew(dispatch_id, token, lease_seconds)
+
+
+def test_a_renewal_that_raises_does_not_stop_renewing(
+    ledger: Ledger, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    dispatch_id, token = _claimed(ledger)
+    failing = FailingOnce(ledger, RuntimeError("not a QuestpieError"))
+    monkeypatch.setattr(ledger, "renew", failing)
+    keeper = LeaseKeeper(ledger, lease_seconds=LEASE)
+    with caplog.at_level(logging.WARNING), keeper.hold(dispatch_id, token, 60) as lease:
+        assert failing.raised.wait(10), "the renewer never tried to renew"
+        after_error = _expires(ledger, dispatch_id)
+        # Renewed after the failure, and again after that: renewal goes on.
+        later = wait_until(
+            lambda: _advanced_past(ledger, dispatch_id, after_error), "a renewal after the error"
+        )
+        wait_until(lambda: _advanced_past(ledger, dispatch_id, later), "a second renewal")
+        assert not lease.lost
+        row = ledger.get(dispatch_id)
+        assert row is not None and (row.status, row.claim_token) == ("active", token)
+    assert failing.calls >= 3
+    assert any(
+        dispatch_id in record.getMessage() and record.levelno >= logging.WARNING
+        for record in caplog.records
+        if record.name == "questpie_celery.leases"
+    ), "the failed renewal was not logged"
+
+
+def test_a_dead_renewer_is_restarted_by_the_next_hold(
+    ledger: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dispatch_id, token = _claimed(ledger)
+    # A BaseException is not caught by the renewer's loop: it ends the thread, which is
+    # the death the keeper must recover from. Its report is taken here, not by pytest.
+    deaths: list[tuple[str, type[BaseException]]] = []
+
+    def died(args: threading.ExceptHookArgs) -> None:
+        deaths.append((args.thread.name if args.thread else "", args.exc_type))
+
+    monkeypatch.setattr(threading, "excepthook", died)
+    failing = FailingOnce(ledger, SystemExit(0))
+    monkeypatch.setattr(ledger, "renew", failing)
+    keeper = LeaseKeeper(ledger, lease_seconds=LEASE)
+    with keeper.hold(dispatch_id, token, 60):
+        first = keeper._thread
+        assert first is not None
+        assert failing.raised.wait(10), "the renewer never tried to renew"
+        wait_until(lambda: not first.is_alive(), "the renewer thread to die")
+        assert deaths == [("questpie-leases", SystemExit)]
+        stalled = _expires(ledger, dispatch_id)
+    # The run goes on under a new hold (the next claim this process holds).
+    with keeper.hold(dispatch_id, token, 60) as lease:
+        second = keeper._thread
+        assert second is not None and second is not first and second.is_alive()
+        renewed = wait_until(
+            lambda: _advanced_past(ledger, dispatch_id, stalled), "a renewal by the new thread"
+        )
+        wait_until(lambda: _advanced_past(ledger, dispatch_id, renewed), "a second renewal")
+        assert not lease.lost
+    assert failing.calls >= 3
+
+
+def test_renewal_stops_when_the_claim_is_lost(ledger: Ledger) -> None:
+    """The other side of renewal: a claim that is no longer ours is reported lost."""
+    dispatch_id, token = _claimed(ledger)
+    keeper = LeaseKeeper(ledger, lease_seconds=LEASE)
+    with keeper.hold(dispatch_id, token, 60) as lease:
+        assert ledger.finish(dispatch_id, token, "failed", "Lost") is True
+        wait_until(lambda: lease.lost, "the lease to be reported lost")
+
+
+def test_renewal_stops_past_max_age(ledger: Ledger) -> None:
+    """Past expire_in_seconds the claim is left to lapse: the row stops advancing."""
+    dispatch_id, token = _claimed(ledger)
+    keeper = LeaseKeeper(ledger, lease_seconds=LEASE)
+    with keeper.hold(dispatch_id, token, max_age_seconds=0.0):
+        expired = wait_until(
+            lambda: any(row.id == dispatch_id for row in ledger.expired_claims()),
+            "the lease to lapse",
+        )
+        assert expired

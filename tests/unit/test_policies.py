@@ -1,0 +1,180 @@
+"""The queue policy vocabulary, the slot rules of each policy, and that the ledger's
+partial unique indexes (which enforce the rules) follow exactly those rules."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, cast, get_args
+
+import pytest
+from sqlalchemy import BindParameter, Index, text
+
+from questpie_celery import QueuePolicy, QueuePolicyName
+from questpie_celery.ledger import Ledger, dispatch_table, open_ledger
+from tests.unit.helpers import new_dispatch, sqlite_url
+
+# The table of the policies module's docstring, written out: (one_waiting, one_running,
+# one_overall). `standard` limits nothing.
+RULES: dict[str, tuple[bool, bool, bool]] = {
+    "standard": (False, False, False),
+    "short": (True, False, False),
+    "singleton": (False, True, False),
+    "stately": (True, True, False),
+    "exclusive": (False, False, True),
+}
+WAITING = {"pending", "queued", "parked"}
+RUNNING = {"active", "retry"}
+# index name -> (the rule it enforces, the statuses it covers)
+SLOT_INDEXES: dict[str, tuple[str, set[str]]] = {
+    "questpie_slot_waiting": ("one_waiting", WAITING),
+    "questpie_slot_running": ("one_running", RUNNING),
+    "questpie_slot_exclusive": ("one_overall", WAITING | RUNNING),
+}
+
+
+def test_vocabulary() -> None:
+    assert [str(policy) for policy in QueuePolicy] == list(RULES)
+    assert set(get_args(QueuePolicyName)) == set(RULES)
+    for name in RULES:
+        policy = QueuePolicy(name)
+        assert policy == name  # a str: compares equal to its name
+        assert isinstance(policy, str)
+        assert f"{policy}" == name
+        assert policy.value == name
+
+
+@pytest.mark.parametrize("name", list(RULES))
+def test_slot_rules(name: str) -> None:
+    policy = QueuePolicy(name)
+    _, one_running, one_overall = RULES[name]
+    assert (policy.one_waiting, policy.one_running, policy.one_overall) == RULES[name]
+    # A run may find its slot busy exactly when runs are limited.
+    assert policy.limits_runs is (one_running or one_overall)
+    # Every policy but standard needs a ledger row for each dispatch.
+    assert policy.ledgered is (name != "standard")
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("standard", QueuePolicy.STANDARD), ("stately", QueuePolicy.STATELY),
+     (QueuePolicy.EXCLUSIVE, QueuePolicy.EXCLUSIVE), ("Stately", None), (" short", None),
+     ("fifo", None), ("", None), (None, None), (3, None), (b"short", None),
+     (["short"], None)],
+)  # fmt: skip
+def test_parse(value: object, expected: QueuePolicy | None) -> None:
+    assert QueuePolicy.parse(value) is expected
+
+
+@pytest.mark.parametrize("name", list(RULES))
+def test_a_new_dispatch_takes_a_slot_only_under_a_ledgered_policy(name: str) -> None:
+    policy = QueuePolicy(name)
+    keyed = new_dispatch(policy=policy, singleton_key="tenant-1")
+    whole = new_dispatch(policy=policy)
+    if policy.ledgered:
+        assert (keyed.slot, whole.slot) == ("tenant-1", "")  # "" is the job as a whole
+    else:
+        assert (keyed.slot, whole.slot) == (None, None)
+    assert new_dispatch(singleton_key="tenant-1").slot is None  # no policy, no slot
+
+
+def _policies_in(where: Any) -> tuple[set[str], set[str]]:
+    """(policies, statuses) of an index's `policy IN (...) AND status IN (...)`."""
+    found: dict[str, set[str]] = {}
+    for clause in where.clauses:
+        assert isinstance(clause.right, BindParameter)
+        values = cast(list[str], clause.right.value)
+        found[clause.left.name] = {str(value) for value in values}
+    assert set(found) == {"policy", "status"}
+    return found["policy"], found["status"]
+
+
+def _index(name: str) -> Index:
+    [index] = [i for i in dispatch_table.indexes if i.name == name]
+    return index
+
+
+@pytest.mark.parametrize("index_name", list(SLOT_INDEXES))
+def test_slot_indexes_in_the_metadata_list_exactly_the_rules_policies(index_name: str) -> None:
+    rule, statuses = SLOT_INDEXES[index_name]
+    expected = {str(policy) for policy in QueuePolicy if getattr(policy, rule)}
+    # ... and the same set from the written-out table, so a wrong rule fails too.
+    position = ("one_waiting", "one_running", "one_overall").index(rule)
+    assert expected == {name for name, rules in RULES.items() if rules[position]}
+    index = _index(index_name)
+    assert index.unique
+    assert [column.name for column in index.columns] == ["job_name", "slot"]
+    for dialect in ("postgresql", "sqlite"):
+        assert _policies_in(index.dialect_options[dialect]["where"]) == (expected, statuses)
+
+
+def test_no_other_unique_index_limits_the_dispatch_table() -> None:
+    unique = {index.name for index in dispatch_table.indexes if index.unique}
+    assert unique == set(SLOT_INDEXES)
+
+
+@pytest.fixture
+def ledger(tmp_path: Path) -> Iterator[Ledger]:
+    made = open_ledger(sqlite_url(tmp_path))
+    made.migrate()
+    yield made
+    made.close()
+
+
+def test_slot_indexes_in_a_migrated_database_list_exactly_the_rules_policies(
+    ledger: Ledger,
+) -> None:
+    with ledger.engine.connect() as conn:
+        created: dict[str, str] = dict(
+            conn.execute(
+                text("SELECT name, sql FROM sqlite_master WHERE type = 'index' AND sql IS NOT NULL")
+            ).all()
+        )
+    for index_name, (rule, statuses) in SLOT_INDEXES.items():
+        sql = created[index_name]
+        assert sql.startswith(f"CREATE UNIQUE INDEX {index_name} ")
+        policy_list = re.search(r"policy IN \(([^)]*)\)", sql)
+        status_list = re.search(r"status IN \(([^)]*)\)", sql)
+        assert policy_list is not None and status_list is not None, sql
+        policies = set(re.findall(r"'([a-z]+)'", policy_list.group(1)))
+        assert policies == {str(p) for p in QueuePolicy if getattr(p, rule)}
+        assert set(re.findall(r"'([a-z]+)'", status_list.group(1))) == statuses
+
+
+def _claim(ledger: Ledger, dispatch_id: str) -> str:
+    return ledger.claim(dispatch_id, "policy.job", 1, 60).outcome
+
+
+@pytest.mark.parametrize("name", list(RULES))
+def test_the_database_enforces_each_policys_rules(ledger: Ledger, name: str) -> None:
+    """Two dispatches in one slot: what may wait and what may run beside each other."""
+    policy = QueuePolicy(name)
+    one_waiting, one_running, one_overall = RULES[name]
+
+    def dispatch(key: str = "slot-a") -> Any:
+        return new_dispatch("policy.job", policy=policy, singleton_key=key)
+
+    first, second = dispatch(), dispatch()
+    assert ledger.insert(first) is True
+    # A second waiting dispatch of the same slot.
+    assert ledger.insert(second) is not (one_waiting or one_overall)
+    # Another slot of the same job is never affected.
+    assert ledger.insert(dispatch("slot-b")) is True
+    assert _claim(ledger, first.id) == "claimed"
+    if one_overall:
+        assert ledger.insert(second) is False  # one run holds the whole slot
+        return
+    # The first now runs, so a waiting place is free again (where only one may wait, the
+    # second gets in now; elsewhere it was in already and its id is taken).
+    assert ledger.insert(second) is one_waiting
+    assert _claim(ledger, second.id) == ("blocked" if one_running else "claimed")
+    row = ledger.get(second.id)
+    assert row is not None
+    assert row.status == ("pending" if one_running else "active")
+    if one_running:
+        # Once the first run ends for good, the slot's running place is free.
+        first_row = ledger.get(first.id)
+        assert first_row is not None and first_row.claim_token is not None
+        assert ledger.finish(first.id, first_row.claim_token, "completed", None) is True
+        assert _claim(ledger, second.id) == "claimed"

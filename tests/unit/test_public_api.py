@@ -1,0 +1,241 @@
+"""The fixed public surface (SPEC section 2) and registration rules."""
+
+from __future__ import annotations
+
+import dataclasses
+import pkgutil
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, get_args
+
+import pytest
+from celery import Celery
+from click.testing import CliRunner
+from pydantic import BaseModel
+from sqlalchemy import inspect
+
+import questpie_celery
+from questpie_celery import (
+    DispatchStatus,
+    HandlerAbortedError,
+    JobContext,
+    JobDefinition,
+    JobDefinitionError,
+    PermanentFailure,
+    Questpie,
+    QuestpieError,
+    QueuePolicy,
+    QueuePolicyName,
+    SecretDecryptionError,
+    SecretJobError,
+    UnknownJobError,
+    job,
+)
+from questpie_celery.cli import main
+from questpie_celery.jobs import job_attribute_name
+from questpie_celery.ledger import SCHEMA_VERSION, create_ledger_engine, open_ledger
+from tests.unit.helpers import IdleApp
+
+NEW_EXPORTS = (
+    "QueuePolicy",
+    "QueuePolicyName",
+    "DispatchStatus",
+    "HandlerAbortedError",
+    "SecretDecryptionError",
+    "SecretJobError",
+)
+
+
+class Empty(BaseModel):
+    pass
+
+
+def _noop(payload: Empty, ctx: JobContext) -> None:
+    del payload, ctx
+
+
+def _questpie(**kwargs: Any) -> Questpie:
+    return Questpie(Celery("api", broker="memory://"), ledger_url="sqlite://", **kwargs)
+
+
+def test_all_matches_the_exports() -> None:
+    exported = {name for name in dir(questpie_celery) if not name.startswith("_")}
+    modules = {m.name for m in pkgutil.iter_modules(questpie_celery.__path__)}
+    assert set(questpie_celery.__all__) == exported - modules
+    assert len(questpie_celery.__all__) == len(set(questpie_celery.__all__))
+    for name in ("Questpie", "job", "JobContext", "PermanentFailure", "QuestpieError", "Receipt"):
+        assert name in questpie_celery.__all__
+    for name in NEW_EXPORTS:
+        assert name in questpie_celery.__all__
+
+
+def test_new_exports_are_what_they_say() -> None:
+    assert issubclass(QueuePolicy, StrEnum)
+    assert isinstance(QueuePolicy.STATELY, str)
+    assert str(QueuePolicy.STATELY) == "stately"
+    assert set(get_args(QueuePolicyName)) == {str(policy) for policy in QueuePolicy}
+    assert dataclasses.is_dataclass(DispatchStatus)
+    fields = {f.name for f in dataclasses.fields(DispatchStatus)}
+    # A status is safe to show anywhere: it holds no payload and no key material.
+    assert not fields & {"payload", "secret_ciphertext", "secret_wrapped_key", "options"}
+    for error in (HandlerAbortedError, SecretDecryptionError, SecretJobError):
+        assert issubclass(error, QuestpieError)
+    assert SecretDecryptionError().retryable is False
+    assert SecretDecryptionError(retryable=True).retryable is True
+
+
+def test_every_error_derives_from_questpie_error() -> None:
+    for name in questpie_celery.__all__:
+        value = getattr(questpie_celery, name)
+        if isinstance(value, type) and issubclass(value, Exception):
+            assert issubclass(value, QuestpieError), name
+    assert issubclass(PermanentFailure, QuestpieError)
+
+
+@pytest.mark.parametrize(
+    ("name", "attribute"),
+    [("send-welcome-email", "send_welcome_email"), ("Billing.Invoice:v2", "billing_invoice_v2"),
+     ("a--b__c", "a_b_c"), ("X", "x")],
+)  # fmt: skip
+def test_attribute_naming(name: str, attribute: str) -> None:
+    assert job_attribute_name(name) == attribute
+
+
+@pytest.mark.parametrize("name", ["", "-lead", "has space", "x" * 201, "é", "a/b"])
+def test_invalid_job_names_are_rejected(name: str) -> None:
+    with pytest.raises(JobDefinitionError):
+        job(name=name, schema=Empty)(_noop)
+
+
+def test_job_decorator_validates_schema_and_options() -> None:
+    with pytest.raises(JobDefinitionError):
+        job(name="x", schema=dict)(_noop)  # type: ignore[type-var, arg-type]
+    with pytest.raises(JobDefinitionError, match="unknown job option"):
+        job(name="x", schema=Empty, options={"idempotency_key": "k"})(_noop)  # type: ignore[arg-type]
+    with pytest.raises(JobDefinitionError, match="priority"):
+        job(name="x", schema=Empty, options={"priority": 10})(_noop)
+
+
+def test_registration_creates_a_celery_task_named_after_the_job() -> None:
+    definition = job(name="send-welcome-email", schema=Empty, options={"retry_limit": 3})(_noop)
+    assert isinstance(definition, JobDefinition)
+    questpie = _questpie(jobs=[definition])
+    assert questpie.celery_app.tasks["send-welcome-email"].name == "send-welcome-email"
+    assert questpie.queue.send_welcome_email is questpie.queue["send-welcome-email"]
+    assert questpie.client(definition) is questpie.queue.send_welcome_email
+
+
+def test_colliding_attribute_names_are_an_error() -> None:
+    questpie = _questpie(jobs=[job(name="a-b", schema=Empty)(_noop)])
+    with pytest.raises(JobDefinitionError, match=r"queue\.a_b"):
+        questpie.register(job(name="a.b", schema=Empty)(_noop))
+    with pytest.raises(JobDefinitionError, match="twice"):
+        questpie.register(job(name="a-b", schema=Empty)(_noop))
+
+
+def test_questpie_job_shortcut_registers() -> None:
+    questpie = _questpie()
+
+    @questpie.job(name="shortcut", schema=Empty)
+    def shortcut(payload: Empty, ctx: JobContext) -> None:
+        del payload, ctx
+
+    assert questpie.queue.shortcut.definition is shortcut
+    assert "shortcut" in questpie.celery_app.tasks
+
+
+def test_unknown_jobs_name_the_known_ones() -> None:
+    questpie = _questpie(jobs=[job(name="known-job", schema=Empty)(_noop)])
+    with pytest.raises(AttributeError, match="known-job"):
+        _ = questpie.queue.nope
+    with pytest.raises(KeyError, match="known-job") as caught:
+        _ = questpie.queue["nope"]
+    assert isinstance(caught.value, UnknownJobError)
+
+
+def test_receipt_and_status_are_none_for_unknown_ids() -> None:
+    questpie = _questpie()
+    questpie.migrate()
+    assert questpie.queue.get_receipt("00000000-0000-0000-0000-000000000000") is None
+    assert questpie.queue.get_receipt(12) is None  # type: ignore[arg-type]
+    assert questpie.queue.get_status("00000000-0000-0000-0000-000000000000") is None
+    assert questpie.queue.get_status(12) is None  # type: ignore[arg-type]
+    questpie.close()
+
+
+def test_get_status_describes_a_ledgered_dispatch_and_none_an_unledgered_one(
+    tmp_path: Path,
+) -> None:
+    idle = IdleApp.build(tmp_path)
+    try:
+        keyed = idle.questpie.queue.record.publish({"tag": "s"}, idempotency_key="status:1")
+        assert keyed is not None
+        status = idle.questpie.queue.get_status(keyed)
+        assert isinstance(status, DispatchStatus)
+        assert (status.dispatch_id, status.job_name, status.idempotency_key) == (
+            keyed,
+            "record",
+            "status:1",
+        )
+        assert status.status in ("pending", "queued")  # accepted, no worker reads the queue
+        assert (status.attempt, status.secret, status.last_error) == (0, False, None)
+        assert status.started_at is None and status.finished_at is None
+        assert status.created_at.tzinfo is not None
+        # A plain (unkeyed, standard) dispatch has no row, so no status.
+        plain = idle.questpie.queue.record.publish({"tag": "s"})
+        assert plain is not None
+        assert idle.questpie.queue.get_status(plain) is None
+        # And a receipt is only for secret dispatches.
+        assert idle.questpie.queue.get_receipt(keyed) is None
+    finally:
+        idle.close()
+
+
+def test_configuration_errors() -> None:
+    app = Celery("api", broker="memory://")
+    with pytest.raises(QuestpieError, match="exactly one"):
+        Questpie(app)
+    with pytest.raises(QuestpieError, match="exactly one"):
+        Questpie(app, ledger_url="sqlite://", engine=create_ledger_engine("sqlite://"))
+    with pytest.raises(QuestpieError):
+        Questpie(app, ledger_url="sqlite://", lease_seconds=0)
+    with pytest.raises(QuestpieError):
+        Questpie("not an app", ledger_url="sqlite://")
+
+
+def test_redis_apps_get_ten_priority_steps() -> None:
+    app = Celery("api", broker="redis://127.0.0.1:1/0")
+    Questpie(app, ledger_url="sqlite://")
+    options = app.conf.broker_transport_options
+    assert options["priority_steps"] == list(range(10))
+    assert options["queue_order_strategy"] == "priority"
+
+
+def test_cli_migrate(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/cli.sqlite3"
+    runner = CliRunner()
+    for _ in range(2):  # idempotent
+        result = runner.invoke(main, ["migrate", "--ledger-url", url])
+        assert result.exit_code == 0, result.output
+        assert f"version {SCHEMA_VERSION}" in result.output
+    engine = create_ledger_engine(url)
+    assert "questpie_queue_dispatch" in inspect(engine).get_table_names()
+    engine.dispose()
+    assert runner.invoke(main, ["migrate"]).exit_code != 0
+
+
+def test_cli_policy_set_and_show(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/cli.sqlite3"
+    runner = CliRunner()
+    assert runner.invoke(main, ["migrate", "--ledger-url", url]).exit_code == 0
+    shown = runner.invoke(main, ["policy", "show", "report", "--ledger-url", url])
+    assert shown.exit_code == 0, shown.output
+    assert "standard" in shown.output
+    set_ = runner.invoke(main, ["policy", "set", "report", "stately", "--ledger-url", url])
+    assert set_.exit_code == 0, set_.output
+    shown = runner.invoke(main, ["policy", "show", "report", "--ledger-url", url])
+    assert shown.output.strip() == "report: stately"
+    assert runner.invoke(main, ["policy", "set", "report", "fifo", "--ledger-url", url]).exit_code
+    ledger = open_ledger(url)
+    assert ledger.get_policy("report") is QueuePolicy.STATELY
+    ledger.close()
