@@ -246,7 +246,7 @@ class Statements:
         # safety-net time the row was given in the hope that the send would succeed.
         self.send_soon: Update = (
             update(dispatch_table)
-            .where(by_id, t.status.in_(RESENDABLE), t.attempt == bindparam("attempt"))
+            .where(by_id, t.status.in_(RESENDABLE), t.attempt == bindparam("seen_attempt"))
             .values(next_send_at=db_time(seconds("send_in")))
         )
 

@@ -196,7 +196,7 @@ class Ledger:
 
     def send_soon(self, dispatch_id: str, attempt: int, send_in: float) -> None:
         """After a refused send: let the relay send attempt `attempt + 1` in `send_in` s."""
-        params = {"dispatch_id": dispatch_id, "attempt": attempt, "send_in": send_in}
+        params = {"dispatch_id": dispatch_id, "seen_attempt": attempt, "send_in": send_in}
         self._execute(self._sql.send_soon, params)
 
     # --- the fence ---------------------------------------------------------------------

@@ -1,0 +1,323 @@
+"""Killed connections and servers that are down: clear errors, nothing lost, nothing run twice.
+
+Killing a database's backends (`PostgresServer.terminate_backends`) is what a
+failover, a server restart or an idle timeout does to every pooled connection. The
+stacks here keep their `test_runs` table in a database of its own, so the kill hits
+only the ledger and a handler's own bookkeeping survives it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from kombu import Connection, Exchange, Queue
+
+from questpie_celery import (
+    BrokerError,
+    LedgerUnavailableError,
+    QuestpieError,
+    derive_dispatch_id,
+)
+from questpie_celery.ledger import DispatchRow, open_ledger
+from questpie_celery.outbox import PENDING_GRACE_SECONDS, REFUSED_SEND_RETRY_SECONDS
+from tests.support import jobapp
+from tests.support.brokers import capture, deliver
+from tests.support.services import PostgresServer, RedisServer, free_port
+from tests.support.stack import Stack, build_stack, tag
+
+StackFactory = Callable[..., Stack]
+
+LEASE_SECONDS = 3.0
+#: A short lease and a fast relay: a lost outcome WOULD be rerun within the test's time.
+SHORT_LEASE = {"QP_TEST_LEASE": str(LEASE_SECONDS), "QP_TEST_RELAY": "0.5"}
+
+
+def idle_queue() -> str:
+    return f"idle-{uuid.uuid4().hex[:8]}"
+
+
+def closed_ledger_url() -> str:
+    """A PostgreSQL URL on a port nothing listens on."""
+    return f"postgresql+psycopg://nobody@127.0.0.1:{free_port()}/none"
+
+
+def _kombu_queue(name: str) -> Queue:
+    return Queue(name, Exchange(name), routing_key=name)
+
+
+def depth(broker_url: str, queue: str) -> int:
+    """How many messages wait in `queue` (declaring it, empty, if it does not exist)."""
+    with Connection(broker_url) as conn:
+        declared = _kombu_queue(queue)(conn.default_channel)
+        declared.declare()
+        _, count, _ = declared.queue_declare()
+        return int(count)
+
+
+def take(broker_url: str, queue: str, timeout: float = 10.0) -> tuple[dict[str, object], object]:
+    """The headers and decoded body of the one message waiting in `queue`."""
+    with Connection(broker_url) as conn:
+        simple = conn.SimpleQueue(_kombu_queue(queue))
+        message = simple.get(block=True, timeout=timeout)
+        message.ack()
+        simple.close()
+        return dict(message.headers), message.decode()
+
+
+def runs_database(postgres: PostgresServer) -> str:
+    """A database for `test_runs` only, out of reach of the ledger's kills."""
+    return postgres.create_database("runs")
+
+
+def wait_while(stack: Stack, dispatch_id: str, status: str, timeout: float) -> DispatchRow:
+    """Poll the ledger until the row leaves `status`; fail if it is still there."""
+    deadline = time.monotonic() + timeout
+    while True:
+        row = stack.row(dispatch_id)
+        if row.status != status:
+            return row
+        assert time.monotonic() < deadline, f"dispatch {dispatch_id} stayed {status}"
+        time.sleep(0.05)
+
+
+def assert_no_lost_claim(stack: Stack, dispatch_id: str) -> None:
+    """The kill reached the worker's connections, and yet neither the worker nor its
+    relay saw the claim lapse or the outcome get lost."""
+    assert "ledger connection was dropped by the server" in stack.worker.log()
+    lines = stack.worker.log_about(dispatch_id)
+    for text in ("lease expired", "lost the execution claim", "after losing its claim"):
+        assert not [line for line in lines if text in line], "\n".join(lines)
+
+
+# --- killed connections ------------------------------------------------------------------
+
+
+def test_idle_publisher_with_killed_connections_publishes_on_its_next_call(
+    make_stack: StackFactory, postgres: PostgresServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    stack = make_stack("redis", env={"QP_TEST_RUNS": runs_database(postgres)})
+    queue = stack.questpie.queue
+    # Warm up: concurrent publishes leave several connections in the publisher's pool.
+    warm = tag()
+    barrier = threading.Barrier(6)
+
+    def publish_one(n: int) -> None:
+        barrier.wait()
+        queue.record.publish({"tag": warm}, idempotency_key=f"warm:{warm}:{n}")
+
+    threads = [threading.Thread(target=publish_one, args=(n,)) for n in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for n in range(6):
+        stack.wait_status(derive_dispatch_id("record", f"warm:{warm}:{n}"), "completed")
+
+    # The publisher is idle; the server drops every connection it had.
+    assert postgres.terminate_backends(stack.env["QP_TEST_LEDGER"]) >= 1
+
+    t = tag()
+    with caplog.at_level(logging.INFO, logger="questpie_celery"):
+        dispatch_ids = [
+            queue.record.publish({"tag": t}, idempotency_key=f"after-kill:{t}:{n}")
+            for n in range(3)
+        ]
+    # The first statement met a dead connection (so the kill did hit the pool).
+    assert any("dropped by the server" in r.getMessage() for r in caplog.records)
+    for dispatch_id in dispatch_ids:
+        assert dispatch_id is not None
+        assert stack.wait_status(dispatch_id, "completed").attempt == 1
+    assert sorted(r["dispatch_id"] for r in stack.runs(t)) == sorted(dispatch_ids)
+
+
+@pytest.mark.parametrize("broker", ["redis", "rabbitmq"])
+def test_backends_killed_while_a_handler_runs_complete_it_once(
+    make_stack: StackFactory, postgres: PostgresServer, broker: str
+) -> None:
+    stack = make_stack(broker, env={**SHORT_LEASE, "QP_TEST_RUNS": runs_database(postgres)})
+    t = tag()
+    gate = stack.gate()
+    dispatch_id = stack.questpie.queue.record.publish(
+        {"tag": t, "gate": str(gate)}, idempotency_key=f"kill-run:{t}"
+    )
+    assert dispatch_id is not None
+    stack.wait_status(dispatch_id, "active")
+    # The worker's claim, lease renewal and relay connections all die under the run.
+    assert postgres.terminate_backends(stack.env["QP_TEST_LEDGER"]) >= 1
+    gate.open()
+    # A lost completion would leave the row active until its lease lapsed, and the relay
+    # would then retry it: three leases is ample time to see that happen.
+    row = wait_while(stack, dispatch_id, "active", timeout=3 * LEASE_SECONDS)
+    assert (row.status, row.attempt, row.last_error) == ("completed", 1, None)
+    # Completed is final (the fence turns any later delivery away): run counts are too.
+    assert [r["attempt"] for r in stack.runs(t)] == [1]
+    assert [r["attempt"] for r in stack.runs(t, phase="end")] == [1]
+    assert_no_lost_claim(stack, dispatch_id)
+
+
+@pytest.mark.parametrize("broker", ["redis", "rabbitmq"])
+def test_backends_killed_while_a_failing_handler_runs_retry_once(
+    make_stack: StackFactory, postgres: PostgresServer, broker: str
+) -> None:
+    stack = make_stack(broker, env={**SHORT_LEASE, "QP_TEST_RUNS": runs_database(postgres)})
+    t = tag()
+    gate = stack.gate()
+    dispatch_id = stack.questpie.queue.record.publish(
+        {"tag": t, "gate": str(gate), "fail_times": 1},
+        idempotency_key=f"kill-retry:{t}",
+        retry_limit=3,
+    )
+    assert dispatch_id is not None
+    stack.wait_status(dispatch_id, "active")
+    assert postgres.terminate_backends(stack.env["QP_TEST_LEDGER"]) >= 1
+    gate.open()
+    # The retry must be recorded by the worker itself (a lost retry write would leave the
+    # row active until the relay lapsed it), and its message sent at once.
+    row = stack.wait_status(dispatch_id, "completed", timeout=10 * LEASE_SECONDS)
+    assert row.attempt == 2
+    assert [r["attempt"] for r in stack.runs(t)] == [1, 2]
+    assert [r["attempt"] for r in stack.runs(t, phase="end")] == [2]
+    assert_no_lost_claim(stack, dispatch_id)
+
+
+# --- a ledger server that is down --------------------------------------------------------
+
+
+@pytest.fixture
+def own_postgres() -> Iterator[PostgresServer]:
+    """A PostgreSQL server this test alone may stop (the `postgres` one is shared)."""
+    server = PostgresServer().start()
+    yield server
+    server.close()
+
+
+def test_delivery_meeting_an_unreachable_ledger_is_not_lost(
+    own_postgres: PostgresServer,
+    postgres: PostgresServer,
+    redis_server: RedisServer,
+    tmp_path: Path,
+) -> None:
+    env = {
+        "QP_TEST_BROKER": redis_server.url(redis_server.new_db()),
+        "QP_TEST_BACKEND": redis_server.url(redis_server.new_db()),
+        "QP_TEST_LEDGER": own_postgres.create_database(),
+        "QP_TEST_RUNS": runs_database(postgres),
+        **SHORT_LEASE,
+    }
+    stack = build_stack(env, tmp_path, "redis")
+    try:
+        t, idle = tag(), idle_queue()
+        dispatch_id = stack.questpie.queue.record.publish(
+            {"tag": t}, idempotency_key=f"pg-down:{t}", queue=idle
+        )
+        assert dispatch_id is not None
+        message = capture(stack, idle)
+        own_postgres.stop()
+        deliver(stack, message)
+        # The delivery met the unreachable ledger and is waiting, not acknowledged away.
+        stack.wait_log(dispatch_id, "the ledger is unreachable")
+        assert stack.runs(t) == []
+        own_postgres.start()
+        row = stack.wait_status(dispatch_id, "completed", timeout=90)
+        assert row.attempt == 1
+        assert [r["attempt"] for r in stack.runs(t)] == [1]
+        assert stack.worker.alive()
+    finally:
+        stack.close()
+
+
+def test_unreachable_ledger_raises_quickly_and_sends_nothing(redis_server: RedisServer) -> None:
+    broker, idle = redis_server.url(redis_server.new_db()), idle_queue()
+    _, questpie = jobapp.build(broker=broker, ledger=closed_ledger_url(), queue=idle)
+    try:
+        started = time.monotonic()
+        with pytest.raises(LedgerUnavailableError) as caught:
+            questpie.queue.record.publish({"tag": "x"}, idempotency_key="k")
+        assert time.monotonic() - started < 15
+        assert isinstance(caught.value, QuestpieError)
+        assert "cannot be reached" in str(caught.value)
+        assert depth(broker, idle) == 0
+    finally:
+        questpie.close()
+
+
+def test_unreachable_broker_leaves_a_pending_row_and_returns_fast(
+    pg_db: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    _, questpie = jobapp.build(broker=f"redis://127.0.0.1:{free_port()}/0", ledger=pg_db)
+    questpie.migrate()
+    ledger = open_ledger(pg_db)
+    try:
+        started = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="questpie_celery"):
+            dispatch_id = questpie.queue.record.publish({"tag": "x"}, idempotency_key="down")
+        elapsed = time.monotonic() - started
+        assert dispatch_id is not None
+        assert elapsed < 10, f"publish took {elapsed:.1f}s"
+        row = ledger.get(dispatch_id)
+        assert row is not None
+        assert (row.status, row.queued_at, row.attempt) == ("pending", None, 0)
+        # Due for the relay soon after the refusal, not after the grace a publisher gets.
+        assert row.next_send_at is not None
+        due_in = (row.next_send_at - row.created_at).total_seconds()
+        assert due_in < REFUSED_SEND_RETRY_SECONDS + 5 < PENDING_GRACE_SECONDS, due_in
+        warnings = [
+            r
+            for r in caplog.records
+            if r.name.startswith("questpie_celery") and dispatch_id in r.getMessage()
+        ]
+        assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
+        assert "relay" in warnings[0].getMessage()
+        # Publishing the key again answers from the ledger without touching the broker.
+        again_started = time.monotonic()
+        assert questpie.queue.record.publish({"tag": "x"}, idempotency_key="down") == dispatch_id
+        assert time.monotonic() - again_started < 2
+    finally:
+        questpie.close()
+        ledger.close()
+
+
+def test_unreachable_broker_unledgered_publish_raises(pg_db: str) -> None:
+    _, questpie = jobapp.build(broker=f"redis://127.0.0.1:{free_port()}/0", ledger=pg_db)
+    questpie.migrate()
+    try:
+        started = time.monotonic()
+        with pytest.raises(BrokerError):
+            questpie.queue.record.publish({"tag": "x"})
+        assert time.monotonic() - started < 10
+    finally:
+        questpie.close()
+
+
+def test_unreachable_ledger_still_lets_an_unkeyed_standard_publish_through(
+    redis_server: RedisServer,
+) -> None:
+    """It needs no ledger row; a job whose declared policy needs one is refused."""
+    broker, idle = redis_server.url(redis_server.new_db()), idle_queue()
+    _, questpie = jobapp.build(broker=broker, ledger=closed_ledger_url(), queue=idle)
+    try:
+        t = tag()
+        started = time.monotonic()
+        dispatch_id = questpie.queue.record.publish({"tag": t})
+        assert dispatch_id is not None
+        assert time.monotonic() - started < 10
+        headers, body = take(broker, idle)
+        assert headers["id"] == dispatch_id
+        assert headers["task"] == "record"
+        header = headers["questpie"]
+        assert isinstance(header, dict)
+        assert header["ledgered"] is False
+        assert isinstance(body, list | tuple)
+        assert body[0][0]["tag"] == t
+        # policy.exclusive declares the exclusive policy: every dispatch needs a row.
+        with pytest.raises(LedgerUnavailableError):
+            questpie.queue.policy_exclusive.publish({"tag": t})
+        assert depth(broker, idle) == 0
+    finally:
+        questpie.close()
