@@ -1,0 +1,225 @@
+"""The execution fence against hostile and unusual deliveries, on Redis and RabbitMQ.
+
+A message that borrows another job's dispatch id, a duplicate of a failed
+dispatch under `task_track_started`, handlers that raise `SystemExit` or
+`asyncio.CancelledError`, and a retry of a delivery that carried custom headers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from celery.result import AsyncResult
+from sqlalchemy import select
+
+from tests.integration.conftest import new_stack
+from tests.support import jobapp
+from tests.support.brokers import capture, deliver
+from tests.support.services import RedisServer
+from tests.support.stack import Stack, tag
+
+SECRET = "f" * 16 + "-fence-secret-0123456789abcdef"
+TRACEPARENT = "00-abc-def-01"
+
+
+@pytest.fixture(scope="module", params=["redis", "rabbitmq"])
+def fence_stack(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
+    """A secret, a Redis result backend (on RabbitMQ too), and task_track_started on."""
+    env = {"QP_TEST_SECRET": SECRET, "QP_TEST_EXTENDED": "1"}
+    if request.param == "rabbitmq":
+        redis_server: RedisServer = request.getfixturevalue("redis_server")
+        env["QP_TEST_BACKEND"] = redis_server.url(redis_server.new_db())
+    made = new_stack(request, tmp_path_factory.mktemp("fence"), request.param, env=env)
+    assert made.celery_app.conf.task_track_started is True
+    yield made
+    made.close()
+
+
+def idle_queue() -> str:
+    return f"idle-{uuid.uuid4().hex[:8]}"
+
+
+def runs_of(stack: Stack, dispatch_id: str) -> list[dict[str, Any]]:
+    """Every run any job started under one dispatch id."""
+    with stack.runs_engine.connect() as conn:
+        rows = conn.execute(
+            select(jobapp.runs_table)
+            .where(
+                jobapp.runs_table.c.dispatch_id == dispatch_id,
+                jobapp.runs_table.c.phase == "start",
+            )
+            .order_by(jobapp.runs_table.c.id)
+        ).mappings()
+        return [dict(r) for r in rows]
+
+
+def digest(value: str) -> str:
+    return hashlib.sha256(value.encode()).hexdigest()
+
+
+def wait_state(stack: Stack, dispatch_id: str, state: str, timeout: float = 20.0) -> None:
+    """Wait for a lasting Celery result state in the result backend."""
+    result = AsyncResult(dispatch_id, app=stack.celery_app)
+    deadline = time.monotonic() + timeout
+    while result.state != state:
+        assert time.monotonic() < deadline, f"{dispatch_id} is {result.state}, not {state}"
+        time.sleep(0.05)
+
+
+def assert_serves_work(stack: Stack) -> None:
+    """The worker is alive and still runs a fresh dispatch to completion."""
+    t = tag()
+    dispatch_id = stack.questpie.queue.record.publish({"tag": t}, idempotency_key=f"alive:{t}")
+    assert dispatch_id is not None
+    stack.wait_status(dispatch_id, "completed")
+    assert stack.worker.alive()
+
+
+@pytest.mark.parametrize("secret", [True, False], ids=["secret", "plain"])
+def test_a_message_for_another_job_cannot_run_with_a_dispatchs_data(
+    fence_stack: Stack, secret: bool
+) -> None:
+    stack = fence_stack
+    t = tag()
+    idle = idle_queue()
+    link = f"https://example.test/once/{uuid.uuid4().hex}"
+    # Job A waits in a queue no worker reads.
+    if secret:
+        a_id = stack.questpie.queue.secret_link.publish(
+            {"tag": t, "link": link}, idempotency_key=f"a:{t}", secret_payload=True, queue=idle
+        )
+        note = digest(link)
+    else:
+        a_id = stack.questpie.queue.record.publish({"tag": t}, idempotency_key=f"a:{t}", queue=idle)
+        note = None
+    assert a_id is not None
+    before = stack.wait_status(a_id, "queued", timeout=10)
+    # A forged message: job B ("permissive", any payload validates) under A's dispatch id,
+    # carrying questpie's ledger header.
+    stack.celery_app.send_task(
+        "permissive",
+        args=[{}],
+        task_id=a_id,
+        headers={"questpie": {"v": 1, "ledgered": True, "attempt": 1, "run": {}}},
+    )
+    stack.wait_log(a_id, "skipped (unknown)")
+    assert runs_of(stack, a_id) == []  # B's handler never ran, with A's data or any other
+    row = stack.row(a_id)
+    assert (row.status, row.attempt, row.claim_token, row.started_at) == ("queued", 0, None, None)
+    assert row.secret_ciphertext == before.secret_ciphertext
+    assert row.payload == before.payload
+    if secret:
+        assert row.secret_ciphertext is not None and row.secret_wrapped_key is not None
+    # A's real message still runs A's handler, once.
+    deliver(stack, capture(stack, idle))
+    done = stack.wait_status(a_id, "completed")
+    assert done.attempt == 1
+    [run] = runs_of(stack, a_id)
+    assert (run["job_name"], run["attempt"], run["tag"]) == (
+        "secret.link" if secret else "record", 1, t,
+    )  # fmt: skip
+    assert run["note"] == note
+    # And B never recorded a run whose payload was A's.
+    a_payload = {"tag": t, "link": link} if secret else {"tag": t}
+    forged_note = digest(json.dumps(a_payload, sort_keys=True))
+    with stack.runs_engine.connect() as conn:
+        notes = conn.execute(
+            select(jobapp.runs_table.c.note).where(jobapp.runs_table.c.job_name == "permissive")
+        ).scalars()
+        assert forged_note not in set(notes)
+
+
+def test_a_duplicate_of_a_failed_dispatch_does_not_store_started(fence_stack: Stack) -> None:
+    stack = fence_stack
+    t = tag()
+    idle = idle_queue()
+    dispatch_id = stack.questpie.queue.record.publish(
+        {"tag": t, "permanent": True}, idempotency_key=f"failed-dup:{t}", queue=idle
+    )
+    assert dispatch_id is not None
+    message = capture(stack, idle)
+    deliver(stack, message)
+    row = stack.wait_status(dispatch_id, "failed")
+    assert row.last_error == "PermanentFailure"
+    wait_state(stack, dispatch_id, "FAILURE")
+    deliver(stack, message)  # the broker delivers it again
+    stack.wait_log(dispatch_id, "skipped (done)")
+    result = AsyncResult(dispatch_id, app=stack.celery_app)
+    assert result.state == "FAILURE"
+    assert type(result.result).__name__ == "PermanentFailure"
+    assert len(stack.runs(t)) == 1
+
+
+def test_system_exit_in_a_handler_is_a_recorded_attempt(fence_stack: Stack) -> None:
+    stack = fence_stack
+    t = tag()
+    # One retry: attempt 1 is recorded and retried, attempt 2 fails for good. The stack's
+    # lease is 60 s, longer than this test waits: a lapse cannot be what ends them.
+    dispatch_id = stack.questpie.queue.record.publish(
+        {"tag": t, "raise_base": "SystemExit"}, idempotency_key=f"exit:{t}", retry_limit=1
+    )
+    assert dispatch_id is not None
+    row = stack.wait_status(dispatch_id, "failed", timeout=40)
+    assert (row.attempt, row.last_error) == (2, "SystemExit")
+    assert row.lease_expires_at is None
+    assert [r["attempt"] for r in stack.runs(t)] == [1, 2]
+    # Without retries: failed after its one attempt.
+    t2 = tag()
+    last = stack.questpie.queue.record.publish(
+        {"tag": t2, "raise_base": "SystemExit"}, idempotency_key=f"exit0:{t2}", retry_limit=0
+    )
+    assert last is not None
+    row = stack.wait_status(last, "failed", timeout=40)
+    assert (row.attempt, row.last_error) == (1, "SystemExit")
+    assert [r["attempt"] for r in stack.runs(t2)] == [1]
+    assert_serves_work(stack)
+
+
+def test_cancelled_error_in_a_handler_is_a_recorded_failure(fence_stack: Stack) -> None:
+    stack = fence_stack
+    t = tag()
+    dispatch_id = stack.questpie.queue.record.publish(
+        {"tag": t, "raise_base": "CancelledError"}, idempotency_key=f"cancel:{t}", retry_limit=0
+    )
+    assert dispatch_id is not None
+    row = stack.wait_status(dispatch_id, "failed", timeout=40)
+    assert (row.attempt, row.last_error) == (1, "CancelledError")
+    assert [r["attempt"] for r in stack.runs(t)] == [1]
+    wait_state(stack, dispatch_id, "FAILURE")
+    assert type(AsyncResult(dispatch_id, app=stack.celery_app).result).__name__ == (
+        "HandlerAbortedError"
+    )
+    assert_serves_work(stack)
+
+
+def test_a_retry_keeps_the_deliverys_custom_headers(fence_stack: Stack) -> None:
+    stack = fence_stack
+    t = tag()
+    idle = idle_queue()
+    # Published to an idle queue: the retry of the delivery goes to that queue as well,
+    # where the test can read it.
+    dispatch_id = stack.questpie.queue.record.publish(
+        {"tag": t, "fail_times": 1}, idempotency_key=f"headers:{t}", queue=idle
+    )
+    assert dispatch_id is not None
+    first = capture(stack, idle)
+    assert "traceparent" not in first.headers
+    first.headers["traceparent"] = TRACEPARENT  # a tracing context, added on the way
+    deliver(stack, first)
+    stack.wait_status(dispatch_id, "retry")
+    retry = capture(stack, idle)
+    assert (retry.headers["id"], retry.headers["task"]) == (dispatch_id, "record")
+    assert retry.headers["questpie"]["attempt"] == 2
+    assert retry.headers.get("traceparent") == TRACEPARENT
+    deliver(stack, retry)
+    row = stack.wait_status(dispatch_id, "completed")
+    assert row.attempt == 2
+    assert [r["attempt"] for r in stack.runs(t)] == [1, 2]

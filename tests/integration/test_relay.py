@@ -1,0 +1,327 @@
+"""The relay's sends, on PostgreSQL and a real broker (Redis and RabbitMQ).
+
+Every stack here has no worker, so no relay runs but the passes a test makes
+itself (`questpie.run_relay(once=True)`), and every message the relay sends
+stays in the stack's queue where the test counts it. Tests put rows into the
+state they need (due now, out of sends, an expired lease) by writing the ledger
+table directly.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import update
+
+from questpie_celery import Questpie
+from questpie_celery.ledger import dispatch_table
+from questpie_celery.outbox import MAX_RELAY_SENDS, REFUSED_SEND_RETRY_SECONDS
+from tests.integration.conftest import StackFactory
+from tests.support import jobapp
+from tests.support.brokers import capture, queue_depth
+from tests.support.services import ROOT, free_port
+from tests.support.stack import Stack, tag
+
+BROKERS = ["redis", "rabbitmq"]
+SECRET = "r" * 40
+#: The bound on one relay pass with the broker down (5 due rows and two expired leases).
+PROMPT_PASS_SECONDS = 15.0
+
+
+def set_row(stack: Stack, dispatch_id: str, **values: object) -> None:
+    """Write ledger columns of one row directly: the state a test starts from."""
+    with stack.ledger.engine.begin() as conn:
+        found = conn.execute(
+            update(dispatch_table).where(dispatch_table.c.id == dispatch_id).values(**values)
+        ).rowcount
+    assert found == 1, f"no ledger row {dispatch_id}"
+
+
+def make_due(stack: Stack, dispatch_id: str, **values: object) -> None:
+    set_row(stack, dispatch_id, next_send_at=datetime.now(UTC) - timedelta(seconds=1), **values)
+
+
+def closed_broker(broker: str) -> str:
+    """A broker URL nothing listens on."""
+    port = free_port()
+    if broker == "redis":
+        return f"redis://127.0.0.1:{port}/0"
+    return f"amqp://guest:guest@127.0.0.1:{port}//"
+
+
+def offline_questpie(stack: Stack, broker: str) -> Questpie:
+    """A `Questpie` on the stack's ledger whose broker is down."""
+    _, questpie = jobapp.build(
+        broker=closed_broker(broker),
+        ledger=stack.env["QP_TEST_LEDGER"],
+        queue=stack.queue_name,
+        secret=stack.env.get("QP_TEST_SECRET"),
+    )
+    return questpie
+
+
+def published(stack: Stack, **options: Any) -> str:
+    """A keyed dispatch of `record`, its acceptance by the broker recorded (`queued`)."""
+    dispatch_id = stack.questpie.queue.record.publish(
+        {"tag": tag()}, idempotency_key=uuid.uuid4().hex, **options
+    )
+    assert dispatch_id is not None
+    stack.wait_status(dispatch_id, "queued", timeout=10)
+    return dispatch_id
+
+
+def relay_stack(make_stack: StackFactory, broker: str, **env: str) -> Stack:
+    """A stack with no worker: only the test's own relay passes send anything."""
+    return make_stack(broker, env=env, start_worker=False)
+
+
+@pytest.mark.parametrize("broker", BROKERS)
+def test_lost_message_is_sent_again_after_redeliver_after(
+    make_stack: StackFactory, broker: str
+) -> None:
+    # redeliver_after 2 s; on Redis, the visibility timeout must not hold it back.
+    stack = relay_stack(make_stack, broker, QP_TEST_REDELIVER="2", QP_TEST_VISIBILITY="1")
+    dispatch_id = published(stack)
+    row = stack.row(dispatch_id)
+    assert row.queued_at is not None and row.next_send_at is not None
+    assert row.next_send_at - row.queued_at == pytest.approx(
+        timedelta(seconds=2), abs=timedelta(seconds=0.5)
+    )
+    lost = capture(stack, stack.queue_name)  # the broker loses the message (purged, say)
+    assert lost.headers["id"] == dispatch_id
+    # Not yet: a worker may still be on its way to it.
+    assert stack.questpie.run_relay(once=True) == 0
+    assert queue_depth(stack, stack.queue_name) == 0
+    deadline = time.monotonic() + 15
+    while stack.questpie.run_relay(once=True) == 0:
+        assert time.monotonic() < deadline, "the relay never sent the lost message again"
+        time.sleep(0.1)
+    sent_at = datetime.now(UTC)
+    assert sent_at - row.queued_at >= timedelta(seconds=1.9)
+    again = capture(stack, stack.queue_name)
+    assert (again.headers["id"], again.headers["questpie"]["attempt"]) == (dispatch_id, 1)
+    row = stack.row(dispatch_id)
+    assert (row.status, row.send_count, row.attempt) == ("queued", 1, 0)
+    # Backed off: the next pass does not send it yet again.
+    assert stack.questpie.run_relay(once=True) == 0
+    assert queue_depth(stack, stack.queue_name) == 0
+
+
+@pytest.mark.parametrize("broker", BROKERS)
+def test_pending_row_of_a_publisher_whose_broker_was_down_is_sent(
+    make_stack: StackFactory, broker: str
+) -> None:
+    stack = relay_stack(make_stack, broker)
+    offline = offline_questpie(stack, broker)
+    try:
+        dispatch_id = offline.queue.record.publish({"tag": tag()}, idempotency_key=uuid.uuid4().hex)
+    finally:
+        offline.close()
+    assert dispatch_id is not None  # accepted into the ledger although the broker refused
+    row = stack.row(dispatch_id)
+    assert (row.status, row.attempt, row.send_count) == ("pending", 0, 0)
+    assert queue_depth(stack, stack.queue_name) == 0
+    make_due(stack, dispatch_id)
+    assert stack.questpie.run_relay(once=True) == 1
+    message = capture(stack, stack.queue_name)
+    assert (message.headers["id"], message.headers["task"]) == (dispatch_id, "record")
+    assert message.headers["questpie"]["attempt"] == 1
+    row = stack.wait_status(dispatch_id, "queued", timeout=10)
+    assert row.send_count == 1
+
+
+@pytest.mark.parametrize("broker", BROKERS)
+def test_far_off_start_after_waits_in_the_ledger(make_stack: StackFactory, broker: str) -> None:
+    stack = relay_stack(make_stack, broker)
+    start = (datetime.now(UTC) + timedelta(hours=2)).replace(microsecond=0)
+    dispatch_id = stack.questpie.queue.record.publish({"tag": tag()}, start_after=start)
+    assert dispatch_id is not None
+    row = stack.row(dispatch_id)  # ledgered although unkeyed: no broker ETA two hours out
+    assert (row.status, row.run_after) == ("pending", start)
+    assert row.next_send_at == start - timedelta(seconds=60)
+    assert stack.questpie.run_relay(once=True) == 0
+    assert queue_depth(stack, stack.queue_name) == 0
+    # Shortly before it is due, the relay hands it to the broker, with its ETA.
+    make_due(stack, dispatch_id, run_after=datetime.now(UTC) + timedelta(seconds=30))
+    assert stack.questpie.run_relay(once=True) == 1
+    message = capture(stack, stack.queue_name)
+    assert message.headers["id"] == dispatch_id
+    assert message.headers["eta"] is not None
+
+
+@pytest.mark.parametrize("broker", BROKERS)
+def test_after_the_last_send_the_dispatch_fails_and_a_secret_is_erased(
+    make_stack: StackFactory, broker: str
+) -> None:
+    stack = relay_stack(make_stack, broker, QP_TEST_SECRET=SECRET)
+    queue = stack.questpie.queue
+    plain = published(stack)
+    secret = queue.secret_link.publish(
+        {"tag": tag(), "link": "https://example.test/once"},
+        idempotency_key=uuid.uuid4().hex,
+        secret_payload=True,
+    )
+    assert secret is not None
+    stack.wait_status(secret, "queued", timeout=10)
+    assert stack.row(secret).secret_ciphertext is not None
+    for _ in range(2):
+        capture(stack, stack.queue_name)  # both messages lost
+    for dispatch_id in (plain, secret):
+        make_due(stack, dispatch_id, send_count=MAX_RELAY_SENDS)
+    assert stack.questpie.run_relay(once=True) == 2
+    for dispatch_id in (plain, secret):
+        row = stack.row(dispatch_id)
+        assert (row.status, row.last_error) == ("failed", "RelayGaveUp")
+        assert row.finished_at is not None
+        assert row.secret_ciphertext is None and row.secret_wrapped_key is None
+    assert queue_depth(stack, stack.queue_name) == 0  # given up: nothing sent
+    receipt = queue.get_receipt(secret)
+    assert receipt is not None and receipt.status == "failed"
+
+
+@pytest.mark.parametrize("broker", BROKERS)
+def test_two_relays_send_a_due_row_once(make_stack: StackFactory, broker: str) -> None:
+    stack = relay_stack(make_stack, broker)
+    dispatch_id = published(stack)
+    capture(stack, stack.queue_name)  # lost
+    make_due(stack, dispatch_id)
+    _, other = jobapp.build(
+        broker=stack.env["QP_TEST_BROKER"],
+        ledger=stack.env["QP_TEST_LEDGER"],
+        queue=stack.queue_name,
+    )
+    barrier = threading.Barrier(2)
+    moved: list[int] = []
+    lock = threading.Lock()
+
+    def one_pass(questpie: Questpie) -> None:
+        barrier.wait()
+        result = questpie.run_relay(once=True)
+        with lock:
+            moved.append(result)
+
+    try:
+        threads = [threading.Thread(target=one_pass, args=(q,)) for q in (stack.questpie, other)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+    finally:
+        other.close()
+    assert sorted(moved) == [0, 1]
+    assert queue_depth(stack, stack.queue_name) == 1
+    assert stack.row(dispatch_id).send_count == 1
+
+
+@pytest.mark.parametrize("broker", BROKERS)
+def test_relay_command_makes_one_pass(make_stack: StackFactory, broker: str) -> None:
+    stack = relay_stack(make_stack, broker)
+    dispatch_id = published(stack)
+    capture(stack, stack.queue_name)  # lost
+    make_due(stack, dispatch_id)
+    command = Path(sys.executable).parent / "questpie-celery"
+    result = subprocess.run(
+        [str(command), "relay", "--once", "-A", "tests.support.jobapp:questpie"],
+        cwd=ROOT,
+        env={**os.environ, **stack.env, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "moved 1 dispatch(es)" in result.stdout
+    message = capture(stack, stack.queue_name)
+    assert message.headers["id"] == dispatch_id
+    assert stack.row(dispatch_id).send_count == 1
+
+
+@pytest.mark.parametrize("broker", BROKERS)
+def test_a_pass_with_the_broker_down_is_prompt_and_still_ends_lapsed_leases(
+    make_stack: StackFactory, broker: str
+) -> None:
+    stack = relay_stack(make_stack, broker)
+    idle = f"idle-{uuid.uuid4().hex[:8]}"
+    due = [published(stack, queue=idle) for _ in range(5)]
+    lapsed_retry = published(stack, queue=idle, retry_limit=2)
+    lapsed_last = published(stack, queue=idle, retry_limit=0)
+    now = datetime.now(UTC)
+    for dispatch_id in (lapsed_retry, lapsed_last):
+        # A worker claimed it and died: its lease ran out five seconds ago.
+        set_row(
+            stack,
+            dispatch_id,
+            status="active",
+            attempt=1,
+            claim_token=str(uuid.uuid4()),
+            started_at=now - timedelta(seconds=65),
+            lease_expires_at=now - timedelta(seconds=5),
+        )
+    for dispatch_id in due:
+        make_due(stack, dispatch_id)
+    offline = offline_questpie(stack, broker)
+    try:
+        started = time.monotonic()
+        moved = offline.run_relay(once=True)
+        took = time.monotonic() - started
+    finally:
+        offline.close()
+    assert took < PROMPT_PASS_SECONDS, f"a relay pass with the broker down took {took:.1f}s"
+    assert moved == 2  # the two lapsed leases; no send got through
+    retry = stack.row(lapsed_retry)
+    assert (retry.status, retry.attempt, retry.last_error) == ("retry", 1, "LeaseExpired")
+    assert retry.claim_token is None and retry.lease_expires_at is None
+    last = stack.row(lapsed_last)
+    assert (last.status, last.attempt, last.last_error) == ("failed", 1, "LeaseExpired")
+    # After the first refused send, the pass sent nothing more; every due row waits on.
+    rows = [stack.row(i) for i in due]
+    assert all(r.status == "queued" for r in rows)
+    assert sum(r.send_count for r in rows) <= 1
+    assert queue_depth(stack, stack.queue_name) == 0
+
+
+@pytest.mark.parametrize("broker", BROKERS)
+def test_a_refused_send_leaves_the_row_due_for_the_relay_soon(
+    make_stack: StackFactory, broker: str
+) -> None:
+    """Outbox: "After a send the broker refused, the row is made due for the relay soon"
+    (REFUSED_SEND_RETRY_SECONDS), not at the far-off time it was given in the hope that
+    the send would succeed (the publisher's grace, or a retry's redeliver_after)."""
+    stack = relay_stack(make_stack, broker)
+    soon = timedelta(seconds=REFUSED_SEND_RETRY_SECONDS + 2)
+    offline = offline_questpie(stack, broker)
+    try:
+        # A publisher's first send, refused.
+        first = offline.queue.record.publish({"tag": tag()}, idempotency_key=uuid.uuid4().hex)
+        assert first is not None
+        row = stack.row(first)
+        assert row.status == "pending" and row.next_send_at is not None
+        assert row.next_send_at - datetime.now(UTC) <= soon, "the relay waits too long"
+        # A retry the relay sends after ending a lapsed lease, refused.
+        lapsed = published(stack, queue=f"idle-{uuid.uuid4().hex[:8]}", retry_limit=2)
+        now = datetime.now(UTC)
+        set_row(
+            stack,
+            lapsed,
+            status="active",
+            attempt=1,
+            claim_token=str(uuid.uuid4()),
+            started_at=now - timedelta(seconds=65),
+            lease_expires_at=now - timedelta(seconds=5),
+        )
+        assert offline.run_relay(once=True) == 1
+    finally:
+        offline.close()
+    row = stack.row(lapsed)
+    assert row.status == "retry" and row.next_send_at is not None
+    # Not the redeliver_after (an hour here) the row was given for a send that succeeded.
+    assert row.next_send_at - datetime.now(UTC) <= soon, "the retry waits too long"
