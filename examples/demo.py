@@ -60,9 +60,11 @@ def stored_secret(dispatch_id: str) -> dict[str, Any]:
     """What the ledger table itself holds for a secret dispatch, read with plain SQL."""
     engine = create_engine(f"sqlite:///{DEMO_DIR / 'ledger.sqlite3'}")
     with engine.connect() as conn:
-        row = conn.execute(
-            select(dispatch_table).where(dispatch_table.c.id == dispatch_id)
-        ).mappings().one()
+        row = (
+            conn.execute(select(dispatch_table).where(dispatch_table.c.id == dispatch_id))
+            .mappings()
+            .one()
+        )
     engine.dispose()
     return dict(row)
 
