@@ -129,16 +129,13 @@ def visibility_timeout(app: Celery) -> float:
     return float(options.get("visibility_timeout", DEFAULT_VISIBILITY_TIMEOUT))
 
 
-#: Celery options a delivery carries that a later send of the same dispatch keeps: the
-#: message's custom headers (tracing context, say) and its Canvas links.
-CARRIED_OPTIONS = (
-    "headers", "link", "link_error", "chain", "chord", "group_id", "group_index",
-    "root_id", "parent_id",
-)  # fmt: skip
+#: Celery options that route a message; when a delivery's are carried, they win.
+ROUTING_OPTIONS = ("queue", "exchange", "routing_key")
 
 
 def carry_from_request(request: Any) -> dict[str, Any]:
-    """The Celery options of the delivery being run that a later send should keep."""
+    """The Celery options of the delivery being run that a later send should keep: its
+    custom headers (tracing context, say), Canvas links and ids, and its route."""
     custom = {k: v for k, v in (getattr(request, "headers", None) or {}).items() if k != HEADER}
     found = {
         "headers": custom,
@@ -150,6 +147,7 @@ def carry_from_request(request: Any) -> dict[str, Any]:
         "group_index": getattr(request, "group_index", None),
         "root_id": getattr(request, "root_id", None),
         "parent_id": getattr(request, "parent_id", None),
+        **_route_of(getattr(request, "delivery_info", None) or {}),
     }
     carry: dict[str, Any] = {}
     for name, value in found.items():
@@ -162,6 +160,28 @@ def carry_from_request(request: Any) -> dict[str, Any]:
             continue
         carry[name] = value
     return carry
+
+
+def carry_for_retry(stored: Mapping[str, Any], request: Any) -> dict[str, Any]:
+    """What a retry of the delivery being run carries: the delivery's headers and Canvas
+    options (the newest), and the route the dispatch was stored with (a publish's `queue`
+    stays authoritative; a delivery taken into the ledger stored its own route)."""
+    current = carry_from_request(request)
+    routing = {k: v for k, v in stored.items() if k in ROUTING_OPTIONS}
+    return {**{k: v for k, v in current.items() if k not in ROUTING_OPTIONS}, **routing}
+
+
+def _route_of(delivery: Mapping[str, Any]) -> dict[str, Any]:
+    """Where a delivery came from, as send options (what Celery's own retry does): a
+    message to the default exchange names its queue; any other, its exchange and key."""
+    exchange, routing_key = delivery.get("exchange"), delivery.get("routing_key")
+    if not routing_key:
+        return {}
+    if exchange == "":
+        return {"queue": routing_key}
+    if exchange:
+        return {"exchange": exchange, "routing_key": routing_key}
+    return {}
 
 
 class Sender:
@@ -215,7 +235,7 @@ class Sender:
         mapped = broker_priority(broker_kind(self.app), priority)
         if mapped is not None:
             options["priority"] = mapped
-        if queue is not None:
+        if queue is not None and not any(name in carried for name in ROUTING_OPTIONS):
             options["queue"] = queue
         if countdown is not None and countdown > 0:
             options["countdown"] = countdown

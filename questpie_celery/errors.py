@@ -55,6 +55,10 @@ class LedgerUnavailableError(LedgerError):
     """The dispatch ledger database cannot be reached."""
 
 
+class LedgerBusyError(LedgerError):
+    """A ledger row is held by another open transaction; try again once it ends."""
+
+
 class LedgerSchemaError(LedgerError):
     """The dispatch ledger tables are missing or out of date; run `questpie-celery migrate`."""
 

@@ -19,17 +19,20 @@ from __future__ import annotations
 import logging
 import os
 import time
+import uuid
 from collections.abc import Callable
-from typing import Any, NoReturn
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from celery import Task
 from celery.exceptions import Ignore, Retry
 from celery.states import STARTED
 
-from .broker import carry_from_request
+from .broker import MessageHeader, carry_for_retry, carry_from_request
 from .crypto import Keyring, Sealed
 from .errors import (
     HandlerAbortedError,
+    LedgerBusyError,
     LedgerUnavailableError,
     PayloadValidationError,
     PermanentFailure,
@@ -38,7 +41,7 @@ from .errors import (
 )
 from .jobs import JobContext, JobDefinition, call_handler
 from .leases import LeaseKeeper
-from .ledger import Claim, DispatchRow, Ledger, NewDispatch
+from .ledger import DispatchRow, Ledger, NewDispatch
 from .options import StoredOptions, resolve_options
 from .outcomes import Outcomes
 from .policies import QueuePolicy
@@ -47,10 +50,26 @@ from .slots import Slots
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 #: How long a delivery waits for an unreachable ledger before going back to the broker.
 CLAIM_PATIENCE_SECONDS = 30.0
 #: The countdown of a delivery sent back to the broker while the ledger is unreachable.
 REQUEUE_DELAY_SECONDS = 5.0
+#: The longest pause between two tries while the ledger (or the broker) is unreachable.
+MAX_PAUSE_SECONDS = 5.0
+
+
+@dataclass
+class _Ending:
+    """How the handler call ended, with nothing in it that could hold a secret's
+    plaintext: a secret dispatch's exception is not kept at all."""
+
+    result: Any = None
+    error: str | None = None  # the exception's class name
+    for_good: bool = False
+    exit: type[BaseException] | None = None  # SystemExit or KeyboardInterrupt
+    visible: Exception | None = None  # what Celery may see of it
 
 
 class Fence:
@@ -72,20 +91,25 @@ class Fence:
         self._redeliver_after = redeliver_after
 
     def adopt_and_run(
-        self, task: Task, definition: JobDefinition[Any], policy: QueuePolicy, payload: Any
+        self,
+        task: Task,
+        definition: JobDefinition[Any],
+        policy: QueuePolicy,
+        header: MessageHeader | None,
+        payload: Any,
     ) -> Any:
         """Take an unledgered delivery of a policy-limited job into the ledger, then run it."""
         body = definition.to_json(payload)  # a malformed payload fails the message
         options = resolve_options(definition.options, {})
-        delivery = task.request.delivery_info or {}
         new = NewDispatch(
             id=task.request.id,
             job_name=definition.name,
             payload=body,
             options=StoredOptions(
-                run=options.run,
+                run=header.run if header is not None else options.run,
                 priority=options.priority,
-                queue=delivery.get("routing_key") or options.queue,
+                queue=options.queue,
+                # Its route, headers and Canvas links, so a later send keeps them.
                 carry=carry_from_request(task.request),
             ),
             singleton_key=options.singleton_key,
@@ -118,17 +142,19 @@ class Fence:
     def run(self, task: Task, definition: JobDefinition[Any], *, attempt: int, payload: Any) -> Any:
         """Claim delivery `attempt`, run the handler under a renewed lease, record the end."""
         dispatch_id: str = task.request.id
-        claim: Claim = self._patiently(
+        # One token for every try of this delivery: a try whose reply was lost is ours.
+        token = str(uuid.uuid4())
+        claim = self._patiently(
             task,
             lambda: self._ledger.claim(
-                dispatch_id, definition.name, attempt, self._leases.lease_seconds
+                dispatch_id, definition.name, attempt, self._leases.lease_seconds, token
             ),
         )
         if claim.outcome == "blocked":
             # Another run holds the slot: set this one aside, acknowledged and uncounted.
-            self._slots.park(dispatch_id, definition.name, attempt)
+            self._patiently(task, lambda: self._slots.park(dispatch_id, definition.name, attempt))
             raise Ignore()
-        if claim.outcome != "claimed" or claim.row is None or claim.token is None:
+        if claim.outcome != "claimed" or claim.row is None:
             log.info(
                 "dispatch %s of job %s: delivery for attempt %d skipped (%s)",
                 dispatch_id,
@@ -138,91 +164,99 @@ class Fence:
                 extra={"dispatch_id": dispatch_id, "job_name": definition.name},
             )
             raise Ignore()
-        row, token = claim.row, claim.token
+        row = claim.row
         mark_started(task)
-        run = row.options.run
-        # Exceptions are handled after their `except` block has closed, so that what we
-        # raise for a secret dispatch carries no __context__ that could hold plaintext.
-        failure: BaseException | None = None
-        for_good = False
-        result: Any = None
-        with self._leases.hold(dispatch_id, token, run.expire_in_seconds) as lease:
-            try:
-                model = self._payload_of(definition, row, payload)
-                ctx = JobContext(
-                    dispatch_id=dispatch_id,
-                    job_name=definition.name,
-                    idempotency_key=row.idempotency_key,
-                    attempt=row.attempt,
-                    retry_limit=run.retry_limit,
-                    singleton_key=row.singleton_key,
-                )
-                result = call_handler(definition, model, ctx)
-            except (PayloadValidationError, SecretDecryptionError, PermanentFailure) as exc:
-                failure = exc
-                # A bad payload or ciphertext is not mended by retrying; a worker missing
-                # the right secret might be, by a better-configured one.
-                for_good = not getattr(exc, "retryable", False)
-            except BaseException as exc:  # every end is recorded, see below
-                failure = exc
-        until = lease.expires
-        if failure is None:
-            if not self._outcomes.completed(row, token, until=until):
+        with self._leases.hold(dispatch_id, token, row.options.run.expire_in_seconds):
+            ending = self._call(definition, row, payload)
+        if ending.error is None:
+            if not self._outcomes.completed(row, token):
                 raise Ignore()
-            # A secret dispatch's return value is never stored: it may echo the payload.
-            return None if row.secret else result
-        ending = self._outcomes.attempt_failed(
+            return ending.result
+        result = self._outcomes.attempt_failed(
             row,
             token,
-            type(failure).__name__,
-            for_good=for_good,
-            carry=carry_from_request(task.request),
-            until=until,
+            ending.error,
+            for_good=ending.for_good,
+            carry=carry_for_retry(row.options.carry, task.request),
         )
-        if isinstance(failure, KeyboardInterrupt | SystemExit):
-            # Recorded; now let the process stop as it was asked to.
-            raise (type(failure)() if row.secret else failure) from None
-        seen = _as_celery_sees_it(row, failure)
-        if ending == "failed":
-            raise seen
-        if ending == "retrying":
-            delay = run.delay_before_retry(row.attempt)
-            raise Retry(exc=seen, when=delay) from None
+        if ending.exit is not None:
+            raise ending.exit()  # recorded; now let the process stop as it was asked to
+        if result == "failed":
+            raise ending.visible or HandlerAbortedError()
+        if result == "retrying":
+            raise Retry(exc=ending.visible, when=row.options.run.delay_before_retry(row.attempt))
         raise Ignore()
 
-    def _patiently(self, task: Task, step: Any) -> Any:
-        """Run a fence step, waiting out a short ledger outage; past the patience, send
-        the delivery back to the broker rather than acknowledge it and lose the run."""
+    def _call(self, definition: JobDefinition[Any], row: DispatchRow, payload: Any) -> _Ending:
+        """Run the handler. The payload, the context and the handler's exception live only
+        in this frame, which is gone once it returns: what the caller raises for a secret
+        dispatch carries none of them, in its message, its cause or its traceback's frames."""
+        try:
+            model = self._payload_of(definition, row, payload)
+            ctx = JobContext(
+                dispatch_id=row.id,
+                job_name=definition.name,
+                idempotency_key=row.idempotency_key,
+                attempt=row.attempt,
+                retry_limit=row.options.run.retry_limit,
+                singleton_key=row.singleton_key,
+            )
+            result = call_handler(definition, model, ctx)
+        except (PayloadValidationError, SecretDecryptionError, PermanentFailure) as exc:
+            # A bad payload or ciphertext is not mended by retrying; a worker missing the
+            # right secret might be, by a better-configured one.
+            return _ending_of(row, exc, for_good=not getattr(exc, "retryable", False))
+        except BaseException as exc:  # every end is recorded; see Fence.run
+            return _ending_of(row, exc, for_good=False)
+        # A secret dispatch's return value is never stored: it may echo the payload.
+        return _Ending(result=None if row.secret else result)
+
+    def _patiently(self, task: Task, step: Callable[[], T]) -> T:
+        """Run a fence step, waiting out a ledger outage or a held row. Past the patience,
+        the delivery goes back to the broker rather than being acknowledged and lost; if
+        the broker refuses that too, keep trying both."""
         deadline = time.monotonic() + CLAIM_PATIENCE_SECONDS
         pause = 0.2
         while True:
             try:
                 return step()
-            except LedgerUnavailableError as exc:
+            except (LedgerUnavailableError, LedgerBusyError) as exc:
                 if task.request.is_eager:
                     raise  # publish() is waiting on this run inline: tell it
-                if time.monotonic() + pause >= deadline:
-                    self._requeue(task, exc)
+                if time.monotonic() >= deadline and self._requeue(task, exc):
+                    raise Ignore() from None
                 log.warning(
-                    "dispatch %s: the ledger is unreachable (%s); waiting to claim it",
+                    "dispatch %s: the ledger is unreachable or busy (%s); waiting to claim it",
                     task.request.id,
                     exc,
                     extra={"dispatch_id": task.request.id},
                 )
-                time.sleep(pause)
-                pause = min(pause * 2, 5.0)
+            time.sleep(pause)
+            pause = min(pause * 2, MAX_PAUSE_SECONDS)
 
-    def _requeue(self, task: Task, exc: Exception) -> NoReturn:
+    def _requeue(self, task: Task, exc: Exception) -> bool:
+        """Send the same message again (id, headers, payload, route); its next delivery
+        claims. False when the broker refused it too."""
+        try:
+            task.signature_from_request(task.request).apply_async(countdown=REQUEUE_DELAY_SECONDS)
+        except Exception as send_error:
+            log.warning(
+                "dispatch %s: the ledger is unreachable (%s) and the broker refused the "
+                "delivery back (%s); trying both again",
+                task.request.id,
+                exc,
+                type(send_error).__name__,
+                extra={"dispatch_id": task.request.id},
+            )
+            return False
         log.warning(
-            "dispatch %s: the ledger stayed unreachable (%s); the delivery goes back to the "
+            "dispatch %s: the ledger stayed unreachable (%s); the delivery went back to the "
             "broker and runs when the ledger is back",
             task.request.id,
             exc,
             extra={"dispatch_id": task.request.id},
         )
-        # The same message again (id, headers, payload, route): its next delivery claims.
-        task.signature_from_request(task.request).apply_async(countdown=REQUEUE_DELAY_SECONDS)
-        raise Ignore()
+        return True
 
     def _payload_of(
         self, definition: JobDefinition[Any], row: DispatchRow, message_payload: Any
@@ -242,30 +276,42 @@ class Fence:
         return definition.validate(plaintext)
 
 
+def _ending_of(row: DispatchRow, exc: BaseException, *, for_good: bool) -> _Ending:
+    """What survives of a handler's exception once its frame is gone.
+
+    For a secret dispatch, only the class name: Celery sees a `SecretJobError` created
+    fresh here, with no __cause__, no __context__ and no frame that held plaintext.
+    """
+    exit_kind = type(exc) if isinstance(exc, KeyboardInterrupt | SystemExit) else None
+    visible: Exception
+    if row.secret:
+        visible = SecretJobError(type(exc).__name__)
+        visible.__suppress_context__ = True
+    elif isinstance(exc, Exception):
+        visible = exc
+    else:
+        visible = HandlerAbortedError(f"the handler raised {type(exc).__name__}")
+    return _Ending(error=type(exc).__name__, for_good=for_good, exit=exit_kind, visible=visible)
+
+
 def mark_started(task: Task) -> None:
     """Celery's STARTED state, stored only once the fence let the run through.
 
     Questpie's tasks turn Celery's own `track_started` off: Celery would store STARTED
-    before the fence, over the stored result of a finished dispatch.
+    before the fence, over the stored result of a finished dispatch. A result backend
+    that fails here does not stop the run (the state is informational).
     """
     request = task.request
     if not task.app.conf.task_track_started or request.is_eager or task.ignore_result:
         return
-    task.backend.store_result(
-        request.id, {"pid": os.getpid(), "hostname": request.hostname}, STARTED, request=request
-    )
-
-
-def _as_celery_sees_it(row: DispatchRow, exc: BaseException) -> Exception:
-    """The exception Celery may log, send in events and store as the result.
-
-    For a secret dispatch, only the class name: created fresh outside any `except`
-    block, it has no __cause__ and no __context__ that could hold plaintext.
-    """
-    if row.secret:
-        error: Exception = SecretJobError(type(exc).__name__)
-        error.__suppress_context__ = True
-        return error
-    if isinstance(exc, Exception):
-        return exc
-    return HandlerAbortedError(f"the handler raised {type(exc).__name__}")
+    try:
+        task.backend.store_result(
+            request.id, {"pid": os.getpid(), "hostname": request.hostname}, STARTED, request=request
+        )
+    except Exception as exc:
+        log.warning(
+            "dispatch %s: could not store its STARTED state (%s)",
+            request.id,
+            type(exc).__name__,
+            extra={"dispatch_id": request.id},
+        )

@@ -21,6 +21,9 @@ from .ledger import Ledger
 
 log = logging.getLogger(__name__)
 
+#: How soon a renewal that failed is tried again.
+RENEW_RETRY_SECONDS = 1.0
+
 
 @dataclass
 class Lease:
@@ -29,7 +32,6 @@ class Lease:
     dispatch_id: str
     token: str
     deadline: float  # monotonic time after which the claim is no longer renewed
-    expires: float  # monotonic estimate of when the database's lease runs out
     lost: bool = False
 
 
@@ -53,8 +55,7 @@ class LeaseKeeper:
     @contextmanager
     def hold(self, dispatch_id: str, token: str, max_age_seconds: float) -> Iterator[Lease]:
         """Renew the claim (taken just now) while the block runs."""
-        now = time.monotonic()
-        lease = Lease(dispatch_id, token, now + max_age_seconds, now + self.lease_seconds)
+        lease = Lease(dispatch_id, token, time.monotonic() + max_age_seconds)
         with self._lock:
             self._ensure_thread()
             self._held[token] = lease
@@ -72,21 +73,28 @@ class LeaseKeeper:
 
     def _loop(self) -> None:
         interval = max(self.lease_seconds / 3, 0.05)
+        # After a failed renewal, try again soon: once the ledger is back, the claim must
+        # be renewed before the relay's grace for a lapsed lease runs out.
+        retry = min(interval, RENEW_RETRY_SECONDS)
+        failed = False
         while True:
-            time.sleep(interval)
+            time.sleep(retry if failed else interval)
             with self._lock:
                 due = list(self._held.values())
+            failed = False
             for lease in due:
                 try:
-                    self._renew(lease)
+                    failed = not self._renew(lease) or failed
                 except Exception:
                     # Whatever went wrong, the other claims still need renewing.
                     log.exception("renewing the claim of dispatch %s failed", lease.dispatch_id)
+                    failed = True
 
-    def _renew(self, lease: Lease) -> None:
+    def _renew(self, lease: Lease) -> bool:
+        """Renew one claim; False when the ledger could not be reached."""
         started = time.monotonic()
         if started >= lease.deadline:
-            return  # past expire_in_seconds: let the lease lapse
+            return True  # past expire_in_seconds: let the lease lapse
         try:
             renewed = self._ledger.renew(lease.dispatch_id, lease.token, self.lease_seconds)
         except Exception as exc:
@@ -98,10 +106,9 @@ class LeaseKeeper:
                 type(exc).__name__,
                 extra={"dispatch_id": lease.dispatch_id},
             )
-            return
+            return False
         if renewed:
-            lease.expires = started + self.lease_seconds
-            return
+            return True
         log.warning(
             "lost the execution claim of dispatch %s while it ran",
             lease.dispatch_id,
@@ -110,3 +117,4 @@ class LeaseKeeper:
         lease.lost = True
         with self._lock:
             self._held.pop(lease.token, None)
+        return True

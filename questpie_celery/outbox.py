@@ -134,13 +134,13 @@ class Outbox:
         attempt: int,
         countdown: float | None = None,
         carry: Mapping[str, Any] | None = None,
-        by_relay: bool = False,
+        refused_retry_in: float = REFUSED_SEND_RETRY_SECONDS,
     ) -> bool:
         """Send the message for `attempt` of a ledgered dispatch; False if refused.
 
-        A refused send leaves the row due for the relay shortly (a relay's own send has
-        already set its backed-off next time). `carry` overrides the Celery options
-        stored with the row (the delivery being retried has the newest).
+        A refused send leaves the row due for the relay in `refused_retry_in` seconds.
+        `carry` overrides the Celery options stored with the row (the delivery being
+        retried has the newest).
         """
         options = row.options
         run_after = row.run_after
@@ -169,16 +169,15 @@ class Outbox:
                 type(exc.__cause__).__name__,
                 extra={"dispatch_id": row.id, "job_name": row.job_name},
             )
-            if not by_relay:
-                self._due_soon(row.id, attempt)
+            self._due_soon(row.id, attempt, refused_retry_in)
             return False
         if attempt == 1:
             self._acceptance.record(row.id)
         return True
 
-    def _due_soon(self, dispatch_id: str, attempt: int) -> None:
+    def _due_soon(self, dispatch_id: str, attempt: int, send_in: float) -> None:
         try:
-            self._ledger.send_soon(dispatch_id, attempt - 1, REFUSED_SEND_RETRY_SECONDS)
+            self._ledger.send_soon(dispatch_id, attempt - 1, send_in)
         except QuestpieError as exc:
             log.warning(
                 "dispatch %s: could not mark it due for the relay (%s); the relay sends it "
@@ -200,9 +199,18 @@ class Outbox:
                 type(exc).__name__,
             )
             return
+        first_error: BaseException | None = None
         for row in rows:
-            if row.status == "pending":
+            if row.status != "pending":
+                continue
+            try:
                 self.send(row, attempt=1)
+            except Exception as exc:
+                # Only eager mode raises here (a handler's error, with task_eager_propagates):
+                # run the commit's other dispatches before passing it on.
+                first_error = first_error or exc
+        if first_error is not None:
+            raise first_error
 
     def resend(self, row: DispatchRow) -> SendResult:
         """The relay's send of a due row: counted, backed off, and only by one relay."""
@@ -217,5 +225,8 @@ class Outbox:
             taken.send_count,
             extra={"dispatch_id": row.id, "job_name": row.job_name},
         )
-        sent = self.send(taken, attempt=taken.attempt + 1, by_relay=True)
+        # Refused, it backs off as a pending row does, not by redeliver_after: the broker
+        # never took this send, so nothing of it can be waiting there.
+        backoff = min(2.0**taken.send_count, MAX_RELAY_BACKOFF_SECONDS)
+        sent = self.send(taken, attempt=taken.attempt + 1, refused_retry_in=backoff)
         return "sent" if sent else "refused"

@@ -6,9 +6,12 @@ the key erasure that is part of every terminal write, handing a freed slot on,
 and for a retry whether its message is sent now (with a countdown) or left in
 the ledger for the relay (a delay beyond the ETA horizon).
 
-A holder whose write meets an unreachable ledger tries again until `until` (the
-end of its lease): a database restart under a running handler then costs no
-second run.
+A claim holder whose write meets an unreachable ledger (or a row held by another
+transaction) keeps trying for `OUTCOME_PATIENCE_SECONDS`: the write is
+conditional on its fencing token, so trying long is safe, and a database restart
+under a running handler then costs no second run. (The relay gives a lapsed
+lease a grace period after an outage for the same reason; see relay.py.)
+Handing a slot on is best effort: if it fails, the relay hands the slot on.
 """
 
 from __future__ import annotations
@@ -18,13 +21,15 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
-from .errors import LedgerUnavailableError
+from .errors import LedgerBusyError, LedgerUnavailableError, QuestpieError
 from .ledger import DispatchRow, Ledger
 from .outbox import Outbox
 from .slots import Slots
 
 log = logging.getLogger(__name__)
 
+#: How long a claim holder keeps trying to record its outcome while the ledger is down.
+OUTCOME_PATIENCE_SECONDS = 300.0
 #: Longest pause between two tries of a write while the ledger is unreachable.
 MAX_WRITE_PAUSE_SECONDS = 2.0
 
@@ -39,14 +44,12 @@ class Outcomes:
 
     # --- the claim holder (a worker) ------------------------------------------------------
 
-    def completed(self, row: DispatchRow, token: str, *, until: float | None = None) -> bool:
+    def completed(self, row: DispatchRow, token: str) -> bool:
         """Record completion (erasing a secret's key); False if the claim was lost."""
-        if not self._patiently(
-            lambda: self._ledger.finish(row.id, token, "completed", None), row, until
-        ):
+        if not self._patiently(lambda: self._ledger.finish(row.id, token, "completed", None), row):
             _lost(row, "finished")
             return False
-        self._slots.hand_on(row)
+        self._hand_on(row)
         return True
 
     def attempt_failed(
@@ -57,18 +60,17 @@ class Outcomes:
         *,
         for_good: bool,
         carry: Mapping[str, Any] | None = None,
-        until: float | None = None,
     ) -> Ending:
         """Record a failed attempt: a retry while the dispatch has retries left and the
         failure may mend, else `failed` for good (erasing a secret's key)."""
         run = row.options.run
         if for_good or row.attempt > run.retry_limit:
             if not self._patiently(
-                lambda: self._ledger.finish(row.id, token, "failed", error), row, until
+                lambda: self._ledger.finish(row.id, token, "failed", error), row
             ):
                 _lost(row, "failed")
                 return "lost"
-            self._slots.hand_on(row)
+            self._hand_on(row)
             return "failed"
         plan = self._outbox.plan_retry(run.delay_before_retry(row.attempt))
         if not self._patiently(
@@ -76,7 +78,6 @@ class Outcomes:
                 row.id, token, retry_in=plan.retry_in, relay_in=plan.relay_in, error=error
             ),
             row,
-            until,
         ):
             _lost(row, "failed")
             return "lost"
@@ -93,24 +94,34 @@ class Outcomes:
             )
         return "retrying"
 
-    def _patiently(self, write: Callable[[], bool], row: DispatchRow, until: float | None) -> bool:
+    def _patiently(self, write: Callable[[], bool], row: DispatchRow) -> bool:
+        until = time.monotonic() + OUTCOME_PATIENCE_SECONDS
         pause = 0.1
         while True:
             try:
                 return write()
-            except LedgerUnavailableError as exc:
-                if until is None or time.monotonic() + pause >= until:
+            except (LedgerUnavailableError, LedgerBusyError) as exc:
+                if time.monotonic() + pause >= until:
                     raise
                 log.warning(
-                    "dispatch %s: the ledger is unreachable while recording its outcome "
-                    "(%s); trying again for up to %.0fs",
+                    "dispatch %s: could not record its outcome yet (%s); trying again",
                     row.id,
                     exc,
-                    until - time.monotonic(),
                     extra={"dispatch_id": row.id, "job_name": row.job_name},
                 )
                 time.sleep(pause)
                 pause = min(pause * 2, MAX_WRITE_PAUSE_SECONDS)
+
+    def _hand_on(self, row: DispatchRow) -> None:
+        try:
+            self._slots.hand_on(row)
+        except QuestpieError as exc:
+            log.warning(
+                "dispatch %s: could not hand its slot on (%s); the relay will",
+                row.id,
+                exc,
+                extra={"dispatch_id": row.id, "job_name": row.job_name},
+            )
 
     # --- the relay ------------------------------------------------------------------------
 
@@ -140,7 +151,7 @@ class Outcomes:
             row.job_name,
             extra={"dispatch_id": row.id, "job_name": row.job_name},
         )
-        self._slots.hand_on(row)
+        self._hand_on(row)
         return True
 
     def gave_up(self, row: DispatchRow) -> bool:
@@ -154,7 +165,7 @@ class Outcomes:
             row.send_count,
             extra={"dispatch_id": row.id, "job_name": row.job_name},
         )
-        self._slots.hand_on(row)
+        self._hand_on(row)
         return True
 
 

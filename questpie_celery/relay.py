@@ -18,12 +18,20 @@ Each pass, in this order:
 
 After the broker refuses one send, the pass sends nothing more: with the broker
 down each send would only wait out its connection timeout.
+
+A lease that lapsed during a ledger outage may belong to a worker that is alive
+and was only cut off by the same outage. So after a pass that could not reach
+the ledger, a running relay waits until it has reached the ledger again for
+`LAPSE_GRACE_SECONDS` before it ends lapsed leases: long enough for such a
+holder to renew its claim or record its outcome (both retry every second or
+two), which saves the second run a premature lapse would cost.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from .errors import QuestpieError
 from .ledger import Ledger
@@ -34,6 +42,9 @@ from .slots import Slots
 log = logging.getLogger(__name__)
 
 DEFAULT_RELAY_INTERVAL_SECONDS = 2.0
+#: How long a relay must have reached the ledger (after an outage, or since it started)
+#: before it ends lapsed leases.
+LAPSE_GRACE_SECONDS = 10.0
 
 
 class Relay:
@@ -51,9 +62,11 @@ class Relay:
         self._slots = slots
         self.interval = interval
 
-    def run_once(self) -> int:
+    def run_once(self, *, end_lapsed_leases: bool = True) -> int:
         """One pass; returns how many dispatches it moved on."""
-        moved = sum(self._outcomes.lapsed(row) for row in self._ledger.expired_claims())
+        moved = 0
+        if end_lapsed_leases:
+            moved += sum(self._outcomes.lapsed(row) for row in self._ledger.expired_claims())
         broker_up = True
         for row in self._ledger.due_for_send():
             if self._outbox.out_of_sends(row):
@@ -69,13 +82,21 @@ class Relay:
 
     def run_forever(self, stop: threading.Event) -> None:
         failing = False
+        reachable_since: float | None = None  # since when every pass reached the ledger
         while not stop.is_set():
+            started = time.monotonic()
             try:
-                self.run_once()
+                settled = (
+                    reachable_since is not None and started - reachable_since >= LAPSE_GRACE_SECONDS
+                )
+                self.run_once(end_lapsed_leases=settled)
+                if reachable_since is None:
+                    reachable_since = started
                 if failing:
                     log.warning("relay passes succeed again")
                 failing = False
             except QuestpieError as exc:
+                reachable_since = None
                 if not failing:
                     log.warning(
                         "relay pass failed (%s); retrying every %.0fs. Dispatches waiting "

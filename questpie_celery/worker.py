@@ -65,7 +65,7 @@ class Runner:
             return self._fence.run(task, definition, attempt=header.attempt, payload=payload)
         policy = self._policies.in_force(definition)
         if policy.ledgered:
-            return self._fence.adopt_and_run(task, definition, policy, payload)
+            return self._fence.adopt_and_run(task, definition, policy, header, payload)
         return self._run_plain(task, definition, header, payload)
 
     def _run_plain(

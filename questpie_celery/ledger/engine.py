@@ -49,6 +49,13 @@ def create_ledger_engine(url: str) -> Engine:
             # A caller's long transaction that holds a policy slot row makes a publish
             # wait this long at most, then fail with a LedgerError.
             "options": f"-c lock_timeout={PG_LOCK_TIMEOUT_MS}",
+            # A connection whose server vanished without a word (a host gone, a network
+            # cut) is found dead in about 30 s, not after the kernel's two hours: the
+            # lease renewer must not hang on one while leases lapse.
+            "keepalives": 1,
+            "keepalives_idle": 10,
+            "keepalives_interval": 5,
+            "keepalives_count": 3,
         }
         engine = create_engine(parsed, connect_args=connect_args, isolation_level="AUTOCOMMIT")
     except (ArgumentError, NoSuchModuleError) as error:

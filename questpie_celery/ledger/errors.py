@@ -7,7 +7,7 @@ from contextlib import contextmanager
 
 from sqlalchemy import exc
 
-from ..errors import LedgerError, LedgerSchemaError, LedgerUnavailableError
+from ..errors import LedgerBusyError, LedgerError, LedgerSchemaError, LedgerUnavailableError
 
 _PG_LOCK_NOT_AVAILABLE = "55P03"
 _PG_UNDEFINED_TABLE = "42P01"
@@ -38,7 +38,7 @@ def _translate(error: exc.DBAPIError) -> LedgerError:
     if sqlstate == _PG_UNDEFINED_TABLE or "no such table" in str(error.orig):
         return LedgerSchemaError()
     if sqlstate == _PG_LOCK_NOT_AVAILABLE:
-        return LedgerError(
+        return LedgerBusyError(
             "a ledger row is held by another open transaction (lock_timeout reached); "
             "try again once it ends"
         )

@@ -28,6 +28,7 @@ from .rows import Claim, DispatchRow, NewDispatch
 from .schema import (
     LEASE_EXPIRED,
     LEDGER_ID_KEY,
+    RELAY_GAVE_UP,
     SCHEMA_VERSION,
     TERMINAL,
     Status,
@@ -68,22 +69,30 @@ class Ledger:
 
     # --- running statements ------------------------------------------------------------
 
-    def _execute(self, stmt: Executable, params: Any) -> Any:
-        """Run one statement in autocommit; once more if its connection was found dead."""
+    def _run(self, stmt: Executable, params: Any) -> tuple[Any, bool]:
+        """Run one statement in autocommit; once more if its connection was found dead.
+
+        Returns its rows (or row count) and whether it ran twice: then its first run may
+        have landed unseen, and a conditional write that now matches nothing is ambiguous.
+        """
         with translate_errors():
-            for retry in (False, True):
+            for retried in (False, True):
                 try:
                     with self._autocommit.connect() as conn:
                         result = conn.execute(stmt, params)
-                        return result.mappings().all() if result.returns_rows else result.rowcount
+                        rows = result.mappings().all() if result.returns_rows else result.rowcount
+                        return rows, retried
                 except exc.IntegrityError:
                     # Only the queue-policy slot indexes can refuse these statements.
                     raise SlotTaken() from None
                 except exc.DBAPIError as error:
-                    if retry or not is_disconnect(error):
+                    if retried or not is_disconnect(error):
                         raise
                     log.info("ledger connection was dropped by the server; reconnecting")
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _execute(self, stmt: Executable, params: Any) -> Any:
+        return self._run(stmt, params)[0]
 
     def _first(self, stmt: Executable, params: Any) -> RowMapping | None:
         rows = self._execute(stmt, params)
@@ -163,9 +172,11 @@ class Ledger:
             "send_in": new.send_in,
         }
         if conn is None:
-            # A retried insert that now conflicts may be our own first try: the caller
-            # then treats the id as known, and the relay sends the row after its delay.
-            return bool(self._execute(self._sql.insert, params))
+            rows, retried = self._run(self._sql.insert, params)
+            # A retried insert that now conflicts may have been our own first try. A row
+            # under a random id can only be ours; for a key's derived id, a second send of
+            # another publisher's row is harmless (the fence drops the duplicate).
+            return bool(rows) or (retried and self.exists(new.id))
         # The caller's connection reaches the ledger's own database (checked by
         # transactions.caller_connection), so the ledger's statements fit its dialect.
         with translate_errors():
@@ -201,16 +212,24 @@ class Ledger:
 
     # --- the fence ---------------------------------------------------------------------
 
-    def claim(self, dispatch_id: str, job_name: str, attempt: int, lease_seconds: float) -> Claim:
+    def claim(
+        self,
+        dispatch_id: str,
+        job_name: str,
+        attempt: int,
+        lease_seconds: float,
+        token: str | None = None,
+    ) -> Claim:
         """Take the execution claim for delivery `attempt` of a dispatch of `job_name`.
 
         Succeeds only when the row belongs to the job, is claimable and has made exactly
         `attempt - 1` claims: a delivery of an attempt the row has moved past is `stale`,
         one of a finished dispatch `done`, one that meets a live claim `busy`, one for a
         row of another job or none at all `unknown`, and one whose policy slot is taken
-        `blocked`.
+        `blocked`. `token` is the delivery's fencing token (a fresh one when None); pass
+        the same on every try of one delivery, so a try whose reply was lost is ours.
         """
-        token = str(uuid.uuid4())
+        token = token or str(uuid.uuid4())
         params = {
             "dispatch_id": dispatch_id,
             "job": job_name,
@@ -287,17 +306,31 @@ class Ledger:
             "token": row.claim_token,
             "error": LEASE_EXPIRED,
         }
-        if retry_in is None:
-            return bool(self._execute(self._sql.lapse_fail, params))
-        params.update(retry_in=retry_in, relay_in=relay_in)
-        return bool(self._execute(self._sql.lapse_retry, params))
+        stmt = self._sql.lapse_fail
+        if retry_in is not None:
+            stmt = self._sql.lapse_retry
+            params.update(retry_in=retry_in, relay_in=relay_in)
+        count, retried = self._run(stmt, params)
+        if count or not retried:
+            return bool(count)
+        now = self.get(row.id)  # ambiguous: did our first run land?
+        return (
+            now is not None
+            and now.attempt == row.attempt
+            and now.claim_token is None
+            and now.last_error == LEASE_EXPIRED
+        )
 
     # --- queue policy slots ------------------------------------------------------------
 
     def park(self, dispatch_id: str, job_name: str, attempt: int) -> bool:
         """Set a delivered run aside until its slot frees; not an attempt."""
         params = {"dispatch_id": dispatch_id, "job": job_name, "previous": attempt - 1}
-        return bool(self._execute(self._sql.park, params))
+        count, retried = self._run(self._sql.park, params)
+        if count or not retried:
+            return bool(count)
+        now = self.get(dispatch_id)  # ambiguous: parking twice is harmless, missing it is not
+        return now is not None and now.status == "parked" and now.attempt == attempt - 1
 
     def slot_running(self, job_name: str, slot: str) -> bool:
         """Whether a run holds the slot's running place (active, or awaiting its retry)."""
@@ -314,9 +347,14 @@ class Ledger:
             if oldest is None:
                 return None
             params = {"dispatch_id": oldest["id"], "redeliver_in": redeliver_in}
-            row = self._row(self._sql.unpark, params)
-            if row is not None:
-                return row
+            rows, retried = self._run(self._sql.unpark, params)
+            if rows:
+                return DispatchRow.from_mapping(rows[0])
+            if retried:
+                # Ours or another's: a second send is harmless, no send at all is not.
+                now = self.get(oldest["id"])
+                if now is not None and now.status == "queued":
+                    return now
         return None
 
     def free_parked_slots(self, limit: int = 100) -> list[tuple[str, str]]:
@@ -354,12 +392,24 @@ class Ledger:
             "seen_next": row.next_send_at,
             "backoff": backoff,
         }
-        return self._row(self._sql.take_for_send, params)
+        rows, retried = self._run(self._sql.take_for_send, params)
+        if rows:
+            return DispatchRow.from_mapping(rows[0])
+        if retried:
+            # Ours or another relay's: a second send is harmless, no send at all is not.
+            now = self.get(row.id)
+            if now is not None and now.status == row.status and now.send_count > row.send_count:
+                return now
+        return None
 
     def give_up(self, row: DispatchRow) -> bool:
         """Record `failed` (erasing a secret's key) after the relay ran out of sends."""
         params = {"dispatch_id": row.id, "seen_status": row.status, "seen_next": row.next_send_at}
-        return bool(self._execute(self._sql.give_up, params))
+        count, retried = self._run(self._sql.give_up, params)
+        if count or not retried:
+            return bool(count)
+        now = self.get(row.id)  # ambiguous: did our first run land?
+        return now is not None and now.status == "failed" and now.last_error == RELAY_GAVE_UP
 
 
 def open_ledger(url: str) -> Ledger:

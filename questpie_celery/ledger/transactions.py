@@ -59,7 +59,9 @@ def check_same_database(ledger: Ledger, conn: Connection, kind: str) -> None:
     known = _SAME_DATABASE.setdefault(conn.engine, {})
     if ours not in known:
         try:
-            theirs: str | None = ledger.ledger_id(conn)
+            # In a savepoint: a failing read must not abort the caller's transaction.
+            with conn.begin_nested():
+                theirs: str | None = ledger.ledger_id(conn)
         except LedgerSchemaError:
             raise LedgerSchemaError(
                 f"publish({kind}=...) writes the ledger row in your transaction, so the "
