@@ -1,4 +1,4 @@
-"""Envelope encryption of secret payloads (SPEC section 5).
+"""Envelope encryption of secret payloads.
 
 Each secret dispatch gets a fresh random 256-bit data key. The JSON payload is
 encrypted with it under AES-256-GCM; the data key is wrapped, also with

@@ -1,6 +1,6 @@
 """Dispatch ids: derived from (job name, idempotency key), or random.
 
-The derivation is part of the public contract (SPEC section 3) so that every
+The derivation is part of the public contract so that every
 process, in any language, computes the same id for the same key.
 """
 

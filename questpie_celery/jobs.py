@@ -199,7 +199,7 @@ def _field_named(model: type[BaseModel], name: str) -> FieldInfo | None:
 
 
 def job_attribute_name(job_name: str) -> str:
-    """`send-welcome-email` -> `send_welcome_email` (SPEC section 2)."""
+    """`send-welcome-email` -> `send_welcome_email`."""
     return _NON_ALNUM.sub("_", job_name.lower())
 
 

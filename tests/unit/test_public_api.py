@@ -1,4 +1,4 @@
-"""The fixed public surface (SPEC section 2) and registration rules."""
+"""The public surface and the registration rules."""
 
 from __future__ import annotations
 

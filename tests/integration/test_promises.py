@@ -1,0 +1,79 @@
+"""Promises the documentation makes about running parts, each held to a test."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from datetime import timedelta
+
+from questpie_celery import derive_dispatch_id
+from tests.integration.conftest import StackFactory
+from tests.support import jobapp
+from tests.support.brokers import capture, deliver, queue_depth
+from tests.support.services import PostgresServer
+from tests.support.stack import tag
+
+
+def test_a_run_longer_than_its_lease_is_renewed_and_runs_once(make_stack: StackFactory) -> None:
+    stack = make_stack("redis", env={"QP_TEST_LEASE": "1.5", "QP_TEST_RELAY": "0.3"})
+    t, gate = tag(), stack.gate()
+    dispatch_id = stack.questpie.queue.record.publish(
+        {"tag": t, "gate": str(gate)}, idempotency_key=f"long:{t}"
+    )
+    assert dispatch_id is not None
+    stack.wait_status(dispatch_id, "active")
+    # Watch the database's lease move on three times while the run is held open.
+    seen = {stack.row(dispatch_id).lease_expires_at}
+    deadline = time.monotonic() + 30
+    while len(seen) < 4:
+        assert time.monotonic() < deadline, "the lease was not renewed"
+        row = stack.row(dispatch_id)
+        assert row.status == "active" and row.attempt == 1
+        seen.add(row.lease_expires_at)
+        time.sleep(0.1)
+    gate.open()
+    assert stack.wait_status(dispatch_id, "completed").attempt == 1
+    assert len(stack.runs(t)) == 1
+
+
+def test_a_retry_delayed_beyond_a_minute_waits_in_the_ledger(make_stack: StackFactory) -> None:
+    stack = make_stack("redis")
+    t = tag()
+    idle = f"idle-{uuid.uuid4().hex[:8]}"
+    dispatch_id = stack.questpie.queue.record.publish(
+        {"tag": t, "fail_times": 1}, idempotency_key=f"far-retry:{t}", retry_delay=600, queue=idle
+    )
+    assert dispatch_id is not None
+    deliver(stack, capture(stack, idle))  # the first attempt runs on the worker, and fails
+    row = stack.wait_status(dispatch_id, "retry")
+    assert row.next_send_at is not None
+    # Due in 600 s; the relay sends it 60 s before that. No message waits meanwhile.
+    assert row.run_after - row.next_send_at == timedelta(seconds=60)
+    assert row.started_at is not None
+    assert row.run_after - row.started_at > timedelta(seconds=590)
+    stack.wait_log(dispatch_id, "the relay sends its retry in 600s")
+    assert queue_depth(stack, idle) == 0
+
+
+def test_the_ledger_pool_is_not_shared_across_fork(postgres: PostgresServer) -> None:
+    url = postgres.create_database()
+    _, questpie = jobapp.build(broker="memory://", ledger=url)
+    questpie.migrate()
+    # The pool now holds a connection; a child inheriting it would share its socket.
+    assert questpie.queue.record.publish({"tag": "p"}, idempotency_key="before-fork")
+    pid = os.fork()
+    if pid == 0:  # the child: publish on the inherited Questpie, then leave at once
+        try:
+            ok = questpie.queue.record.publish({"tag": "c"}, idempotency_key="in-child")
+            questpie.close()
+            os._exit(0 if ok else 1)
+        except BaseException:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    # The parent's own connection is unharmed by the child's use and exit.
+    for n in range(3):
+        assert questpie.queue.record.publish({"tag": "p"}, idempotency_key=f"after-{n}")
+    assert questpie.queue.get_status(derive_dispatch_id("record", "in-child")) is not None
+    questpie.close()
