@@ -100,7 +100,15 @@ def assert_each_completed_once(stack: Stack, loop: PublishLoop, timeout: float) 
             (row := stack.ledger.get(i)) is not None and row.status == "completed" for i in accepted
         )
 
-    wait_until(all_done, timeout, "every accepted dispatch to complete")
+    try:
+        wait_until(all_done, timeout, "every accepted dispatch to complete")
+    except AssertionError:
+        stuck = [
+            (i, row.status, row.attempt, row.send_count, row.next_send_at, row.last_error)
+            for i in sorted(accepted)
+            if (row := stack.ledger.get(i)) is not None and row.status != "completed"
+        ]
+        raise AssertionError(f"not completed: {stuck}\n{stack.worker.log()[-6000:]}") from None
     ran = completions(stack, loop.tag)
     twice = {i: n for i, n in ran.items() if n > 1}
     assert not twice, f"dispatches completed more than once: {twice}"
