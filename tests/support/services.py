@@ -237,20 +237,23 @@ class Worker:
     loglevel: str = "info"
     log_path: Path = field(default_factory=lambda: Path(tempfile.mktemp(prefix="qp-worker-")))
     proc: subprocess.Popen[bytes] | None = None
+    python: str = sys.executable
+    cwd: Path = ROOT
+    pythonpath: str = str(ROOT)
 
     def start(self, timeout: float = 60.0) -> Worker:
         cmd = [
-            sys.executable, "-m", "celery", "-A", self.app, "worker",
+            self.python, "-m", "celery", "-A", self.app, "worker",
             "-l", self.loglevel, "-P", self.pool, "-c", str(self.concurrency),
             "--without-gossip", "--without-mingle", "--without-heartbeat",
             "-n", f"qp-{os.getpid()}-{time.monotonic_ns()}@localhost",
         ]  # fmt: skip
         if self.queues:
             cmd += ["-Q", self.queues]
-        env = {**os.environ, **self.env, "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, **self.env, "PYTHONPATH": self.pythonpath}
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
-                cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                cmd, cwd=self.cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True,
             )  # fmt: skip
         deadline = time.monotonic() + timeout
