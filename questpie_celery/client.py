@@ -4,17 +4,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from datetime import datetime
-from typing import Any, Generic
+from typing import Any, Generic, Never
 
 from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
 from .errors import JobDefinitionError, UnknownJobError
 from .jobs import JobDefinition, P
-from .options import resolve_options
+from .options import resolve_options, unknown_option_message
 from .policies import QueuePolicy, QueuePolicyName
 from .publish import Publisher
 from .receipts import DispatchStatus, Receipt
+
+_HOW_TO_REGISTER = (
+    "Register a job with Questpie(..., jobs=[...]), questpie.register(definition) or "
+    "@questpie.job(...)"
+)
 
 
 class JobClient(Generic[P]):
@@ -45,12 +50,17 @@ class JobClient(Generic[P]):
         queue: str | None = None,
         session: Session | None = None,
         connection: Connection | None = None,
+        **unknown: Never,
     ) -> str | None:
         """Enqueue one run; return its dispatch id, or None when its queue policy
         suppressed it.
 
-        Everything is validated before anything reaches the ledger or the broker.
+        Everything is validated before anything reaches the ledger or the broker. An
+        unknown keyword is a `TypeError` naming the option meant (type checkers refuse
+        it too).
         """
+        if unknown:
+            raise TypeError(unknown_option_message("publish", unknown))
         options = resolve_options(
             self.definition.options,
             {
@@ -135,7 +145,8 @@ class QueueClient:
         client = self._registry.by_attribute(attribute)
         if client is None:
             raise AttributeError(
-                f"no job is registered as queue.{attribute}; known: {self._registry.known()}"
+                f"no job is registered as queue.{attribute}; known: {self._registry.known()}. "
+                f"{_HOW_TO_REGISTER}"
             )
         return client
 
@@ -143,7 +154,8 @@ class QueueClient:
         client = self._registry.by_name(job_name)
         if client is None:
             raise UnknownJobError(
-                f"no job named {job_name!r} is registered; known: {self._registry.known()}"
+                f"no job named {job_name!r} is registered; known: {self._registry.known()}. "
+                f"{_HOW_TO_REGISTER}"
             )
         return client
 

@@ -7,6 +7,7 @@ Validation happens before anything is written anywhere.
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -144,6 +145,43 @@ class DispatchOptions:
 
     def stored(self) -> StoredOptions:
         return StoredOptions(run=self.run, priority=self.priority, queue=self.queue)
+
+
+#: What Celery users reach for, and the option that does it here.
+_CELERY_NAMES = {
+    "countdown": "start_after",
+    "eta": "start_after",
+    "retries": "retry_limit",
+    "max_retries": "retry_limit",
+    "default_retry_delay": "retry_delay",
+    "retry_delay_seconds": "retry_delay",
+    "autoretry_for": "retry_limit",
+    "retry_backoff_max": "retry_backoff",
+    "expires": "expire_in_seconds",
+    "time_limit": "expire_in_seconds",
+    "soft_time_limit": "expire_in_seconds",
+    "routing_key": "queue",
+    "exchange": "queue",
+    "task_id": "idempotency_key",
+}
+PUBLISH_OPTION_NAMES = (
+    "idempotency_key", "singleton_key", "queue_policy", "secret_payload", "priority",
+    "start_after", "retry_limit", "retry_delay", "retry_backoff", "expire_in_seconds",
+    "queue", "session", "connection",
+)  # fmt: skip
+
+
+def unknown_option_message(call: str, unknown: Mapping[str, object]) -> str:
+    """`publish() got an unexpected keyword argument 'countdown'; use start_after ...`."""
+    name = sorted(unknown)[0]
+    meant = _CELERY_NAMES.get(name) or next(
+        iter(difflib.get_close_matches(name, PUBLISH_OPTION_NAMES, n=1)), None
+    )
+    hint = f"; did you mean {meant!r}?" if meant else ""
+    return (
+        f"{call}() got an unexpected keyword argument {name!r}{hint} "
+        f"(options: {', '.join(PUBLISH_OPTION_NAMES)})"
+    )
 
 
 def validate_job_options(options: Mapping[str, Any] | None) -> JobOptions:

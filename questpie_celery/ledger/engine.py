@@ -31,6 +31,10 @@ def create_ledger_engine(url: str) -> Engine:
     """Create an engine tuned for the ledger's access pattern on its dialect."""
     try:
         parsed = make_url(url)
+        if parsed.drivername in ("postgres", "postgresql"):
+            # postgres:// is what many hosts hand out, and plain postgresql:// means
+            # psycopg2 to SQLAlchemy; the ledger runs on psycopg 3.
+            parsed = parsed.set(drivername="postgresql+psycopg")
         backend = parsed.get_backend_name()
         if backend == "sqlite":
             engine = create_engine(parsed, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000})
@@ -41,9 +45,6 @@ def create_ledger_engine(url: str) -> Engine:
                 f"the ledger runs on PostgreSQL or SQLite, not {backend!r} "
                 "(use postgresql+psycopg://... or sqlite:///path)"
             )
-        if parsed.drivername == "postgresql":
-            # Plain postgresql:// means psycopg2 to SQLAlchemy; the ledger uses psycopg 3.
-            parsed = parsed.set(drivername="postgresql+psycopg")
         connect_args: dict[str, Any] = {
             "connect_timeout": PG_CONNECT_TIMEOUT_SECONDS,
             # A caller's long transaction that holds a policy slot row makes a publish
