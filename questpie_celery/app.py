@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -22,7 +23,7 @@ from .client import JobClient, JobRegistry, QueueClient
 from .crypto import MIN_SECRET_BYTES, Keyring
 from .errors import ConfigurationError, JobDefinitionError, PublishOptionsError
 from .fence import Fence
-from .jobs import JobContext, JobDefinition, P, job
+from .jobs import JobContext, JobDefinition, P, declared_jobs, job
 from .leases import LeaseKeeper
 from .ledger import Ledger, create_ledger_engine, is_private_sqlite
 from .options import JobOptions
@@ -39,6 +40,9 @@ from .worker import Runner
 log = logging.getLogger(__name__)
 
 DEFAULT_LEASE_SECONDS = 60.0
+
+#: Definitions some `Questpie` of this process registered (so none adopts them again).
+_REGISTERED: weakref.WeakSet[JobDefinition[Any]] = weakref.WeakSet()
 
 
 class Questpie:
@@ -109,7 +113,7 @@ class Questpie:
         self._relay = Relay(self._ledger, self._outbox, outcomes, slots, relay_interval)
         self._registry = JobRegistry()
         self._tasks: dict[str, Any] = {}
-        self.queue = QueueClient(self._registry, self._receipt, self._status)
+        self.queue = QueueClient(self._registry, self._receipt, self._status, self._discover)
         """The queue client: `questpie.queue.<job>.publish(...)`, `get_receipt(...)`."""
 
         if celery_app.configured:
@@ -117,6 +121,9 @@ class Questpie:
         else:
             celery_app.on_after_configure.connect(self._on_configure, weak=False)
         celery_app.steps["worker"].add(relay_step(self._relay, self._record_policies))
+        # A worker finalizes its app after importing the modules autodiscovery found and
+        # before its pool forks: the declared jobs become tasks in every child.
+        celery_app.on_after_finalize.connect(self._on_finalize, weak=False)
         self.register(*jobs)
 
     # --- registration ---------------------------------------------------------------------
@@ -130,6 +137,35 @@ class Questpie:
                 )
             if self._registry.add(JobClient(definition, self._publisher)):
                 self._tasks[definition.name] = self._runner.register(self._celery_app, definition)
+                _REGISTERED.add(definition)
+
+    def _on_finalize(self, sender: Any = None, **_: Any) -> None:
+        self._register_declared()
+
+    def _discover(self) -> None:
+        """An unknown name was asked for: import the modules autodiscovery names (as a
+        worker would), then register the jobs they declared."""
+        if not self._register_declared():
+            self._celery_app.loader.import_default_modules()
+            self._register_declared()
+
+    def _register_declared(self) -> int:
+        """Register every `@job` definition no `Questpie` registered; returns how many.
+
+        One that collides with a registered job is skipped with a warning: finalizing a
+        Celery app must not fail on it.
+        """
+        added = 0
+        for definition in declared_jobs():
+            if definition in _REGISTERED:
+                continue
+            try:
+                self.register(definition)
+                added += 1
+            except JobDefinitionError as exc:
+                log.warning("declared job %s not registered: %s", definition.name, exc)
+                _REGISTERED.add(definition)  # do not try it again
+        return added
 
     def job(
         self, *, name: str, schema: type[P], options: JobOptions | None = None

@@ -18,7 +18,8 @@ from .receipts import DispatchStatus, Receipt
 
 _HOW_TO_REGISTER = (
     "Register a job with Questpie(..., jobs=[...]), questpie.register(definition) or "
-    "@questpie.job(...)"
+    "@questpie.job(...); a @job in a module that app.autodiscover_tasks() finds is "
+    "registered without listing"
 )
 
 
@@ -134,15 +135,20 @@ class QueueClient:
         registry: JobRegistry,
         receipt: Callable[[str], Receipt | None],
         status: Callable[[str], DispatchStatus | None],
+        discover: Callable[[], None],
     ) -> None:
         self._registry = registry
         self._receipt = receipt
         self._status = status
+        self._discover = discover  # registers jobs declared but not yet registered
 
     def __getattr__(self, attribute: str) -> JobClient[Any]:
         if attribute.startswith("__"):
             raise AttributeError(attribute)
         client = self._registry.by_attribute(attribute)
+        if client is None:
+            self._discover()
+            client = self._registry.by_attribute(attribute)
         if client is None:
             raise AttributeError(
                 f"no job is registered as queue.{attribute}; known: {self._registry.known()}. "
@@ -152,6 +158,9 @@ class QueueClient:
 
     def __getitem__(self, job_name: str) -> JobClient[Any]:
         client = self._registry.by_name(job_name)
+        if client is None:
+            self._discover()
+            client = self._registry.by_name(job_name)
         if client is None:
             raise UnknownJobError(
                 f"no job named {job_name!r} is registered; known: {self._registry.known()}. "

@@ -119,15 +119,33 @@ class JobDefinition(Generic[P]):
         return f"<JobDefinition {self.name!r} schema={self.schema.__name__}>"
 
 
+#: Every definition `@job` made in this process, in order: a `Questpie` registers the ones
+#: nobody registered when its Celery app is finalized (as Celery does with `shared_task`),
+#: so jobs in modules that `app.autodiscover_tasks()` imports need no listing.
+_declared: list[JobDefinition[Any]] = []
+
+
 def job(
     *, name: str, schema: type[P], options: JobOptions | None = None
 ) -> Callable[[Callable[[P, JobContext], Any]], JobDefinition[P]]:
-    """Turn `handler(payload, ctx)` into a `JobDefinition`; hand it to `Questpie(jobs=[...])`."""
+    """Turn `handler(payload, ctx)` into a `JobDefinition`.
+
+    Register it with `Questpie(jobs=[...])` or `questpie.register(...)`; a definition no
+    `Questpie` registered is registered when the Celery app is finalized (a worker
+    starting, or the first lookup of an unknown name in `questpie.queue`).
+    """
 
     def decorate(handler: Callable[[P, JobContext], Any]) -> JobDefinition[P]:
-        return JobDefinition(name=name, schema=schema, handler=handler, options=options)
+        definition = JobDefinition(name=name, schema=schema, handler=handler, options=options)
+        _declared.append(definition)
+        return definition
 
     return decorate
+
+
+def declared_jobs() -> tuple[JobDefinition[Any], ...]:
+    """The definitions `@job` has made in this process so far."""
+    return tuple(_declared)
 
 
 def _has_secret_fields(schema: type[BaseModel], seen: frozenset[type] = frozenset()) -> bool:
