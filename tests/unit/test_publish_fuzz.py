@@ -1,0 +1,115 @@
+"""Random payloads and option sets thrown at publish(): every call returns an id (or None,
+suppressed) or raises a clear error, and a call that raises writes nothing anywhere."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import UTC, timedelta, timezone
+from typing import Any
+
+import pytest
+from celery import Celery
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kombu.transport import memory
+
+from questpie_celery import Questpie, QuestpieError
+from questpie_celery.ledger import Ledger, open_ledger
+from tests.support import jobapp
+from tests.unit.helpers import row_count
+
+QUEUE = "fuzz-idle"
+
+text = st.text(max_size=40)
+numbers = st.one_of(
+    st.integers(min_value=-(10**20), max_value=10**20),
+    st.floats(allow_nan=True, allow_infinity=True),
+)
+anything = st.one_of(st.none(), st.booleans(), numbers, text, st.lists(st.integers(), max_size=3))
+when = st.one_of(
+    numbers,
+    text,
+    st.datetimes(timezones=st.sampled_from([UTC, timezone(timedelta(hours=-5))])),
+    st.datetimes(),  # naive: refused
+    st.datetimes(timezones=st.just(UTC)).map(lambda d: d.isoformat()),
+)
+options = st.fixed_dictionaries(
+    {},
+    optional={
+        "idempotency_key": st.one_of(text, anything),
+        "singleton_key": st.one_of(text, anything),
+        "queue_policy": st.one_of(
+            st.sampled_from(["standard", "short", "singleton", "stately", "exclusive"]), anything
+        ),
+        "secret_payload": st.one_of(st.booleans(), anything),
+        "priority": st.one_of(st.integers(-3, 12), anything),
+        "start_after": when,
+        "retry_limit": st.one_of(st.integers(-2, 10**6), anything),
+        "retry_delay": st.one_of(numbers, anything),
+        "retry_backoff": st.one_of(st.booleans(), anything),
+        "expire_in_seconds": st.one_of(st.integers(-2, 10**12), anything),
+        "queue": st.one_of(st.just(QUEUE), text, anything),
+        "countdown": numbers,  # not an option: a TypeError
+    },
+)
+payloads = st.one_of(
+    st.fixed_dictionaries({"tag": text}),
+    st.dictionaries(text, anything, max_size=4),
+    anything,
+)
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Questpie, Ledger, Celery]]:
+    url = f"sqlite:///{tmp_path_factory.mktemp('fuzz') / 'ledger.sqlite3'}"
+    celery_app = Celery("fuzz", broker="memory://")
+    celery_app.conf.task_default_queue = QUEUE
+    questpie = Questpie(celery_app, ledger_url=url, jobs=jobapp.JOBS, secret="f" * 40)
+    questpie.migrate()
+    ledger = open_ledger(url)
+    yield questpie, ledger, celery_app
+    ledger.close()
+    questpie.close()
+
+
+def messages(celery_app: Celery) -> int:
+    """Messages waiting in every queue of the in-memory broker (a fuzzed `queue` option
+    may name any)."""
+    del celery_app
+    return sum(queue.qsize() for queue in memory.Channel.queues.values())
+
+
+outcomes: dict[str, int] = {"published": 0, "refused": 0}
+
+
+@settings(
+    max_examples=300,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(payload=payloads, chosen=options)
+def test_publish_returns_an_id_or_raises_clearly_and_writes_nothing_when_it_raises(
+    app: tuple[Questpie, Ledger, Celery], payload: Any, chosen: dict[str, Any]
+) -> None:
+    questpie, ledger, celery_app = app
+    rows_before, sent_before = row_count(ledger), messages(celery_app)
+    try:
+        result = questpie.queue.record.publish(payload, **chosen)
+    except TypeError as exc:
+        assert "countdown" in chosen or not isinstance(exc, QuestpieError)
+        assert "unexpected keyword argument" in str(exc)
+    except QuestpieError as exc:
+        assert isinstance(exc, ValueError), f"{type(exc).__name__} is not a ValueError: {exc}"
+    else:
+        assert result is None or isinstance(result, str)
+        outcomes["published"] += 1
+        return
+    outcomes["refused"] += 1
+    assert row_count(ledger) == rows_before, "a refused publish wrote a ledger row"
+    assert messages(celery_app) == sent_before, "a refused publish sent a message"
+
+
+def test_the_fuzz_reached_both_outcomes() -> None:
+    """A fuzz that only ever raised (or never did) would prove little."""
+    assert outcomes["published"] > 10
+    assert outcomes["refused"] > 10
