@@ -26,6 +26,7 @@ from .fence import Fence
 from .jobs import JobContext, JobDefinition, P, declared_jobs, job
 from .leases import LeaseKeeper
 from .ledger import Ledger, create_ledger_engine, is_private_sqlite
+from .operations import Operator
 from .options import JobOptions
 from .outbox import DEFAULT_REDELIVER_AFTER_SECONDS, Outbox
 from .outcomes import Outcomes
@@ -227,6 +228,11 @@ class Questpie:
             return self._relay.run_once()
         self._relay.run_forever(stop or threading.Event())
         return 0
+
+    @property
+    def operator(self) -> Operator:
+        """An operator's view of the ledger: dispatches, show, stuck, failed, counts, requeue."""
+        return Operator(self._ledger, redeliver_after=self._outbox.redeliver_after)
 
     @property
     def relay_interval(self) -> float:

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import json
 import sys
 import threading
-from typing import Protocol
+from collections.abc import Callable, Iterator
+from dataclasses import asdict
+from typing import Protocol, get_args
 
 import click
 
 from .app import Questpie
 from .errors import QuestpieError
-from .ledger import open_ledger
+from .ledger import Status, open_ledger
+from .operations import DispatchDetail, Operator
 from .policies import QueuePolicy
 
 
@@ -108,3 +113,144 @@ def relay(app: str, once: bool) -> None:
         questpie.run_relay(stop=stop)
     except KeyboardInterrupt:
         stop.set()
+
+
+def _operator(app: str | None, ledger_url: str | None) -> Operator:
+    if (app is None) == (ledger_url is None):
+        raise click.UsageError("pass exactly one of --app and --ledger-url")
+    if app is not None:
+        questpie = load_questpie(app)
+        click.get_current_context().call_on_close(questpie.close)
+        return questpie.operator
+    ledger = open_ledger(str(ledger_url))
+    click.get_current_context().call_on_close(ledger.close)
+    return Operator(ledger)
+
+
+def _target(function: Callable[..., None]) -> Callable[..., None]:
+    """The options every `dispatches` command takes."""
+    function = click.option("--json", "as_json", is_flag=True, help="print JSON")(function)
+    function = click.option(
+        "--ledger-url", envvar="QUESTPIE_LEDGER_URL", help="SQLAlchemy URL of the ledger"
+    )(function)
+    return click.option("-A", "--app", help="module:attribute of your Questpie instance")(function)
+
+
+def _print(details: list[DispatchDetail], as_json: bool, reasons: list[str] | None = None) -> None:
+    if as_json:
+        rows = [d.to_json() for d in details]
+        if reasons is not None:
+            rows = [{"reason": r, **row} for r, row in zip(reasons, rows, strict=True)]
+        click.echo(json.dumps(rows, indent=2))
+        return
+    for n, d in enumerate(details):
+        reason = f"{reasons[n]:<24} " if reasons is not None else ""
+        click.echo(
+            f"{reason}{d.dispatch_id}  {d.job_name:<24} {d.status:<9} attempt={d.attempt} "
+            f"key={d.idempotency_key or '-'} error={d.last_error or '-'} "
+            f"created={d.created_at:%Y-%m-%d %H:%M:%S}"
+        )
+    if not details:
+        click.echo("(none)")
+
+
+@main.group()
+def dispatches() -> None:
+    """See and steer the ledger's dispatches (never shows a secret payload)."""
+
+
+@dispatches.command("list")
+@_target
+@click.option("--job", help="only this job")
+@click.option("--status", type=click.Choice(list(get_args(Status))), help="only this status")
+@click.option("--key", help="only this idempotency key")
+@click.option("--older-than", type=float, help="only dispatches created this many seconds ago")
+@click.option("--limit", type=int, default=50, show_default=True)
+def dispatches_list(
+    app: str | None, ledger_url: str | None, as_json: bool, job: str | None,
+    status: str | None, key: str | None, older_than: float | None, limit: int,
+) -> None:  # fmt: skip
+    """List dispatches, newest first."""
+    with _clear_errors():
+        found = _operator(app, ledger_url).dispatches(
+            job=job, status=status, key=key, older_than=older_than, limit=limit
+        )
+    _print(found, as_json)
+
+
+@dispatches.command("show")
+@_target
+@click.argument("dispatch_id")
+def dispatches_show(
+    app: str | None, ledger_url: str | None, as_json: bool, dispatch_id: str
+) -> None:
+    """Everything about one dispatch."""
+    with _clear_errors():
+        detail = _operator(app, ledger_url).show(dispatch_id)
+    if detail is None:
+        raise click.ClickException(f"no ledgered dispatch has the id {dispatch_id}")
+    if as_json:
+        click.echo(json.dumps(detail.to_json(), indent=2))
+        return
+    for name, value in detail.to_json().items():
+        click.echo(f"{name:>18}: {value}")
+
+
+@dispatches.command("stuck")
+@_target
+@click.option("--limit", type=int, default=100, show_default=True)
+def dispatches_stuck(app: str | None, ledger_url: str | None, as_json: bool, limit: int) -> None:
+    """What should have moved on and did not, and why."""
+    with _clear_errors():
+        found = _operator(app, ledger_url).stuck(limit=limit)
+    _print([d for _, d in found], as_json, [r for r, _ in found])
+
+
+@dispatches.command("failed")
+@_target
+@click.option("--job", help="only this job")
+@click.option("--limit", type=int, default=50, show_default=True)
+def dispatches_failed(
+    app: str | None, ledger_url: str | None, as_json: bool, job: str | None, limit: int
+) -> None:
+    """Failed dispatches, newest first, with their error class."""
+    with _clear_errors():
+        found = _operator(app, ledger_url).failed(limit=limit, job=job)
+    _print(found, as_json)
+
+
+@dispatches.command("requeue")
+@_target
+@click.argument("dispatch_id")
+def dispatches_requeue(
+    app: str | None, ledger_url: str | None, as_json: bool, dispatch_id: str
+) -> None:
+    """Send a failed dispatch again: a new attempt under the same id and key."""
+    with _clear_errors():
+        detail = _operator(app, ledger_url).requeue(dispatch_id)
+    _print([detail], as_json)
+
+
+@dispatches.command("counts")
+@_target
+def dispatches_counts(app: str | None, ledger_url: str | None, as_json: bool) -> None:
+    """How many dispatches each job has in each status, and the oldest one's age."""
+    with _clear_errors():
+        counts = _operator(app, ledger_url).counts()
+    if as_json:
+        click.echo(json.dumps([asdict(c) for c in counts], indent=2))
+        return
+    for c in counts:
+        click.echo(
+            f"{c.job_name:<28} {c.status:<9} {c.count:>8}   oldest {c.oldest_age_seconds:,.0f}s"
+        )
+    if not counts:
+        click.echo("(the ledger is empty)")
+
+
+@contextlib.contextmanager
+def _clear_errors() -> Iterator[None]:
+    try:
+        yield
+    except QuestpieError as exc:
+        raise click.ClickException(str(exc)) from exc

@@ -144,6 +144,9 @@ dispatch_table = Table(
     Column("started_at", UTCDateTime, nullable=True),
     Column("finished_at", UTCDateTime, nullable=True),
     Index("questpie_queue_dispatch_due", "status", "next_send_at"),
+    # The operator's views: newest first, overall and per job.
+    Index("questpie_queue_dispatch_created", "created_at", "id"),
+    Index("questpie_queue_dispatch_job_created", "job_name", "created_at"),
 )
 
 

@@ -266,32 +266,129 @@ class Statements:
             index_elements=[p.job_name],
             set_={"policy": upsert.excluded.policy, "updated_at": upsert.excluded.updated_at},
         )
+        self.requeue: Update = requeue()
         self.ledger_id: Select[Any] = select(info_table.c.value).where(
             info_table.c.key == LEDGER_ID_KEY
         )
 
 
-def _free_parked_slots() -> Select[Any]:
-    """(job, slot) pairs holding parked runs while nothing runs in the slot.
+def _slot_busy(job: ColumnElement[Any], slot: ColumnElement[Any]) -> ColumnElement[bool]:
+    """Something runs in the slot, or is on its way to it.
 
-    A run on its way to the slot (an unparked or accepted run that is due, its message
-    in the broker) keeps it busy too; a delayed dispatch that is not yet due does not,
-    or a far-off start would hide the slot's parked runs from the relay.
+    A run on its way (an unparked or accepted run that is due, its message in the
+    broker) keeps it busy too; a delayed dispatch that is not yet due does not, or a
+    far-off start would hide the slot's parked runs from the relay.
     """
-    t = dispatch_table.c
     other = dispatch_table.alias("other")
     on_its_way: ColumnElement[bool] = or_(
         other.c.status.in_(RUNNING),
         and_(other.c.status.in_(("pending", "queued")), other.c.run_after <= db_time()),
     )
-    busy = (
-        select(other.c.id)
-        .where(other.c.job_name == t.job_name, other.c.slot == t.slot, on_its_way)
-        .exists()
+    return (
+        select(other.c.id).where(other.c.job_name == job, other.c.slot == slot, on_its_way).exists()
     )
+
+
+def _free_parked_slots() -> Select[Any]:
+    """(job, slot) pairs holding parked runs while nothing runs in the slot."""
+    t = dispatch_table.c
     return (
         select(t.job_name, t.slot)
-        .where(t.status == "parked", ~busy)
+        .where(t.status == "parked", ~_slot_busy(t.job_name, t.slot))
         .distinct()
         .limit(bindparam("limit"))
+    )
+
+
+# --- the operator's views: built per call (rare, and their filters vary) ------------------
+
+
+def list_dispatches(
+    *,
+    job: str | None,
+    status: str | None,
+    key: str | None,
+    older_than: float | None,
+    before: tuple[Any, str] | None,
+    limit: int,
+) -> Select[Any]:
+    """Dispatches newest first, filtered, a page at a time (`before`: the last row's
+    (created_at, id) of the previous page)."""
+    t = dispatch_table.c
+    stmt = select(dispatch_table)
+    if job is not None:
+        stmt = stmt.where(t.job_name == job)
+    if status is not None:
+        stmt = stmt.where(t.status == status)
+    if key is not None:
+        stmt = stmt.where(t.idempotency_key == key)
+    if older_than is not None:
+        stmt = stmt.where(t.created_at < db_time(-older_than))
+    if before is not None:
+        created, dispatch_id = before
+        stmt = stmt.where(
+            or_(t.created_at < created, and_(t.created_at == created, t.id < dispatch_id))
+        )
+    return stmt.order_by(t.created_at.desc(), t.id.desc()).limit(limit)
+
+
+def counts() -> Select[Any]:
+    """(job, status, count, oldest created_at) for every job and status."""
+    t = dispatch_table.c
+    return (
+        select(
+            t.job_name,
+            t.status,
+            func.count().label("count"),
+            func.min(t.created_at).label("oldest"),
+        )
+        .group_by(t.job_name, t.status)
+        .order_by(t.job_name, t.status)
+    )
+
+
+def stuck(*, grace: float, redeliver_after: float, limit: int) -> dict[str, Select[Any]]:
+    """What should have moved on and did not, by reason."""
+    t = dispatch_table.c
+    newest = (t.created_at.desc(), t.id.desc())
+    return {
+        # Never accepted by the broker, well past the time the relay should have sent it.
+        "never sent": select(dispatch_table)
+        .where(t.status == "pending", t.next_send_at < db_time(-grace))
+        .order_by(*newest)
+        .limit(limit),
+        "lease lapsed": select(dispatch_table)
+        .where(t.status == "active", t.lease_expires_at < db_time())
+        .order_by(*newest)
+        .limit(limit),
+        "accepted, never claimed": select(dispatch_table)
+        .where(t.status == "queued", t.queued_at < db_time(-redeliver_after))
+        .order_by(*newest)
+        .limit(limit),
+        "parked, slot free": select(dispatch_table)
+        .where(t.status == "parked", ~_slot_busy(t.job_name, t.slot))
+        .order_by(*newest)
+        .limit(limit),
+    }
+
+
+def requeue() -> Update:
+    """A failed dispatch back to `pending`, due for the relay at once: a new attempt under
+    the same id and key. Only while its secret (if any) still has its key."""
+    t = dispatch_table.c
+    return (
+        update(dispatch_table)
+        .where(
+            t.id == bindparam("dispatch_id"),
+            t.status == "failed",
+            or_(t.secret.is_(False), t.secret_wrapped_key.is_not(None)),
+        )
+        .values(
+            status="pending",
+            send_count=0,
+            claim_token=None,
+            finished_at=None,
+            next_send_at=db_time(),
+            run_after=db_time(),
+        )
     )

@@ -14,14 +14,16 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Sequence
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Connection, Engine, exc, func, select
 from sqlalchemy.engine import RowMapping
 from sqlalchemy.sql import Executable
 
-from ..errors import LedgerSchemaError
+from ..errors import LedgerBusyError, LedgerSchemaError
 from ..policies import QueuePolicy
+from . import statements
 from .engine import create_ledger_engine, dispose_in_children, runs_in_autocommit
 from .errors import SlotTaken, is_disconnect, translate_errors
 from .rows import Claim, DispatchRow, NewDispatch
@@ -108,6 +110,10 @@ class Ledger:
         """Create or upgrade the schema; safe to run again. Returns the schema version."""
         with translate_errors(), self._transactional.begin() as conn:
             metadata.create_all(conn, checkfirst=True)
+            # create_all adds missing tables only; indexes added by a later version too.
+            for table in metadata.sorted_tables:
+                for index in table.indexes:
+                    index.create(conn, checkfirst=True)
             conn.execute(
                 insert_or_nothing(self.dialect, info_table).values(
                     key=LEDGER_ID_KEY, value=str(uuid.uuid4())
@@ -410,6 +416,50 @@ class Ledger:
             return bool(count)
         now = self.get(row.id)  # ambiguous: did our first run land?
         return now is not None and now.status == "failed" and now.last_error == RELAY_GAVE_UP
+
+    # --- the operator's views ------------------------------------------------------------
+
+    def list_dispatches(
+        self,
+        *,
+        job: str | None = None,
+        status: str | None = None,
+        key: str | None = None,
+        older_than: float | None = None,
+        before: tuple[datetime, str] | None = None,
+        limit: int = 50,
+    ) -> list[DispatchRow]:
+        """Dispatches newest first; `before` continues after the last row of a page."""
+        stmt = statements.list_dispatches(
+            job=job, status=status, key=key, older_than=older_than, before=before, limit=limit
+        )
+        return [DispatchRow.from_mapping(row) for row in self._execute(stmt, {})]
+
+    def counts(self) -> list[tuple[str, str, int, datetime]]:
+        """(job, status, count, oldest created_at) per job and status."""
+        rows = self._execute(statements.counts(), {})
+        return [(r["job_name"], r["status"], int(r["count"]), r["oldest"]) for r in rows]
+
+    def stuck(
+        self, *, grace: float, redeliver_after: float, limit: int = 100
+    ) -> list[tuple[str, DispatchRow]]:
+        """(reason, row) for what should have moved on and did not."""
+        found: list[tuple[str, DispatchRow]] = []
+        for reason, stmt in statements.stuck(
+            grace=grace, redeliver_after=redeliver_after, limit=limit
+        ).items():
+            found += [(reason, DispatchRow.from_mapping(row)) for row in self._execute(stmt, {})]
+        return found
+
+    def requeue(self, dispatch_id: str) -> bool:
+        """A failed dispatch back to pending (a new attempt under its id and key); False
+        when it is not failed, or is a secret one whose key was erased."""
+        try:
+            return bool(self._execute(self._sql.requeue, {"dispatch_id": dispatch_id}))
+        except SlotTaken:
+            raise LedgerBusyError(
+                "its queue policy slot is taken by another dispatch; requeue it once that ends"
+            ) from None
 
 
 def open_ledger(url: str) -> Ledger:

@@ -1,0 +1,189 @@
+"""An operator's view of the ledger: what waits, what is stuck, what failed and why, and
+sending a failed dispatch again. `questpie.operator` in Python, `questpie-celery
+dispatches ...` on the command line; the two have the same reach.
+
+Nothing here returns the payload or the ciphertext of a secret dispatch.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from .errors import PublishOptionsError
+from .ledger import DispatchRow, Ledger
+from .outbox import DEFAULT_REDELIVER_AFTER_SECONDS, PENDING_GRACE_SECONDS
+
+log = logging.getLogger(__name__)
+
+#: The most rows one call lists.
+MAX_PAGE = 1000
+
+
+@dataclass(frozen=True)
+class DispatchDetail:
+    """Everything a person needs about one ledgered dispatch, short of a secret."""
+
+    dispatch_id: str
+    job_name: str
+    status: str
+    attempt: int
+    idempotency_key: str | None
+    singleton_key: str | None
+    policy: str | None
+    last_error: str | None
+    secret: bool
+    key_erased: bool | None  # for a secret dispatch: its key and ciphertext are gone
+    payload: dict[str, Any] | None  # never for a secret dispatch
+    priority: int | None
+    queue: str | None
+    retry_limit: int
+    retry_delay: float
+    retry_backoff: bool
+    expire_in_seconds: int
+    send_count: int
+    created_at: datetime
+    queued_at: datetime | None
+    started_at: datetime | None
+    finished_at: datetime | None
+    run_after: datetime
+    next_send_at: datetime | None
+    lease_expires_at: datetime | None
+
+    @classmethod
+    def of(cls, row: DispatchRow) -> DispatchDetail:
+        run = row.options.run
+        return cls(
+            dispatch_id=row.id,
+            job_name=row.job_name,
+            status=row.status,
+            attempt=row.attempt,
+            idempotency_key=row.idempotency_key,
+            singleton_key=row.singleton_key,
+            policy=str(row.policy) if row.policy is not None else None,
+            last_error=row.last_error,
+            secret=row.secret,
+            key_erased=row.secret_wrapped_key is None if row.secret else None,
+            payload=None if row.secret else row.payload,
+            priority=row.options.priority,
+            queue=row.options.queue,
+            retry_limit=run.retry_limit,
+            retry_delay=run.retry_delay,
+            retry_backoff=run.retry_backoff,
+            expire_in_seconds=run.expire_in_seconds,
+            send_count=row.send_count,
+            created_at=row.created_at,
+            queued_at=row.queued_at,
+            started_at=row.started_at,
+            finished_at=row.finished_at,
+            run_after=row.run_after,
+            next_send_at=row.next_send_at,
+            lease_expires_at=row.lease_expires_at,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v.isoformat() if isinstance(v, datetime) else v for k, v in asdict(self).items()}
+
+
+@dataclass(frozen=True)
+class JobCount:
+    job_name: str
+    status: str
+    count: int
+    oldest_age_seconds: float  # of the oldest dispatch of the job in that status
+
+
+class Operator:
+    """See and steer one ledger."""
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        *,
+        grace: float = PENDING_GRACE_SECONDS,
+        redeliver_after: float = DEFAULT_REDELIVER_AFTER_SECONDS,
+    ) -> None:
+        self._ledger = ledger
+        self._grace = grace
+        self._redeliver_after = redeliver_after
+
+    def dispatches(
+        self,
+        *,
+        job: str | None = None,
+        status: str | None = None,
+        key: str | None = None,
+        older_than: float | None = None,
+        after: DispatchDetail | None = None,
+        limit: int = 50,
+    ) -> list[DispatchDetail]:
+        """Dispatches newest first, filtered by job, status, key and age (seconds); pass
+        the last one of a page as `after` for the next page."""
+        if not 1 <= limit <= MAX_PAGE:
+            raise PublishOptionsError(f"limit must be 1 to {MAX_PAGE}")
+        rows = self._ledger.list_dispatches(
+            job=job,
+            status=status,
+            key=key,
+            older_than=older_than,
+            before=(after.created_at, after.dispatch_id) if after is not None else None,
+            limit=limit,
+        )
+        return [DispatchDetail.of(row) for row in rows]
+
+    def show(self, dispatch_id: str) -> DispatchDetail | None:
+        row = self._ledger.get(dispatch_id)
+        return DispatchDetail.of(row) if row is not None else None
+
+    def stuck(self, limit: int = 100) -> list[tuple[str, DispatchDetail]]:
+        """(reason, dispatch) for what should have moved on and did not: never sent long
+        past its time, a lease that lapsed, accepted but unclaimed past `redeliver_after`,
+        parked while its slot is free. The relay repairs each of these within its bounds;
+        what stays here longer points at a relay that is not running."""
+        found = self._ledger.stuck(
+            grace=self._grace, redeliver_after=self._redeliver_after, limit=limit
+        )
+        return [(reason, DispatchDetail.of(row)) for reason, row in found]
+
+    def failed(self, limit: int = 50, job: str | None = None) -> list[DispatchDetail]:
+        return self.dispatches(status="failed", job=job, limit=limit)
+
+    def counts(self) -> list[JobCount]:
+        now = datetime.now(UTC)
+        return [
+            JobCount(job, status, count, max((now - oldest).total_seconds(), 0.0))
+            for job, status, count, oldest in self._ledger.counts()
+        ]
+
+    def requeue(self, dispatch_id: str) -> DispatchDetail:
+        """Send a failed dispatch again: a new attempt under the same id and key.
+
+        Refused (with `PublishOptionsError`) for a dispatch that is not failed and for a
+        failed secret one, whose key was erased when it failed: publish that again under
+        a new key. Every requeue is logged.
+        """
+        row = self._ledger.get(dispatch_id)
+        if row is None:
+            raise PublishOptionsError(f"no ledgered dispatch has the id {dispatch_id!r}")
+        if row.status != "failed":
+            raise PublishOptionsError(f"dispatch {dispatch_id} is {row.status}, not failed")
+        if row.secret:
+            raise PublishOptionsError(
+                f"dispatch {dispatch_id} is secret and its key was erased when it failed; "
+                "publish it again under a new idempotency key"
+            )
+        if not self._ledger.requeue(dispatch_id):
+            raise PublishOptionsError(f"dispatch {dispatch_id} changed meanwhile; look again")
+        log.warning(
+            "dispatch %s of job %s requeued by an operator after %d attempt(s) (last error %s)",
+            row.id,
+            row.job_name,
+            row.attempt,
+            row.last_error,
+            extra={"dispatch_id": row.id, "job_name": row.job_name, "audit": "requeue"},
+        )
+        detail = self.show(dispatch_id)
+        assert detail is not None
+        return detail
