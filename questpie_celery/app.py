@@ -15,13 +15,14 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from celery import Celery
+from celery.signals import worker_init
 from sqlalchemy import Engine
 
 from .bootstep import relay_step
 from .broker import Sender, configure_app, visibility_timeout
 from .client import JobClient, JobRegistry, QueueClient
 from .crypto import MIN_SECRET_BYTES, Keyring
-from .errors import ConfigurationError, JobDefinitionError, PublishOptionsError
+from .errors import ConfigurationError, JobDefinitionError, PublishOptionsError, QuestpieError
 from .fence import Fence
 from .jobs import JobContext, JobDefinition, P, declared_jobs, job
 from .leases import LeaseKeeper
@@ -125,6 +126,9 @@ class Questpie:
         # A worker finalizes its app after importing the modules autodiscovery found and
         # before its pool forks: the declared jobs become tasks in every child.
         celery_app.on_after_finalize.connect(self._on_finalize, weak=False)
+        # Before the pool forks, read (and record) every job's policy: each child then
+        # starts knowing them, also if the ledger goes down later.
+        worker_init.connect(self._on_worker_init, weak=False)
         self.register(*jobs)
 
     # --- registration ---------------------------------------------------------------------
@@ -142,6 +146,18 @@ class Questpie:
 
     def _on_finalize(self, sender: Any = None, **_: Any) -> None:
         self._register_declared()
+
+    def _on_worker_init(self, sender: Any = None, **_: Any) -> None:
+        if getattr(sender, "app", None) is not self._celery_app:
+            return
+        try:
+            self._record_policies()
+        except QuestpieError as exc:
+            log.warning(
+                "could not read the queue policies before the pool started (%s); deliveries "
+                "of plain calls wait for the ledger until they can be read",
+                exc,
+            )
 
     def _discover(self) -> None:
         """An unknown name was asked for: import the modules autodiscovery names (as a
@@ -219,13 +235,22 @@ class Questpie:
         """The policy the ledger records for a job, or None when none is recorded."""
         return self._policies.recorded(job_name)
 
-    def run_relay(self, *, once: bool = False, stop: threading.Event | None = None) -> int:
+    def run_relay(
+        self,
+        *,
+        once: bool = False,
+        stop: threading.Event | None = None,
+        end_lapsed_leases: bool = False,
+    ) -> int:
         """Run the relay in this process: one pass (`once`), or until `stop` is set.
 
+        A single pass cannot tell a dead worker from one cut off by an outage that just
+        ended, so it ends lapsed leases only when asked to (`end_lapsed_leases`, for when
+        you know their workers are gone); a running relay ends them after its grace.
         Returns how many dispatches a single pass moved on (0 when running on).
         """
         if once:
-            return self._relay.run_once()
+            return self._relay.run_once(end_lapsed_leases=end_lapsed_leases)
         self._relay.run_forever(stop or threading.Event())
         return 0
 

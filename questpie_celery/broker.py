@@ -46,14 +46,20 @@ class MessageHeader:
     attempt: int = 1
     """Which claim this delivery is meant to take (1 for the first run)."""
     run: RunOptions = field(default_factory=RunOptions)
+    token: str | None = None
+    """The fencing token of an earlier try of this very delivery, sent back to the broker
+    while the ledger was unreachable: its claim may have landed unseen."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        data: dict[str, Any] = {
             "v": HEADER_VERSION,
             "ledgered": self.ledgered,
             "attempt": self.attempt,
             "run": self.run.to_dict(),
         }
+        if self.token is not None:
+            data["token"] = self.token
+        return data
 
     @classmethod
     def from_request(cls, request: Any) -> MessageHeader | None:
@@ -64,10 +70,12 @@ class MessageHeader:
         if not isinstance(raw, Mapping):
             return None
         attempt = raw.get("attempt", 1)
+        token = raw.get("token")
         return cls(
             ledgered=raw.get("ledgered") is True,
             attempt=attempt if isinstance(attempt, int) and attempt >= 1 else 1,
             run=RunOptions.from_dict(raw.get("run")),
+            token=token if isinstance(token, str) and len(token) == 36 else None,
         )
 
 

@@ -101,11 +101,17 @@ def policy_show(job_name: str, app: str | None, ledger_url: str | None) -> None:
 @main.command()
 @click.option("-A", "--app", required=True, help="module:attribute of your Questpie instance")
 @click.option("--once", is_flag=True, help="make one pass and exit")
-def relay(app: str, once: bool) -> None:
+@click.option(
+    "--end-lapsed-leases",
+    is_flag=True,
+    help="with --once: also end lapsed leases now (only when their workers are gone)",
+)
+def relay(app: str, once: bool, end_lapsed_leases: bool) -> None:
     """Run the relay in the foreground (workers also run it in the background)."""
     questpie = load_questpie(app)
     if once:
-        click.echo(f"moved {questpie.run_relay(once=True)} dispatch(es)")
+        moved = questpie.run_relay(once=True, end_lapsed_leases=end_lapsed_leases)
+        click.echo(f"moved {moved} dispatch(es)")
         return
     stop = threading.Event()
     click.echo(f"relay running every {questpie.relay_interval}s; Ctrl-C stops it")

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from celery import Task
-from celery.exceptions import Ignore, Retry
+from celery.exceptions import Ignore, Retry, SoftTimeLimitExceeded
 from celery.states import STARTED
 
-from .broker import MessageHeader, carry_for_retry, carry_from_request
+from .broker import HEADER, MessageHeader, carry_for_retry, carry_from_request
 from .crypto import Keyring, Sealed
 from .errors import (
     HandlerAbortedError,
@@ -58,6 +58,8 @@ CLAIM_PATIENCE_SECONDS = 30.0
 REQUEUE_DELAY_SECONDS = 5.0
 #: The longest pause between two tries while the ledger (or the broker) is unreachable.
 MAX_PAUSE_SECONDS = 5.0
+#: How long before a run's soft time limit a delivery stops waiting for the ledger.
+SOFT_LIMIT_MARGIN_SECONDS = 2.0
 
 
 @dataclass
@@ -68,7 +70,7 @@ class _Ending:
     result: Any = None
     error: str | None = None  # the exception's class name
     for_good: bool = False
-    exit: type[BaseException] | None = None  # SystemExit or KeyboardInterrupt
+    exit: BaseException | None = None  # a fresh SystemExit or KeyboardInterrupt to re-raise
     visible: Exception | None = None  # what Celery may see of it
 
 
@@ -101,12 +103,19 @@ class Fence:
         """Take an unledgered delivery of a policy-limited job into the ledger, then run it."""
         body = definition.to_json(payload)  # a malformed payload fails the message
         options = resolve_options(definition.options, {})
+        # Sent back while the ledger was away, the delivery says so (with its token), and
+        # keeps its run options: it stays a plain delivery, to be taken in again.
+        back = MessageHeader(
+            ledgered=False,
+            run=header.run if header is not None else options.run,
+            token=(header.token if header is not None else None) or str(uuid.uuid4()),
+        )
         new = NewDispatch(
             id=task.request.id,
             job_name=definition.name,
             payload=body,
             options=StoredOptions(
-                run=header.run if header is not None else options.run,
+                run=back.run,
                 priority=options.priority,
                 queue=options.queue,
                 # Its route, headers and Canvas links, so a later send keeps them.
@@ -121,7 +130,7 @@ class Fence:
         def adopt() -> bool:
             return self._ledger.insert(new) or self._ledger.exists(new.id)
 
-        if not self._patiently(task, adopt):
+        if not self._patiently(task, adopt, back):
             log.info(
                 "delivery %s of job %s suppressed by its %s queue policy (slot %r is taken)",
                 new.id,
@@ -137,22 +146,45 @@ class Fence:
                 policy=str(policy),
             )
             raise Ignore()
-        return self.run(task, definition, attempt=1, payload=body)
+        return self._run(task, definition, attempt=1, payload=body, back=back)
 
-    def run(self, task: Task, definition: JobDefinition[Any], *, attempt: int, payload: Any) -> Any:
-        """Claim delivery `attempt`, run the handler under a renewed lease, record the end."""
+    def run(
+        self, task: Task, definition: JobDefinition[Any], header: MessageHeader, payload: Any
+    ) -> Any:
+        """Claim the delivery, run the handler under a renewed lease, record the end."""
+        # One token for every try of this delivery, also across a trip back to the broker
+        # while the ledger was unreachable: a try whose reply was lost is recognised.
+        back = MessageHeader(
+            ledgered=True,
+            attempt=header.attempt,
+            run=header.run,
+            token=header.token or str(uuid.uuid4()),
+        )
+        return self._run(task, definition, attempt=header.attempt, payload=payload, back=back)
+
+    def _run(
+        self,
+        task: Task,
+        definition: JobDefinition[Any],
+        *,
+        attempt: int,
+        payload: Any,
+        back: MessageHeader,
+    ) -> Any:
         dispatch_id: str = task.request.id
-        # One token for every try of this delivery: a try whose reply was lost is ours.
-        token = str(uuid.uuid4())
+        token = back.token or ""
         claim = self._patiently(
             task,
             lambda: self._ledger.claim(
                 dispatch_id, definition.name, attempt, self._leases.lease_seconds, token
             ),
+            back,
         )
         if claim.outcome == "blocked":
             # Another run holds the slot: set this one aside, acknowledged and uncounted.
-            self._patiently(task, lambda: self._slots.park(dispatch_id, definition.name, attempt))
+            self._patiently(
+                task, lambda: self._slots.park(dispatch_id, definition.name, attempt), back
+            )
             raise Ignore()
         if claim.outcome != "claimed" or claim.row is None:
             log.info(
@@ -165,8 +197,9 @@ class Fence:
             )
             raise Ignore()
         row = claim.row
-        mark_started(task)
         with self._leases.hold(dispatch_id, token, row.options.run.expire_in_seconds):
+            # Inside the hold: a result backend that stalls must not let the lease lapse.
+            mark_started(task)
             ending = self._call(definition, row, payload)
         if ending.error is None:
             if not self._outcomes.completed(row, token):
@@ -180,7 +213,7 @@ class Fence:
             carry=carry_for_retry(row.options.carry, task.request),
         )
         if ending.exit is not None:
-            raise ending.exit()  # recorded; now let the process stop as it was asked to
+            raise ending.exit  # recorded; now let the process stop as it was asked to
         if result == "failed":
             raise ending.visible or HandlerAbortedError()
         if result == "retrying":
@@ -211,11 +244,31 @@ class Fence:
         # A secret dispatch's return value is never stored: it may echo the payload.
         return _Ending(result=None if row.secret else result)
 
-    def _patiently(self, task: Task, step: Callable[[], T]) -> T:
-        """Run a fence step, waiting out a ledger outage or a held row. Past the patience,
-        the delivery goes back to the broker rather than being acknowledged and lost; if
-        the broker refuses that too, keep trying both."""
-        deadline = time.monotonic() + CLAIM_PATIENCE_SECONDS
+    def patiently(
+        self,
+        task: Task,
+        step: Callable[[], T],
+        header: MessageHeader | None,
+        definition: JobDefinition[Any],
+    ) -> T:
+        """`step` waited out like a claim, for a delivery not yet in the ledger."""
+        back = header or MessageHeader(
+            ledgered=False, run=resolve_options(definition.options, {}).run
+        )
+        if back.token is None:
+            back = MessageHeader(back.ledgered, back.attempt, back.run, str(uuid.uuid4()))
+        return self._patiently(task, step, back)
+
+    def _patiently(self, task: Task, step: Callable[[], T], back: MessageHeader) -> T:
+        """Run a fence step, waiting out a ledger outage or a held row.
+
+        Past the patience (and before the run's soft time limit, which would otherwise
+        end the wait with the message already acknowledged), the delivery goes back to
+        the broker, carrying `back` (its token), rather than being lost; if the broker
+        refuses that too, keep trying both.
+        """
+        started = time.monotonic()
+        deadline = started + min(CLAIM_PATIENCE_SECONDS, _time_before_soft_limit(task))
         pause = 0.2
         while True:
             try:
@@ -223,7 +276,7 @@ class Fence:
             except (LedgerUnavailableError, LedgerBusyError) as exc:
                 if task.request.is_eager:
                     raise  # publish() is waiting on this run inline: tell it
-                if time.monotonic() >= deadline and self._requeue(task, exc):
+                if time.monotonic() >= deadline and self._requeue(task, exc, back):
                     raise Ignore() from None
                 log.warning(
                     "dispatch %s: the ledger is unreachable or busy (%s); waiting to claim it",
@@ -231,14 +284,23 @@ class Fence:
                     exc,
                     extra={"dispatch_id": task.request.id},
                 )
+            except SoftTimeLimitExceeded:
+                # A limit shorter than the patience: go back to the broker now.
+                if self._requeue(task, LedgerUnavailableError("soft time limit"), back):
+                    raise Ignore() from None
+                raise
             time.sleep(pause)
             pause = min(pause * 2, MAX_PAUSE_SECONDS)
 
-    def _requeue(self, task: Task, exc: Exception) -> bool:
-        """Send the same message again (id, headers, payload, route); its next delivery
-        claims. False when the broker refused it too."""
+    def _requeue(self, task: Task, exc: Exception, back: MessageHeader) -> bool:
+        """Send the same message again (id, payload, route, headers, with `back` as its
+        questpie header); its next delivery claims. False when the broker refused it."""
         try:
-            task.signature_from_request(task.request).apply_async(countdown=REQUEUE_DELAY_SECONDS)
+            signature = task.signature_from_request(task.request)
+            headers = dict(signature.options.get("headers") or {})
+            headers[HEADER] = back.to_dict()
+            signature.options["headers"] = headers
+            signature.apply_async(countdown=REQUEUE_DELAY_SECONDS)
         except Exception as send_error:
             log.warning(
                 "dispatch %s: the ledger is unreachable (%s) and the broker refused the "
@@ -282,7 +344,13 @@ def _ending_of(row: DispatchRow, exc: BaseException, *, for_good: bool) -> _Endi
     For a secret dispatch, only the class name: Celery sees a `SecretJobError` created
     fresh here, with no __cause__, no __context__ and no frame that held plaintext.
     """
-    exit_kind = type(exc) if isinstance(exc, KeyboardInterrupt | SystemExit) else None
+    exit_kind: BaseException | None = None
+    if isinstance(exc, KeyboardInterrupt):
+        exit_kind = KeyboardInterrupt()
+    elif isinstance(exc, SystemExit):
+        # Its exit code, when it is one; any other argument might hold plaintext.
+        code = exc.code if isinstance(exc.code, int) else 1 if exc.code is not None else None
+        exit_kind = SystemExit(code)
     visible: Exception
     if row.secret:
         visible = SecretJobError(type(exc).__name__)
@@ -292,6 +360,18 @@ def _ending_of(row: DispatchRow, exc: BaseException, *, for_good: bool) -> _Endi
     else:
         visible = HandlerAbortedError(f"the handler raised {type(exc).__name__}")
     return _Ending(error=type(exc).__name__, for_good=for_good, exit=exit_kind, visible=visible)
+
+
+def _time_before_soft_limit(task: Task) -> float:
+    """Seconds left, from now, for waiting before the run's soft time limit (a margin
+    left); infinity when it has none."""
+    limits = task.request.timelimit or (None, None)
+    soft = limits[1] if len(limits) > 1 else None
+    soft = soft or task.soft_time_limit or task.app.conf.task_soft_time_limit
+    if not soft:
+        return float("inf")
+    started = getattr(task.request, "questpie_started", None) or time.monotonic()
+    return max(float(soft) - SOFT_LIMIT_MARGIN_SECONDS - (time.monotonic() - started), 0.0)
 
 
 def mark_started(task: Task) -> None:

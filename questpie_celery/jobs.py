@@ -94,6 +94,9 @@ class JobDefinition(Generic[P]):
                 f"{_field_path(self.schema, err['loc'])}: {err['type']}"
                 for err in exc.errors(include_input=False, include_url=False)
             )
+        except Exception as exc:
+            # A validator that raised something else: its message may quote the input.
+            problems = f"a validator raised {type(exc).__name__}"
         raise PayloadValidationError(
             f"payload for job {self.name!r} does not match {self.schema.__name__}: {problems}"
         )

@@ -109,12 +109,13 @@ class LeaseKeeper:
             return False
         if renewed:
             return True
-        log.warning(
-            "lost the execution claim of dispatch %s while it ran",
-            lease.dispatch_id,
-            extra={"dispatch_id": lease.dispatch_id},
-        )
-        lease.lost = True
         with self._lock:
-            self._held.pop(lease.token, None)
+            still_held = self._held.pop(lease.token, None) is not None
+        if still_held:  # not a run that ended (and recorded itself) just now
+            log.warning(
+                "lost the execution claim of dispatch %s while it ran",
+                lease.dispatch_id,
+                extra={"dispatch_id": lease.dispatch_id},
+            )
+            lease.lost = True
         return True

@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
+from celery.exceptions import SoftTimeLimitExceeded
+
 from .errors import LedgerBusyError, LedgerUnavailableError, QuestpieError
 from .ledger import DispatchRow, Ledger
 from .outbox import Outbox
@@ -107,6 +109,15 @@ class Outcomes:
                     "dispatch %s: could not record its outcome yet (%s); trying again",
                     row.id,
                     exc,
+                    extra={"dispatch_id": row.id, "job_name": row.job_name},
+                )
+            except SoftTimeLimitExceeded:
+                # The run's soft limit fell while its outcome was being recorded: the
+                # handler is done, so keep trying (the hard limit still bounds the wait).
+                log.warning(
+                    "dispatch %s: soft time limit reached while recording its outcome; "
+                    "still trying",
+                    row.id,
                     extra={"dispatch_id": row.id, "job_name": row.job_name},
                 )
                 time.sleep(pause)

@@ -7,10 +7,12 @@ policy only while none is recorded. A different declaration later is logged
 and ignored; `questpie-celery policy set JOB POLICY` changes it on purpose.
 
 Each process caches what it read for `POLICY_CACHE_SECONDS`. While the ledger
-cannot be reached, the last policy this process read stays in force, and a
-process that never read one goes by the job's declaration; so an unkeyed
-publish of a `standard` job needs no database at all. A worker enforces the
-recorded policy on every delivery anyway, however the message was sent.
+cannot be reached, the last policy this process read stays in force. A publisher
+that never read one goes by the job's declaration, so an unkeyed publish of a
+`standard` job needs no database at all; a worker never guesses: it reads every
+job's policy before its pool forks, and a delivery whose job's policy it could
+not read waits for the ledger, like a claim. So the worker enforces the recorded
+policy on every delivery, however the message was sent.
 """
 
 from __future__ import annotations
@@ -58,13 +60,13 @@ class PolicyBook:
         return recorded or QueuePolicy.STANDARD
 
     def in_force(self, definition: JobDefinition[Any]) -> QueuePolicy:
-        """The policy a delivery of the job runs under, at a worker."""
+        """The policy a delivery of the job runs under, at a worker.
+
+        Raises `LedgerUnavailableError` when the ledger is down and this process never
+        read the job's policy.
+        """
         declared = QueuePolicy.parse(definition.options.get("queue_policy"))
-        try:
-            recorded = self._recorded(definition.name)
-        except LedgerUnavailableError:
-            return declared or QueuePolicy.STANDARD
-        return recorded or declared or QueuePolicy.STANDARD
+        return self._recorded(definition.name) or declared or QueuePolicy.STANDARD
 
     def record_all(self, definitions: Iterable[JobDefinition[Any]]) -> None:
         """Record the declared policy (or standard) of every job that has none."""

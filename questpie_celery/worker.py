@@ -9,6 +9,7 @@ job, or an unkeyed standard publish) runs unfenced, with Celery's own retries.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from celery import Celery, Task
@@ -59,11 +60,16 @@ class Runner:
         )(run)
 
     def execute(self, task: JobTask, payload: Any) -> Any:
+        task.request.questpie_started = time.monotonic()  # the soft time limit runs from here
         definition = task.questpie_definition
         header = MessageHeader.from_request(task.request)
         if header is not None and header.ledgered:
-            return self._fence.run(task, definition, attempt=header.attempt, payload=payload)
-        policy = self._policies.in_force(definition)
+            return self._fence.run(task, definition, header, payload)
+        # A policy this process never read, with the ledger down, is waited for like a
+        # claim: guessing `standard` could run a policy job unfenced.
+        policy = self._fence.patiently(
+            task, lambda: self._policies.in_force(definition), header, definition
+        )
         if policy.ledgered:
             return self._fence.adopt_and_run(task, definition, policy, header, payload)
         return self._run_plain(task, definition, header, payload)

@@ -37,7 +37,11 @@ def create_ledger_engine(url: str) -> Engine:
             parsed = parsed.set(drivername="postgresql+psycopg")
         backend = parsed.get_backend_name()
         if backend == "sqlite":
-            engine = create_engine(parsed, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000})
+            engine = create_engine(
+                parsed,
+                connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000},
+                hide_parameters=True,  # errors name no statement value: no payload in logs
+            )
             _configure_sqlite(engine)
             return engine
         if backend != "postgresql":
@@ -58,7 +62,12 @@ def create_ledger_engine(url: str) -> Engine:
             "keepalives_interval": 5,
             "keepalives_count": 3,
         }
-        engine = create_engine(parsed, connect_args=connect_args, isolation_level="AUTOCOMMIT")
+        engine = create_engine(
+            parsed,
+            connect_args=connect_args,
+            isolation_level="AUTOCOMMIT",
+            hide_parameters=True,  # errors name no statement value: no payload in logs
+        )
     except (ArgumentError, NoSuchModuleError) as error:
         raise ConfigurationError(f"invalid ledger URL: {error}") from None
     _AUTOCOMMIT_ENGINES.add(engine)

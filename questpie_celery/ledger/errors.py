@@ -11,6 +11,8 @@ from ..errors import LedgerBusyError, LedgerError, LedgerSchemaError, LedgerUnav
 
 _PG_LOCK_NOT_AVAILABLE = "55P03"
 _PG_UNDEFINED_TABLE = "42P01"
+#: A server that only reads: a standby, or a primary being demoted mid-failover.
+_PG_READ_ONLY = "25006"
 
 
 class SlotTaken(Exception):
@@ -41,6 +43,11 @@ def _translate(error: exc.DBAPIError) -> LedgerError:
         return LedgerBusyError(
             "a ledger row is held by another open transaction (lock_timeout reached); "
             "try again once it ends"
+        )
+    if sqlstate == _PG_READ_ONLY:
+        return LedgerUnavailableError(
+            "the dispatch ledger database is read-only just now (a standby, or a failover "
+            "in progress)"
         )
     if error.connection_invalidated or isinstance(error, exc.OperationalError | exc.InterfaceError):
         # The driver's first line says why (refused, timed out, auth failed); connection

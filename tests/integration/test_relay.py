@@ -271,7 +271,7 @@ def test_a_pass_with_the_broker_down_is_prompt_and_still_ends_lapsed_leases(
     offline = offline_questpie(stack, broker)
     try:
         started = time.monotonic()
-        moved = offline.run_relay(once=True)
+        moved = offline.run_relay(once=True, end_lapsed_leases=True)
         took = time.monotonic() - started
     finally:
         offline.close()
@@ -318,7 +318,7 @@ def test_a_refused_send_leaves_the_row_due_for_the_relay_soon(
             started_at=now - timedelta(seconds=65),
             lease_expires_at=now - timedelta(seconds=5),
         )
-        assert offline.run_relay(once=True) == 1
+        assert offline.run_relay(once=True, end_lapsed_leases=True) == 1
     finally:
         offline.close()
     row = stack.row(lapsed)

