@@ -267,30 +267,32 @@ class Fence:
         the broker, carrying `back` (its token), rather than being lost; if the broker
         refuses that too, keep trying both.
         """
-        started = time.monotonic()
-        deadline = started + min(CLAIM_PATIENCE_SECONDS, _time_before_soft_limit(task))
+        deadline = time.monotonic() + min(CLAIM_PATIENCE_SECONDS, _time_before_soft_limit(task))
         pause = 0.2
         while True:
             try:
-                return step()
-            except (LedgerUnavailableError, LedgerBusyError) as exc:
-                if task.request.is_eager:
-                    raise  # publish() is waiting on this run inline: tell it
-                if time.monotonic() >= deadline and self._requeue(task, exc, back):
-                    raise Ignore() from None
-                log.warning(
-                    "dispatch %s: the ledger is unreachable or busy (%s); waiting to claim it",
-                    task.request.id,
-                    exc,
-                    extra={"dispatch_id": task.request.id},
-                )
+                try:
+                    return step()
+                except (LedgerUnavailableError, LedgerBusyError) as exc:
+                    if task.request.is_eager:
+                        raise  # publish() is waiting on this run inline: tell it
+                    if time.monotonic() >= deadline and self._requeue(task, exc, back):
+                        raise Ignore() from None
+                    log.warning(
+                        "dispatch %s: the ledger is unreachable or busy (%s); waiting to claim it",
+                        task.request.id,
+                        exc,
+                        extra={"dispatch_id": task.request.id},
+                    )
+                # Never sleep past the deadline: the soft limit follows it closely.
+                left = deadline - time.monotonic()
+                time.sleep(min(pause, left) if left > 0 else pause)
+                pause = min(pause * 2, MAX_PAUSE_SECONDS)
             except SoftTimeLimitExceeded:
-                # A limit shorter than the patience: go back to the broker now.
+                # A limit that fell anyway (in a statement, say): go back to the broker.
                 if self._requeue(task, LedgerUnavailableError("soft time limit"), back):
                     raise Ignore() from None
                 raise
-            time.sleep(pause)
-            pause = min(pause * 2, MAX_PAUSE_SECONDS)
 
     def _requeue(self, task: Task, exc: Exception, back: MessageHeader) -> bool:
         """Send the same message again (id, payload, route, headers, with `back` as its

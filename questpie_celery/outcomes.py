@@ -101,27 +101,29 @@ class Outcomes:
         pause = 0.1
         while True:
             try:
-                return write()
-            except (LedgerUnavailableError, LedgerBusyError) as exc:
-                if time.monotonic() + pause >= until:
-                    raise
-                log.warning(
-                    "dispatch %s: could not record its outcome yet (%s); trying again",
-                    row.id,
-                    exc,
-                    extra={"dispatch_id": row.id, "job_name": row.job_name},
-                )
+                try:
+                    return write()
+                except (LedgerUnavailableError, LedgerBusyError) as exc:
+                    if time.monotonic() + pause >= until:
+                        raise
+                    log.warning(
+                        "dispatch %s: could not record its outcome yet (%s); trying again",
+                        row.id,
+                        exc,
+                        extra={"dispatch_id": row.id, "job_name": row.job_name},
+                    )
+                time.sleep(pause)
+                pause = min(pause * 2, MAX_WRITE_PAUSE_SECONDS)
             except SoftTimeLimitExceeded:
-                # The run's soft limit fell while its outcome was being recorded: the
-                # handler is done, so keep trying (the hard limit still bounds the wait).
+                # The run's soft limit fell while its outcome was being recorded (in the
+                # write, the log or the pause): the handler is done, so keep trying. The
+                # hard limit still bounds the wait.
                 log.warning(
                     "dispatch %s: soft time limit reached while recording its outcome; "
                     "still trying",
                     row.id,
                     extra={"dispatch_id": row.id, "job_name": row.job_name},
                 )
-                time.sleep(pause)
-                pause = min(pause * 2, MAX_WRITE_PAUSE_SECONDS)
 
     def _hand_on(self, row: DispatchRow) -> None:
         try:

@@ -72,8 +72,9 @@ def test_autodiscovered_jobs_are_registered_without_listing(
     }
     pythonpath = f"{tmp_path}{os.pathsep}{ROOT}"
     env = {**os.environ, **settings, "PYTHONPATH": pythonpath}
+    cli = str(Path(sys.executable).parent / "questpie-celery")
     migrated = subprocess.run(
-        [str(Path(sys.executable).parent / "questpie-celery"), "migrate", "-A", "proj.celery:questpie"],
+        [cli, "migrate", "-A", "proj.celery:questpie"],
         cwd=tmp_path, env=env, capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert migrated.returncode == 0, migrated.stderr

@@ -117,6 +117,22 @@ class PostgresServer:
         admin.dispose()
         return int(killed)
 
+    def set_read_only(self, database_url: str, read_only: bool) -> None:
+        """Make `database_url`'s database refuse writes (SQLSTATE 25006), as a standby or
+        a primary being demoted in a failover does, or accept them again; the sessions
+        open on it are ended so that new ones pick the setting up."""
+        name = database_url.rsplit("/", 1)[1]
+        admin = create_engine(self.url(), isolation_level="AUTOCOMMIT")
+        with admin.connect() as conn:
+            conn.execute(
+                text(
+                    f'ALTER DATABASE "{name}" SET default_transaction_read_only = '
+                    f"{'on' if read_only else 'off'}"
+                )
+            )
+        admin.dispose()
+        self.terminate_backends(database_url)
+
     def close(self) -> None:
         self.stop("immediate")
         shutil.rmtree(self.base, ignore_errors=True)
@@ -146,11 +162,23 @@ class RedisServer:
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
+            self.resume()  # a paused server cannot act on SIGTERM
             self.proc.terminate()
             self.proc.wait(10)
 
     def url(self, db: int = 0) -> str:
         return f"redis://127.0.0.1:{self.port}/{db}"
+
+    def pause(self) -> None:
+        """Stop the server process (SIGSTOP): connections stay open, nothing is answered,
+        as with a server stalled by a long fork or a network that drops packets."""
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """Let a paused server go on (SIGCONT)."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
 
     def new_db(self) -> int:
         self._databases += 1
