@@ -17,6 +17,7 @@ from typing import Any
 
 from celery import Celery
 
+from . import telemetry
 from .errors import BrokerError
 from .options import MAX_PRIORITY, RunOptions
 
@@ -223,6 +224,7 @@ class Sender:
         """Publish one message; raise `BrokerError` if the broker does not take it."""
         carried = dict(carry or {})
         headers = {**carried.pop("headers", {}), HEADER: header.to_dict()}
+        telemetry.inject(headers)  # the consumer's span continues the sender's trace
         if self.eager:
             # Celery's eager mode ignores ETAs as well; what the handler raises propagates
             # exactly as it would from apply_async() when task_eager_propagates is set.

@@ -28,6 +28,7 @@ from celery import Task
 from celery.exceptions import Ignore, Retry, SoftTimeLimitExceeded
 from celery.states import STARTED
 
+from . import telemetry
 from .broker import HEADER, MessageHeader, carry_for_retry, carry_from_request
 from .crypto import Keyring, Sealed
 from .errors import (
@@ -173,20 +174,26 @@ class Fence:
     ) -> Any:
         dispatch_id: str = task.request.id
         token = back.token or ""
-        claim = self._patiently(
-            task,
-            lambda: self._ledger.claim(
-                dispatch_id, definition.name, attempt, self._leases.lease_seconds, token
-            ),
-            back,
-        )
+        delivery = telemetry.current()
+        delivery.set(attempt=attempt)
+        with telemetry.span("questpie.claim", attempt=attempt) as claiming:
+            claim = self._patiently(
+                task,
+                lambda: self._ledger.claim(
+                    dispatch_id, definition.name, attempt, self._leases.lease_seconds, token
+                ),
+                back,
+            )
+            claiming.set(outcome=claim.outcome)
         if claim.outcome == "blocked":
             # Another run holds the slot: set this one aside, acknowledged and uncounted.
             self._patiently(
                 task, lambda: self._slots.park(dispatch_id, definition.name, attempt), back
             )
+            delivery.set(outcome="parked")
             raise Ignore()
         if claim.outcome != "claimed" or claim.row is None:
+            delivery.set(outcome=f"skipped: {claim.outcome}")
             log.info(
                 "dispatch %s of job %s: delivery for attempt %d skipped (%s)",
                 dispatch_id,
@@ -197,21 +204,31 @@ class Fence:
             )
             raise Ignore()
         row = claim.row
+        delivery.set(policy=str(row.policy or "standard"))
         with self._leases.hold(dispatch_id, token, row.options.run.expire_in_seconds):
             # Inside the hold: a result backend that stalls must not let the lease lapse.
             mark_started(task)
-            ending = self._call(definition, row, payload)
+            with telemetry.span("questpie.run", attempt=row.attempt) as running:
+                ending = self._call(definition, row, payload)
+                running.set(outcome="returned" if ending.error is None else ending.error)
+        with telemetry.span("questpie.end", attempt=row.attempt) as ending_span:
+            if ending.error is None:
+                recorded = self._outcomes.completed(row, token)
+                result = "completed" if recorded else "lost"
+            else:
+                result = self._outcomes.attempt_failed(
+                    row,
+                    token,
+                    ending.error,
+                    for_good=ending.for_good,
+                    carry=carry_for_retry(row.options.carry, task.request),
+                )
+            ending_span.set(outcome=result)
+            delivery.set(outcome=result)
         if ending.error is None:
-            if not self._outcomes.completed(row, token):
+            if result != "completed":
                 raise Ignore()
             return ending.result
-        result = self._outcomes.attempt_failed(
-            row,
-            token,
-            ending.error,
-            for_good=ending.for_good,
-            carry=carry_for_retry(row.options.carry, task.request),
-        )
         if ending.exit is not None:
             raise ending.exit  # recorded; now let the process stop as it was asked to
         if result == "failed":

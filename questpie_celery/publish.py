@@ -16,6 +16,7 @@ from typing import Any
 from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
+from . import telemetry
 from .broker import MessageHeader, Sender
 from .crypto import Keyring
 from .ids import derive_dispatch_id, random_dispatch_id
@@ -56,10 +57,25 @@ class Publisher:
     ) -> str | None:
         """Validate the payload, then route the dispatch; return its id, or None when a
         queue policy suppressed it."""
+        with telemetry.span("questpie.publish", job=definition.name) as span:
+            dispatch_id = self._publish(definition, payload, options, session, connection, span)
+            span.set(dispatch_id=dispatch_id, outcome="accepted" if dispatch_id else "suppressed")
+            return dispatch_id
+
+    def _publish(
+        self,
+        definition: JobDefinition[Any],
+        payload: Any,
+        options: DispatchOptions,
+        session: Session | None,
+        connection: Connection | None,
+        span: telemetry.Span,
+    ) -> str | None:
         keyring = self._keyring() if options.secret_payload else None
         body = definition.to_json(payload)
         caller = caller_connection(self._ledger, session, connection)
         policy = self._policies.effective(definition, options.queue_policy)
+        span.set(policy=str(policy))
         if not policy.ledgered and options.singleton_key is not None:
             self._policies.warn_ignored_singleton_key(definition.name)
         now = datetime.now(UTC)

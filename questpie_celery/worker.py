@@ -14,6 +14,7 @@ from typing import Any
 
 from celery import Celery, Task
 
+from . import telemetry
 from .broker import MessageHeader
 from .errors import HandlerAbortedError, PermanentFailure
 from .fence import Fence, mark_started
@@ -62,6 +63,15 @@ class Runner:
     def execute(self, task: JobTask, payload: Any) -> Any:
         task.request.questpie_started = time.monotonic()  # the soft time limit runs from here
         definition = task.questpie_definition
+        with (
+            telemetry.continued_from(task.request.headers),
+            telemetry.span(
+                "questpie.deliver", consumer=True, job=definition.name, dispatch_id=task.request.id
+            ),
+        ):
+            return self._execute(task, definition, payload)
+
+    def _execute(self, task: JobTask, definition: JobDefinition[Any], payload: Any) -> Any:
         header = MessageHeader.from_request(task.request)
         if header is not None and header.ledgered:
             return self._fence.run(task, definition, header, payload)
@@ -94,17 +104,25 @@ class Runner:
             retry_limit=run.retry_limit,
         )
         failure: BaseException | None = None
+        telemetry.current().set(attempt=attempt, policy="standard")
         try:
-            return call_handler(definition, model, ctx)
+            with telemetry.span("questpie.run", attempt=attempt):
+                result = call_handler(definition, model, ctx)
         except (PermanentFailure, KeyboardInterrupt, SystemExit):
+            telemetry.current().set(outcome="failed")
             raise
         except BaseException as exc:  # retried below, as Celery would
             failure = exc
+        else:
+            telemetry.current().set(outcome="completed")
+            return result
         seen = (
             failure
             if isinstance(failure, Exception)
             else HandlerAbortedError(f"the handler raised {type(failure).__name__}")
         )
         if attempt > run.retry_limit:
+            telemetry.current().set(outcome="failed")
             raise seen
+        telemetry.current().set(outcome="retrying")
         raise task.retry(exc=seen, countdown=run.delay_before_retry(attempt)) from None

@@ -1,0 +1,128 @@
+"""OpenTelemetry spans for publish, claim, run and end of attempt, with the trace context
+carried through the message, checked with the SDK's in-memory exporter."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from celery import Celery
+from kombu import Connection
+from opentelemetry import trace
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from pydantic import BaseModel
+
+from questpie_celery import JobContext, Questpie, job
+
+EXPORTER = InMemorySpanExporter()
+_provider = TracerProvider()
+_provider.add_span_processor(SimpleSpanProcessor(EXPORTER))
+trace.set_tracer_provider(_provider)
+SECRET = "t" * 40
+
+
+class Traced(BaseModel):
+    tag: str
+    link: str = ""
+    fail_times: int = 0
+
+
+@job(name="traced", schema=Traced, options={"retry_limit": 2})
+def traced(payload: Traced, ctx: JobContext) -> None:
+    if ctx.attempt <= payload.fail_times:
+        raise RuntimeError(f"planned failure with {payload.link}")
+
+
+def make(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, eager: bool) -> Questpie:
+    del monkeypatch
+    url = f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
+    app = Celery("traced", broker="memory://")
+    app.conf.task_always_eager = eager
+    app.conf.task_default_queue = f"traced-{uuid.uuid4().hex[:6]}"
+    questpie = Questpie(app, ledger_url=url, jobs=[traced], secret=SECRET)
+    questpie.migrate()
+    return questpie
+
+
+@pytest.fixture
+def spans() -> Iterator[InMemorySpanExporter]:
+    EXPORTER.clear()
+    yield EXPORTER
+    EXPORTER.clear()
+
+
+def named(spans: InMemorySpanExporter, name: str) -> list[ReadableSpan]:
+    return [s for s in spans.get_finished_spans() if s.name == name]
+
+
+def attrs(span: ReadableSpan) -> dict[str, object]:
+    return dict(span.attributes or {})
+
+
+def test_a_delivery_continues_the_publish_trace(
+    tmp_path: Path, spans: InMemorySpanExporter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    questpie = make(tmp_path, monkeypatch, eager=True)
+    dispatch_id = questpie.queue.traced.publish(
+        {"tag": "traced", "fail_times": 1}, idempotency_key="trace-1"
+    )
+    [publish] = named(spans, "questpie.publish")
+    assert publish.kind == trace.SpanKind.PRODUCER
+    assert attrs(publish) == {
+        "questpie.job": "traced",
+        "questpie.dispatch_id": dispatch_id,
+        "questpie.outcome": "accepted",
+        "questpie.policy": "standard",
+    }
+    deliveries = named(spans, "questpie.deliver")
+    assert sorted(int(str(attrs(d)["questpie.attempt"])) for d in deliveries) == [1, 2]
+    by_attempt = {attrs(d)["questpie.attempt"]: d for d in deliveries}
+    first, retry = by_attempt[1], by_attempt[2]
+    assert first.kind == trace.SpanKind.CONSUMER
+    # The first delivery is a child of the publish; the retry, of the run that failed.
+    assert first.parent is not None and first.parent.span_id == publish.context.span_id
+    assert retry.context.trace_id == publish.context.trace_id
+    assert (attrs(first)["questpie.outcome"], attrs(retry)["questpie.outcome"]) == (
+        "retrying",
+        "completed",
+    )
+    for name in ("questpie.claim", "questpie.run", "questpie.end"):
+        assert len(named(spans, name)) == 2, name
+    questpie.close()
+
+
+def test_the_trace_context_travels_in_the_message(
+    tmp_path: Path, spans: InMemorySpanExporter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    questpie = make(tmp_path, monkeypatch, eager=False)
+    queue = questpie.celery_app.conf.task_default_queue
+    questpie.queue.traced.publish({"tag": "carried"}, idempotency_key="trace-2")
+    [publish] = named(spans, "questpie.publish")
+    with Connection("memory://") as conn:
+        message = conn.SimpleQueue(queue).get(timeout=5)
+        message.ack()
+    traceparent = message.headers["traceparent"]
+    assert traceparent.split("-")[1] == f"{publish.context.trace_id:032x}"
+    questpie.close()
+
+
+def test_spans_hold_no_payload(
+    tmp_path: Path, spans: InMemorySpanExporter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    questpie = make(tmp_path, monkeypatch, eager=True)
+    canary = f"canary-{uuid.uuid4().hex}"
+    questpie.queue.traced.publish(
+        {"tag": "s", "link": canary, "fail_times": 1},
+        idempotency_key="trace-secret",
+        secret_payload=True,
+    )
+    finished = spans.get_finished_spans()
+    assert finished
+    for span in finished:
+        text = f"{span.name} {span.attributes} {span.events} {span.status}"
+        assert canary not in text, span.name
+    questpie.close()
