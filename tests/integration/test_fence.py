@@ -25,7 +25,7 @@ from tests.support.services import RedisServer
 from tests.support.stack import Stack, tag
 
 SECRET = "f" * 16 + "-fence-secret-0123456789abcdef"
-TRACEPARENT = "00-abc-def-01"
+REQUEST_ID = "req-4711"
 
 
 @pytest.fixture(scope="module", params=["redis", "rabbitmq"])
@@ -211,14 +211,16 @@ def test_a_retry_keeps_the_deliverys_custom_headers(fence_stack: Stack) -> None:
     )
     assert dispatch_id is not None
     first = capture(stack, idle)
-    assert "traceparent" not in first.headers
-    first.headers["traceparent"] = TRACEPARENT  # a tracing context, added on the way
+    assert "x-request-id" not in first.headers
+    first.headers["x-request-id"] = (
+        REQUEST_ID  # a custom header, added on the way (a tracing context, say)
+    )
     deliver(stack, first)
     stack.wait_status(dispatch_id, "retry")
     retry = capture(stack, idle)
     assert (retry.headers["id"], retry.headers["task"]) == (dispatch_id, "record")
     assert retry.headers["questpie"]["attempt"] == 2
-    assert retry.headers.get("traceparent") == TRACEPARENT
+    assert retry.headers.get("x-request-id") == REQUEST_ID
     deliver(stack, retry)
     row = stack.wait_status(dispatch_id, "completed")
     assert row.attempt == 2

@@ -19,9 +19,8 @@ from pydantic import BaseModel
 from questpie_celery import JobContext, Questpie, job
 
 EXPORTER = InMemorySpanExporter()
-_provider = TracerProvider()
-_provider.add_span_processor(SimpleSpanProcessor(EXPORTER))
-trace.set_tracer_provider(_provider)
+PROVIDER = TracerProvider()
+PROVIDER.add_span_processor(SimpleSpanProcessor(EXPORTER))
 SECRET = "t" * 40
 
 
@@ -49,7 +48,10 @@ def make(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, eager: bool) -> Que
 
 
 @pytest.fixture
-def spans() -> Iterator[InMemorySpanExporter]:
+def spans(monkeypatch: pytest.MonkeyPatch) -> Iterator[InMemorySpanExporter]:
+    """This test's tracer provider, in place of the process-wide one (which can be set
+    only once, and would trace every later test of the session)."""
+    monkeypatch.setattr(trace, "get_tracer_provider", lambda: PROVIDER)
     EXPORTER.clear()
     yield EXPORTER
     EXPORTER.clear()
