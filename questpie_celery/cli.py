@@ -254,6 +254,44 @@ def dispatches_counts(app: str | None, ledger_url: str | None, as_json: bool) ->
         click.echo("(the ledger is empty)")
 
 
+@main.command()
+@click.option("-A", "--app", help="module:attribute of your Questpie instance")
+@click.option("--ledger-url", envvar="QUESTPIE_LEDGER_URL", help="SQLAlchemy URL of the ledger")
+@click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on")
+@click.option("--port", type=int, default=8700, show_default=True)
+@click.option(
+    "--public",
+    is_flag=True,
+    help="allow an address other than this machine's loopback; the page has no login, "
+    "so put it behind one",
+)
+@click.option("--refresh", type=click.IntRange(2, 3600), default=10, show_default=True)
+def web(
+    app: str | None, ledger_url: str | None, host: str, port: int, public: bool, refresh: int
+) -> None:
+    """Serve the read-only status page (needs `pip install 'questpie-celery[web]'`)."""
+    try:
+        from . import web as status_page  # noqa: PLC0415  (an optional extra)
+    except ImportError as exc:
+        raise click.ClickException(
+            f"the status page needs the web extra ({exc.name} is missing): "
+            "pip install 'questpie-celery[web]'"
+        ) from exc
+    if not status_page.is_loopback(host) and not public:
+        raise click.UsageError(
+            f"--host {host} would serve the page beyond this machine, and it has no login; "
+            "pass --public to do that on purpose"
+        )
+    operator = _operator(app, ledger_url)
+    label = operator.ledger_label
+    click.echo(f"status page of {label} on http://{host}:{port}/ (Ctrl-C stops it)")
+    status_page.serve(
+        status_page.status_app(operator, ledger=label, refresh_seconds=refresh),
+        host=host,
+        port=port,
+    )
+
+
 @contextlib.contextmanager
 def _clear_errors() -> Iterator[None]:
     try:

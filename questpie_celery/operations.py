@@ -95,6 +95,27 @@ class JobCount:
     oldest_age_seconds: float  # of the oldest dispatch of the job in that status
 
 
+@dataclass(frozen=True)
+class ParkedSlot:
+    job_name: str
+    slot: str  # the singleton key, or "" for the job as a whole
+    count: int
+    oldest_age_seconds: float
+
+
+@dataclass(frozen=True)
+class Overview:
+    """The state of the ledger at a glance: what the status page shows."""
+
+    counts: list[JobCount]
+    stuck: list[tuple[str, DispatchDetail]]
+    failed: list[DispatchDetail]
+    parked: list[ParkedSlot]
+    #: (sampled_at, dispatches due for the relay) over the last hour, oldest first.
+    backlog: list[tuple[datetime, int]]
+    taken_at: datetime
+
+
 class Operator:
     """See and steer one ledger."""
 
@@ -108,6 +129,11 @@ class Operator:
         self._ledger = ledger
         self._grace = grace
         self._redeliver_after = redeliver_after
+
+    @property
+    def ledger_label(self) -> str:
+        """Which ledger this is, for a person: its URL with the password hidden."""
+        return self._ledger.engine.url.render_as_string(hide_password=True)
 
     def dispatches(
         self,
@@ -156,6 +182,30 @@ class Operator:
             JobCount(job, status, count, max((now - oldest).total_seconds(), 0.0))
             for job, status, count, oldest in self._ledger.counts()
         ]
+
+    def parked(self, limit: int = 50) -> list[ParkedSlot]:
+        """Parked runs per queue-policy slot, the fullest slots first."""
+        now = datetime.now(UTC)
+        return [
+            ParkedSlot(job, slot, count, max((now - oldest).total_seconds(), 0.0))
+            for job, slot, count, oldest in self._ledger.parked_slots(limit)
+        ]
+
+    def backlog(self, seconds: float = 3600.0) -> list[tuple[datetime, int]]:
+        """How many dispatches were due for the relay to send, as running relays sampled
+        it (about twice a minute) over the last `seconds`, oldest first."""
+        return self._ledger.backlog_history(seconds)
+
+    def overview(self, limit: int = 20) -> Overview:
+        """Counts, stuck, failed, parked slots and the relay's backlog in one call."""
+        return Overview(
+            counts=self.counts(),
+            stuck=self.stuck(limit=limit),
+            failed=self.failed(limit=limit),
+            parked=self.parked(limit=limit),
+            backlog=self.backlog(),
+            taken_at=datetime.now(UTC),
+        )
 
     def requeue(self, dispatch_id: str) -> DispatchDetail:
         """Send a failed dispatch again: a new attempt under the same id and key.

@@ -33,7 +33,7 @@ import logging
 import threading
 import time
 
-from .errors import QuestpieError
+from .errors import LedgerSchemaError, QuestpieError
 from .ledger import Ledger
 from .outbox import Outbox
 from .outcomes import Outcomes
@@ -45,6 +45,10 @@ DEFAULT_RELAY_INTERVAL_SECONDS = 2.0
 #: How long a relay must have reached the ledger (after an outage, or since it started)
 #: before it ends lapsed leases.
 LAPSE_GRACE_SECONDS = 10.0
+#: How often the relays, together, record the backlog the status page plots, and how long
+#: samples are kept.
+BACKLOG_SAMPLE_SECONDS = 30.0
+BACKLOG_KEEP_SECONDS = 2 * 3600.0
 
 
 class Relay:
@@ -80,9 +84,28 @@ class Relay:
                 moved += self._slots.send_next(job_name, slot)
         return moved
 
+    def _sample_backlog(self) -> bool:
+        """Record the backlog for the status page; False once that cannot work here."""
+        try:
+            # A little under the period, so the relay that sampled last time wins again
+            # rather than each relay deferring to the others' slightly younger samples.
+            self._ledger.sample_backlog(
+                every=BACKLOG_SAMPLE_SECONDS * 0.9, keep=BACKLOG_KEEP_SECONDS
+            )
+        except LedgerSchemaError:
+            log.warning(
+                "the ledger has no backlog table yet (schema older than this version); "
+                "run `questpie-celery migrate` so the status page can plot the relay's backlog"
+            )
+            return False
+        except QuestpieError:
+            pass  # the ledger is unreachable: the next pass says so
+        return True
+
     def run_forever(self, stop: threading.Event) -> None:
         failing = False
         reachable_since: float | None = None  # since when every pass reached the ledger
+        sampling, last_sample = True, float("-inf")
         while not stop.is_set():
             started = time.monotonic()
             try:
@@ -95,6 +118,9 @@ class Relay:
                 if failing:
                     log.warning("relay passes succeed again")
                 failing = False
+                if sampling and started - last_sample >= BACKLOG_SAMPLE_SECONDS:
+                    last_sample = started
+                    sampling = self._sample_backlog()
             except QuestpieError as exc:
                 reachable_since = None
                 if not failing:

@@ -41,7 +41,7 @@ from sqlalchemy.types import DateTime, TypeDecorator
 from ..options import StoredOptions
 from ..policies import QueuePolicy
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 Status = Literal["pending", "queued", "parked", "active", "retry", "completed", "failed"]
 #: States from which a delivery may take the execution claim.
@@ -190,3 +190,15 @@ info_table = Table(
     Column("value", Text, nullable=False),
 )
 LEDGER_ID_KEY = "ledger_id"
+
+#: The relay's backlog over time, for the status page: how many dispatches were due for
+#: the relay to send, sampled about twice a minute by whichever relay comes first, kept
+#: for two hours. Added in schema version 3.
+backlog_table = Table(
+    "questpie_relay_backlog",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("sampled_at", UTCDateTime, nullable=False),
+    Column("backlog", Integer, nullable=False),
+    Index("questpie_relay_backlog_sampled", "sampled_at"),
+)

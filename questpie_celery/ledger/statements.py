@@ -24,7 +24,11 @@ from sqlalchemy import (
     and_,
     bindparam,
     case,
+    delete,
+    exists,
     func,
+    insert,
+    literal,
     or_,
     select,
     update,
@@ -42,10 +46,14 @@ from .schema import (
     RESENDABLE,
     RUNNING,
     UTCDateTime,
+    backlog_table,
     dispatch_table,
     info_table,
     policy_table,
 )
+
+#: The most due rows one backlog sample counts; past it the plot shows the cap.
+BACKLOG_CAP = 100_000
 
 
 class db_time(FunctionElement[Any]):
@@ -226,6 +234,30 @@ class Statements:
             .order_by(t.next_send_at)
             .limit(bindparam("limit"))
         )
+        # The relay's backlog: what is due for it to send. Counted through a capped
+        # subquery, so a huge backlog costs a bounded index scan, not a count of it all.
+        due_rows = (
+            select(literal(1))
+            .where(t.status.in_(RESENDABLE), t.next_send_at <= now)
+            .limit(BACKLOG_CAP)
+            .subquery()
+        )
+        b = backlog_table.c
+        # One sample per `gap` seconds however many relays run: each inserts only when no
+        # recent sample exists (two racing relays may both insert; the plot shrugs).
+        self.sample_backlog: Insert = insert(backlog_table).from_select(
+            ["sampled_at", "backlog"],
+            select(now, select(func.count()).select_from(due_rows).scalar_subquery()).where(
+                ~exists().where(b.sampled_at > db_time(seconds("gap")))
+            ),
+        )
+        self.prune_backlog = delete(backlog_table).where(b.sampled_at < db_time(seconds("keep")))
+        self.backlog_since: Select[Any] = (
+            select(b.sampled_at, b.backlog)
+            .where(b.sampled_at >= db_time(seconds("since")))
+            .order_by(b.sampled_at)
+        )
+
         # Taking a row for a send is conditional on the exact next_send_at we read, so of
         # several relays exactly one sends it.
         seen = and_(
@@ -370,6 +402,23 @@ def stuck(*, grace: float, redeliver_after: float, limit: int) -> dict[str, Sele
         .order_by(*newest)
         .limit(limit),
     }
+
+
+def parked_slots(limit: int) -> Select[Any]:
+    """(job, slot, count, oldest created_at) of parked runs, the fullest slots first."""
+    t = dispatch_table.c
+    return (
+        select(
+            t.job_name,
+            t.slot,
+            func.count().label("count"),
+            func.min(t.created_at).label("oldest"),
+        )
+        .where(t.status == "parked")
+        .group_by(t.job_name, t.slot)
+        .order_by(func.count().desc(), t.job_name, t.slot)
+        .limit(limit)
+    )
 
 
 def requeue() -> Update:

@@ -451,6 +451,22 @@ class Ledger:
             found += [(reason, DispatchRow.from_mapping(row)) for row in self._execute(stmt, {})]
         return found
 
+    def parked_slots(self, limit: int = 50) -> list[tuple[str, str, int, datetime]]:
+        """(job, slot, count, oldest created_at) of parked runs, the fullest slots first."""
+        rows = self._execute(statements.parked_slots(limit), {})
+        return [(r["job_name"], r["slot"], int(r["count"]), r["oldest"]) for r in rows]
+
+    def sample_backlog(self, *, every: float, keep: float) -> None:
+        """Record how many dispatches are due for the relay, unless a sample younger than
+        `every` seconds exists; drop samples older than `keep` seconds."""
+        self._execute(self._sql.sample_backlog, {"gap": -every})
+        self._execute(self._sql.prune_backlog, {"keep": -keep})
+
+    def backlog_history(self, seconds: float) -> list[tuple[datetime, int]]:
+        """(sampled_at, backlog) of the last `seconds`, oldest first."""
+        rows = self._execute(self._sql.backlog_since, {"since": -seconds})
+        return [(r["sampled_at"], int(r["backlog"])) for r in rows]
+
     def requeue(self, dispatch_id: str) -> bool:
         """A failed dispatch back to pending (a new attempt under its id and key); False
         when it is not failed, or is a secret one whose key was erased."""

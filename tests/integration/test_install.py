@@ -84,6 +84,13 @@ def test_the_readme_install_line_gives_a_working_worker(
         cwd=project, env=env, capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert migrated.returncode == 0, migrated.stderr
+    # The status page is an extra of its own: without it, the command says how to get it.
+    web = subprocess.run(
+        [str(cli), "web", "-A", "shop:questpie"],
+        cwd=project, env=env, capture_output=True, text=True, check=False, timeout=60,
+    )  # fmt: skip
+    assert web.returncode == 1
+    assert "pip install 'questpie-celery[web]'" in web.stderr
     worker = Worker(
         settings, app="shop:celery_app", python=str(python), cwd=project, pythonpath=str(project)
     ).start()

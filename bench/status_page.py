@@ -1,0 +1,111 @@
+"""How quickly the status page's data is read from a ledger of a million dispatches.
+
+    .venv/bin/python bench/status_page.py            # starts its own PostgreSQL
+    BENCH_ROWS=200000 .venv/bin/python bench/status_page.py
+
+PostgreSQL runs with its default durability. The ledger is filled with BENCH_ROWS rows
+over 12 jobs, mostly completed, with some failed, waiting, parked and stuck ones, as a
+ledger looks after weeks of work. Each figure is the median of 7 reads (min-max), beside
+its floor measured in the same run: a bare psycopg `count(*)` of the whole table, the
+least any per-status count of it can cost.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psycopg
+from sqlalchemy import text
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from questpie_celery.ledger import open_ledger  # noqa: E402
+from questpie_celery.operations import Operator  # noqa: E402
+from questpie_celery.web import render  # noqa: E402
+from tests.support.services import PostgresServer  # noqa: E402
+
+ROWS = int(os.environ.get("BENCH_ROWS", "1000000"))
+READS = 7
+
+FILL = """
+INSERT INTO questpie_queue_dispatch
+  (id, job_name, status, options, attempt, run_after, send_count, created_at, secret,
+   next_send_at, finished_at, last_error, policy, slot, lease_expires_at)
+SELECT md5(i::text), 'job-' || (i % 12),
+  CASE WHEN i % 1000 = 0 THEN 'failed' WHEN i % 997 = 0 THEN 'pending'
+       WHEN i % 5003 = 0 THEN 'queued' WHEN i % 7919 = 0 THEN 'parked'
+       WHEN i % 7907 = 0 THEN 'active' ELSE 'completed' END,
+  '{}'::json, 1, now() - make_interval(secs => i), 1, now() - make_interval(secs => i), false,
+  now() - make_interval(secs => i - 30), now() - make_interval(secs => i - 1),
+  CASE WHEN i % 1000 = 0 THEN 'RuntimeError' END,
+  CASE WHEN i % 7919 = 0 OR i % 7907 = 0 THEN 'stately' END,
+  CASE WHEN i % 7919 = 0 OR i % 7907 = 0 THEN 'slot-' || (i % 50) END,
+  CASE WHEN i % 7907 = 0 THEN now() + interval '1 minute' END
+FROM generate_series(1, :rows) AS i
+"""
+
+
+def timed(read: Callable[[], object]) -> tuple[float, float, float]:
+    times = []
+    for _ in range(READS):
+        started = time.perf_counter()
+        read()
+        times.append((time.perf_counter() - started) * 1000)
+    return statistics.median(times), min(times), max(times)
+
+
+def main() -> None:
+    postgres = PostgresServer(durable=True).start()
+    try:
+        url = postgres.create_database("page")
+        ledger = open_ledger(url)
+        ledger.migrate()
+        started = time.perf_counter()
+        with ledger.engine.begin() as conn:
+            conn.execute(text(FILL), {"rows": ROWS})
+            conn.execute(
+                text(
+                    "INSERT INTO questpie_relay_backlog (sampled_at, backlog) "
+                    "SELECT now() - make_interval(secs => s * 30), s FROM generate_series(0, 119) s"
+                )
+            )
+        with ledger.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.execute(text("VACUUM ANALYZE questpie_queue_dispatch"))
+        print(f"filled {ROWS:,} rows in {time.perf_counter() - started:.0f}s")
+
+        operator = Operator(ledger)
+        bare = psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://"))
+        bare.autocommit = True
+
+        def floor() -> None:
+            bare.execute("SELECT count(*) FROM questpie_queue_dispatch").fetchone()
+
+        figures = {
+            "floor: bare count(*) of the table": floor,
+            "counts per job and status": operator.counts,
+            "stuck (4 reasons)": lambda: operator.stuck(limit=20),
+            "failed, newest 20": lambda: operator.failed(limit=20),
+            "parked per slot": operator.parked,
+            "backlog, last hour": operator.backlog,
+            "the whole page (reads + render)": lambda: render(
+                operator.overview(), ledger="bench", refresh_seconds=10
+            ),
+        }
+        print(f"{'figure':<36} {'median ms':>10} {'min-max':>16}")
+        for name, read in figures.items():
+            median, low, high = timed(read)
+            print(f"{name:<36} {median:>10.1f} {low:>7.1f}-{high:<8.1f}")
+        bare.close()
+        ledger.close()
+    finally:
+        postgres.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,196 @@
+"""The status page: `questpie-celery web`, the ledger at a glance, read-only.
+
+One page (and the same data as JSON at `/overview.json`): dispatches per job and
+status, what is stuck and why, what failed, parked runs per queue-policy slot, and
+the relay's backlog over the last hour. It only reads, so it offers nothing to
+steer with; `questpie-celery dispatches requeue` does that.
+
+It needs the `web` extra (Starlette, uvicorn, Jinja2). Every query behind it is an
+index range scan or one grouped count, so it stays quick on a large ledger.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any, get_args
+
+import jinja2
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.routing import Route
+
+from .errors import QuestpieError
+from .ledger import Status
+from .ledger.schema import WAITING
+from .operations import Operator, Overview
+
+STATUSES: tuple[str, ...] = get_args(Status)
+PLOT_SECONDS = 3600
+PLOT_WIDTH, PLOT_HEIGHT = 720, 160
+
+_templates = jinja2.Environment(
+    loader=jinja2.PackageLoader("questpie_celery", "templates"),
+    # Job names, keys and error classes come from users: escape everything.
+    autoescape=True,
+    undefined=jinja2.StrictUndefined,
+)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` names this machine only (the page's default; anything else must be
+    asked for explicitly)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class JobRow:
+    job_name: str
+    counts: dict[str, int]
+    oldest_waiting_seconds: float | None
+
+
+@dataclass(frozen=True)
+class Plot:
+    """The backlog plot, laid out: an SVG polyline, its newest point and axis labels."""
+
+    points: str
+    last: tuple[float, float] | None  # where the newest sample sits, marked with a dot
+    y_max: int
+    latest: int | None
+    x_labels: list[tuple[float, str]]  # (x, label)
+
+
+def job_rows(overview: Overview) -> list[JobRow]:
+    """The counts pivoted to one row per job, a column per status."""
+    rows: dict[str, dict[str, int]] = {}
+    oldest: dict[str, float] = {}
+    for c in overview.counts:
+        rows.setdefault(c.job_name, {})[c.status] = c.count
+        if c.status in WAITING:
+            oldest[c.job_name] = max(oldest.get(c.job_name, 0.0), c.oldest_age_seconds)
+    return [JobRow(job, rows[job], oldest.get(job)) for job in sorted(rows)]
+
+
+def backlog_plot(samples: list[tuple[datetime, int]], now: datetime) -> Plot:
+    """Place each sample of the last hour on the plot: time left to right, count upward."""
+    start = now - timedelta(seconds=PLOT_SECONDS)
+    recent = [(at, n) for at, n in samples if start <= at <= now]
+    y_max = _nice_ceiling(max((n for _, n in recent), default=0))
+    xy = [
+        (
+            round((at - start).total_seconds() / PLOT_SECONDS * PLOT_WIDTH, 1),
+            round(PLOT_HEIGHT - n / y_max * PLOT_HEIGHT, 1),
+        )
+        for at, n in recent
+    ]
+    x_labels = [(PLOT_WIDTH * i / 4, f"-{60 - 15 * i} min" if i < 4 else "now") for i in range(5)]
+    return Plot(
+        points=" ".join(f"{x},{y}" for x, y in xy),
+        last=xy[-1] if xy else None,
+        y_max=y_max,
+        latest=recent[-1][1] if recent else None,
+        x_labels=x_labels,
+    )
+
+
+def _nice_ceiling(value: int) -> int:
+    """The smallest of 1, 2, 5, 10, 20, 50, ... that is at least `value` (and >= 5)."""
+    ceiling = 1
+    while True:
+        for step in (1, 2, 5):
+            if ceiling * step >= max(value, 5):
+                return ceiling * step
+        ceiling *= 10
+
+
+def age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 172800:
+        return f"{seconds / 3600:.0f} h"
+    return f"{seconds / 86400:.0f} d"
+
+
+def render(overview: Overview, *, ledger: str, refresh_seconds: int) -> str:
+    return _templates.get_template("status.html").render(
+        overview=overview,
+        jobs=job_rows(overview),
+        statuses=STATUSES,
+        plot=backlog_plot(overview.backlog, overview.taken_at),
+        plot_width=PLOT_WIDTH,
+        plot_height=PLOT_HEIGHT,
+        ledger=ledger,
+        refresh_seconds=refresh_seconds,
+        age=age,
+    )
+
+
+def overview_json(overview: Overview) -> dict[str, Any]:
+    return {
+        "taken_at": overview.taken_at.isoformat(),
+        "counts": [
+            {
+                "job_name": j.job_name,
+                "counts": j.counts,
+                "oldest_waiting_seconds": j.oldest_waiting_seconds,
+            }
+            for j in job_rows(overview)
+        ],
+        "stuck": [{"reason": reason, **d.to_json()} for reason, d in overview.stuck],
+        "failed": [d.to_json() for d in overview.failed],
+        "parked": [
+            {
+                "job_name": p.job_name,
+                "slot": p.slot,
+                "count": p.count,
+                "oldest_age_seconds": p.oldest_age_seconds,
+            }
+            for p in overview.parked
+        ],
+        "backlog": [{"sampled_at": at.isoformat(), "due": n} for at, n in overview.backlog],
+    }
+
+
+def status_app(operator: Operator, *, ledger: str, refresh_seconds: int = 10) -> Starlette:
+    """The page as an ASGI application; `ledger` names the ledger in its header (pass a
+    URL with its password hidden)."""
+
+    async def page(request: Request) -> Response:
+        try:
+            overview = await run_in_threadpool(operator.overview)
+        except QuestpieError as exc:
+            # The ledger is down or unmigrated: say so, and keep refreshing until it is back.
+            body = _templates.get_template("unavailable.html").render(
+                ledger=ledger, error=str(exc), refresh_seconds=refresh_seconds
+            )
+            return HTMLResponse(body, status_code=503)
+        return HTMLResponse(render(overview, ledger=ledger, refresh_seconds=refresh_seconds))
+
+    async def as_json(request: Request) -> Response:
+        try:
+            overview = await run_in_threadpool(operator.overview)
+        except QuestpieError as exc:
+            return JSONResponse({"error": str(exc)}, status_code=503)
+        return JSONResponse(overview_json(overview))
+
+    return Starlette(routes=[Route("/", page), Route("/overview.json", as_json)])
+
+
+def serve(app: Starlette, *, host: str, port: int) -> None:
+    """Serve the page until interrupted."""
+    import uvicorn  # noqa: PLC0415  (only the serving command needs it)
+
+    uvicorn.run(app, host=host, port=port, log_level="warning")

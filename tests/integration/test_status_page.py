@@ -1,0 +1,194 @@
+"""The status page, served by `questpie-celery web` and looked at in headless Chromium, on a
+PostgreSQL ledger that a real worker filled: completed, failed, parked, stuck and secret
+dispatches, and the relay's backlog."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+from PIL import Image
+from sqlalchemy import insert, update
+
+from questpie_celery.ledger import dispatch_table
+from questpie_celery.ledger.schema import backlog_table
+from tests.integration.conftest import StackFactory
+from tests.support.services import free_port, wait_for_port
+from tests.support.stack import Stack, tag
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+WINDOW = (1280, 1500)
+# The page's fills, as the stylesheet sets them.
+FAILED_RED = (0xC6, 0x28, 0x28)
+PARKED_YELLOW = (0xFF, 0xE9, 0xA8)
+PLOT_BLUE = (0x15, 0x65, 0xC0)
+
+
+@contextmanager
+def serve(url: str) -> Iterator[str]:
+    """`questpie-celery web` on a free port, as a user runs it."""
+    port = free_port()
+    process = subprocess.Popen(
+        [str(Path(sys.executable).parent / "questpie-celery"), "web", "--ledger-url", url,
+         "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        try:
+            wait_for_port(port)
+        except RuntimeError:
+            process.kill()
+            raise RuntimeError(f"the page never served: {process.communicate()[0]!r}") from None
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        process.communicate(timeout=10)
+
+
+@pytest.fixture
+def filled(make_stack: StackFactory) -> Iterator[tuple[Stack, dict[str, str]]]:
+    """A ledger a real worker left behind it, then killed, with stuck states set up
+    behind its back (no relay runs any more to repair them while the page is read)."""
+    stack = make_stack("redis", env={"QP_TEST_RELAY": "0.3", "QP_TEST_SECRET": "s" * 40})
+    t = tag()
+    queue = stack.questpie.queue
+    done = [queue.record.publish({"tag": t}, idempotency_key=f"{t}:{n}") for n in range(3)]
+    failed = queue.record.publish(
+        {"tag": t, "fail_times": 1}, idempotency_key=f"{t}:f", retry_limit=0
+    )
+    # A stately job: one run holds the slot at a closed gate, the next one waits parked.
+    gate = stack.gate()
+    slot = f"tenant-{uuid.uuid4().hex[:6]}"
+    running = queue.policy_stately.publish({"tag": t, "gate": str(gate)}, singleton_key=slot)
+    assert running is not None
+    stack.wait_status(running, "active")
+    parked = queue.policy_stately.publish({"tag": t}, singleton_key=slot)
+    idle = f"idle-{uuid.uuid4().hex[:8]}"
+    canary = f"canary-{uuid.uuid4().hex}"
+    secret = queue.secret_link.publish(
+        {"tag": t, "link": canary}, idempotency_key=f"{t}:s", secret_payload=True, queue=idle
+    )
+    never_sent = queue.record.publish({"tag": t}, idempotency_key=f"{t}:n", queue=idle)
+    assert parked and failed and secret and never_sent and all(done)
+    for dispatch_id in done:
+        stack.wait_status(dispatch_id, "completed")
+    stack.wait_status(failed, "failed")
+    stack.wait_status(parked, "parked")
+    # The worker's relay samples the backlog on its first pass.
+    assert stack.questpie.operator.backlog(), "a running relay records the backlog"
+
+    stack.worker.kill()  # its run stays active under a lease nobody renews
+    stack.questpie.close()  # write the batched acceptances before the states are set below
+    long_ago = datetime.now(UTC) - timedelta(hours=1)
+    now = datetime.now(UTC)
+    with stack.ledger.engine.begin() as conn:
+        rows = dispatch_table.c
+        conn.execute(
+            update(dispatch_table).where(rows.id == running).values(lease_expires_at=long_ago)
+        )
+        conn.execute(
+            update(dispatch_table)
+            .where(rows.id == never_sent)
+            .values(status="pending", next_send_at=long_ago, queued_at=None)
+        )
+        # An hour of samples: a backlog that built up and drained.
+        conn.execute(
+            insert(backlog_table),
+            [
+                {
+                    "sampled_at": now - timedelta(minutes=60 - m),
+                    "backlog": max(0, 40 - abs(m - 30) * 3),
+                }
+                for m in range(0, 60, 2)
+            ],
+        )
+    ids = {"failed": failed, "parked": parked, "running": running, "never_sent": never_sent}
+    yield stack, {**ids, "secret": secret, "canary": canary, "tag": t}
+
+
+def test_the_page_shows_the_ledger_at_a_glance_in_chromium(
+    filled: tuple[Stack, dict[str, str]], tmp_path: Path
+) -> None:
+    stack, ids = filled
+    if CHROMIUM is None:
+        pytest.fail("chromium is not installed: apt-get install chromium (scripts/test does)")
+    with serve(stack.env["QP_TEST_LEDGER"]) as base:
+        with urllib.request.urlopen(f"{base}/overview.json", timeout=30) as response:
+            data = json.load(response)
+        by_job = {row["job_name"]: row["counts"] for row in data["counts"]}
+        assert by_job["record"]["completed"] >= 3
+        assert by_job["record"]["failed"] == 1
+        assert by_job["policy.stately"] == {"active": 1, "parked": 1}
+        reasons = {row["dispatch_id"]: row["reason"] for row in data["stuck"]}
+        assert reasons[ids["running"]] == "lease lapsed"
+        assert reasons[ids["never_sent"]] == "never sent"
+        assert [row["dispatch_id"] for row in data["failed"]] == [ids["failed"]]
+        assert data["failed"][0]["last_error"] == "RuntimeError"
+        assert [(p["job_name"], p["count"]) for p in data["parked"]] == [("policy.stately", 1)]
+        assert max(sample["due"] for sample in data["backlog"]) == 40
+
+        shot = tmp_path / "status.png"
+        chromium = [
+            str(CHROMIUM), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+            f"--window-size={WINDOW[0]},{WINDOW[1]}",
+        ]  # fmt: skip
+        dom = subprocess.run(
+            [*chromium, "--dump-dom", f"{base}/"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
+        subprocess.run(
+            [*chromium, f"--screenshot={shot}", f"{base}/"],
+            capture_output=True,
+            timeout=60,
+            check=True,
+        )
+
+    for shown in (ids["failed"], ids["running"], ids["never_sent"], "policy.stately"):
+        assert shown in dom
+    assert "lease lapsed" in dom and "RuntimeError" in dom
+    assert ids["canary"] not in dom  # a secret payload never reaches the page
+    assert ids["canary"] not in json.dumps(data)
+
+    image = Image.open(shot).convert("RGB")
+    assert image.size == WINDOW
+    if os.environ.get("QP_STATUS_SCREENSHOT"):  # how the README's screenshot is made
+        shutil.copy(shot, os.environ["QP_STATUS_SCREENSHOT"])
+    # What a person sees: a red failed cell, a yellow parked cell and the blue backlog line.
+    assert pixels_near(image, FAILED_RED) > 300
+    assert pixels_near(image, PARKED_YELLOW) > 300
+    assert pixels_near(image, PLOT_BLUE) > 300
+
+
+def pixels_near(image: Image.Image, colour: tuple[int, int, int], tolerance: int = 10) -> int:
+    colours = image.getcolors(image.width * image.height) or []
+    return sum(
+        count
+        for count, pixel in colours
+        if all(abs(a - b) <= tolerance for a, b in zip(pixel, colour, strict=True))
+    )
+
+
+def test_an_unreachable_ledger_gets_a_page_that_says_so() -> None:
+    unused = free_port()
+    url = f"postgresql+psycopg://nobody:hunter2@127.0.0.1:{unused}/ledger"
+    with serve(url) as base:
+        with pytest.raises(urllib.error.HTTPError) as raised:
+            urllib.request.urlopen(f"{base}/", timeout=30)
+        assert raised.value.code == 503
+        body = raised.value.read().decode()
+        assert "cannot be reached" in body and str(unused) in body
+        assert "hunter2" not in body  # the header names the ledger without its password

@@ -1,0 +1,157 @@
+"""The status page's parts without a browser: the backlog samples the relay records, the
+plot, escaping, and the refusal to serve beyond this machine unasked."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from sqlalchemy import func, insert, select, text, update
+
+from questpie_celery.cli import main
+from questpie_celery.ledger import Ledger, dispatch_table, open_ledger
+from questpie_celery.ledger.schema import backlog_table
+from questpie_celery.operations import Operator
+from questpie_celery.web import PLOT_WIDTH, backlog_plot, is_loopback, render
+from tests.unit.helpers import IdleApp, new_dispatch, sqlite_url, wait_until
+
+
+@pytest.fixture
+def ledger(tmp_path: Path) -> Ledger:
+    made = open_ledger(sqlite_url(tmp_path))
+    made.migrate()
+    return made
+
+
+def due(ledger: Ledger, count: int, job_name: str = "record") -> list[str]:
+    """Rows the relay should have sent an hour ago."""
+    long_ago = datetime.now(UTC) - timedelta(hours=1)
+    made = [new_dispatch(job_name, next_send_at=long_ago) for _ in range(count)]
+    for row in made:
+        assert ledger.insert(row)
+    return [row.id for row in made]
+
+
+def samples(ledger: Ledger) -> int:
+    with ledger.engine.connect() as conn:
+        return int(conn.execute(select(func.count()).select_from(backlog_table)).scalar_one())
+
+
+def test_one_sample_per_period_however_often_asked_and_old_ones_go(ledger: Ledger) -> None:
+    due(ledger, 3)
+    with ledger.engine.begin() as conn:
+        conn.execute(
+            insert(backlog_table).values(
+                sampled_at=datetime.now(UTC) - timedelta(hours=3), backlog=99
+            )
+        )
+    for _ in range(3):  # three relays at once
+        ledger.sample_backlog(every=30, keep=7200)
+    history = ledger.backlog_history(3600)
+    assert [n for _, n in history] == [3]
+    assert samples(ledger) == 1  # the three-hour-old sample was dropped
+
+
+def test_a_running_relay_records_the_backlog(tmp_path: Path) -> None:
+    idle = IdleApp.build(tmp_path)
+    try:
+        due(idle.ledger, 2)
+        stop = threading.Event()
+        relay = threading.Thread(target=idle.questpie.run_relay, kwargs={"stop": stop})
+        relay.start()
+        try:
+            history = wait_until(lambda: idle.ledger.backlog_history(60), "a backlog sample")
+        finally:
+            stop.set()
+            relay.join(10)
+        # Sampled after the pass that sent both: the relay keeps up.
+        assert [n for _, n in history] == [0]
+    finally:
+        idle.close()
+
+
+def test_a_ledger_without_the_table_keeps_its_relay_working(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    idle = IdleApp.build(tmp_path)
+    try:
+        with idle.ledger.engine.begin() as conn:  # a ledger migrated by an older version
+            conn.execute(text("DROP TABLE questpie_relay_backlog"))
+        first, second = due(idle.ledger, 2)
+        stop = threading.Event()
+        relay = threading.Thread(target=idle.questpie.run_relay, kwargs={"stop": stop})
+        with caplog.at_level(logging.WARNING, logger="questpie_celery.relay"):
+            relay.start()
+            try:
+                wait_until(lambda: idle.ledger.get(first).status == "queued", "the first send")
+                # Passes go on after the sample failed: a row made due later is sent too.
+                with idle.ledger.engine.begin() as conn:
+                    conn.execute(
+                        update(dispatch_table)
+                        .where(dispatch_table.c.id == second)
+                        .values(status="pending", next_send_at=datetime.now(UTC))
+                    )
+                wait_until(lambda: idle.ledger.get(second).status == "queued", "a later send")
+            finally:
+                stop.set()
+                relay.join(10)
+        warnings = [r.getMessage() for r in caplog.records if "backlog" in r.getMessage()]
+        assert len(warnings) == 1 and "questpie-celery migrate" in warnings[0]
+        assert not [r for r in caplog.records if "relay pass failed" in r.getMessage()]
+    finally:
+        idle.close()
+
+
+def test_the_plot_places_the_last_hour_and_scales_to_a_round_number() -> None:
+    now = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+    plot = backlog_plot(
+        [
+            (now - timedelta(hours=2), 500),  # too old to show
+            (now - timedelta(minutes=30), 37),
+            (now, 4),
+        ],
+        now,
+    )
+    assert plot.y_max == 50
+    assert plot.points == f"{PLOT_WIDTH / 2},{160 - 37 / 50 * 160:.1f} {PLOT_WIDTH}.0,147.2"
+    assert plot.last == (PLOT_WIDTH, 147.2)
+    assert plot.latest == 4
+    empty = backlog_plot([], now)
+    assert (empty.points, empty.last, empty.latest, empty.y_max) == ("", None, None, 5)
+
+
+def test_user_text_on_the_page_is_escaped(ledger: Ledger) -> None:
+    hostile = "<script>alert(1)</script>"
+    (dispatch_id,) = due(ledger, 1, job_name=hostile)
+    with ledger.engine.begin() as conn:
+        conn.execute(
+            update(dispatch_table)
+            .where(dispatch_table.c.id == dispatch_id)
+            .values(status="failed", last_error="<img src=x onerror=alert(2)>")
+        )
+    page = render(Operator(ledger).overview(), ledger="sqlite:///x", refresh_seconds=10)
+    assert hostile not in page and "<img" not in page
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+    assert dispatch_id in page
+
+
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [("127.0.0.1", True), ("127.0.0.9", True), ("::1", True), ("localhost", True),
+     ("0.0.0.0", False), ("::", False), ("10.1.2.3", False), ("example.com", False)],
+)  # fmt: skip
+def test_which_hosts_count_as_this_machine(host: str, loopback: bool) -> None:
+    assert is_loopback(host) is loopback
+
+
+def test_serving_beyond_this_machine_needs_the_public_flag(tmp_path: Path) -> None:
+    result = CliRunner().invoke(
+        main, ["web", "--ledger-url", sqlite_url(tmp_path), "--host", "0.0.0.0"]
+    )
+    assert result.exit_code == 2
+    assert "--public" in result.output
+    assert not (tmp_path / "ledger.sqlite3").exists()  # refused before opening anything
