@@ -19,7 +19,7 @@ from celery.signals import worker_init
 from sqlalchemy import Engine
 
 from .bootstep import relay_step
-from .broker import Sender, configure_app, visibility_timeout
+from .broker import Sender, configure_app, use_ledger_scheduler, visibility_timeout
 from .client import JobClient, JobRegistry, QueueClient
 from .crypto import MIN_SECRET_BYTES, Keyring
 from .errors import ConfigurationError, JobDefinitionError, PublishOptionsError, QuestpieError
@@ -36,12 +36,22 @@ from .publish import Publisher
 from .receipts import DispatchStatus, Receipt, receipt_status
 from .recorded_policy import PolicyBook
 from .relay import DEFAULT_RELAY_INTERVAL_SECONDS, Relay
+from .schedules import DEFAULT_FIRE_RETENTION_SECONDS, Schedules
 from .slots import Slots
 from .worker import Runner
 
 log = logging.getLogger(__name__)
 
 DEFAULT_LEASE_SECONDS = 60.0
+
+#: The `Questpie` of each Celery app, for the beat scheduler that `celery beat` creates.
+_BY_APP: weakref.WeakKeyDictionary[Celery, Questpie] = weakref.WeakKeyDictionary()
+
+
+def questpie_of(app: Celery) -> Questpie | None:
+    """The `Questpie` made for `app` in this process, if any."""
+    return _BY_APP.get(app)
+
 
 #: Definitions some `Questpie` of this process registered (so none adopts them again).
 _REGISTERED: weakref.WeakSet[JobDefinition[Any]] = weakref.WeakSet()
@@ -67,6 +77,7 @@ class Questpie:
         lease_seconds: float = DEFAULT_LEASE_SECONDS,
         relay_interval: float = DEFAULT_RELAY_INTERVAL_SECONDS,
         redeliver_after: float = DEFAULT_REDELIVER_AFTER_SECONDS,
+        fire_retention: float = DEFAULT_FIRE_RETENTION_SECONDS,
     ) -> None:
         if not isinstance(celery_app, Celery):
             raise ConfigurationError("celery_app must be a celery.Celery application")
@@ -114,6 +125,12 @@ class Questpie:
         )
         self._relay = Relay(self._ledger, self._outbox, outcomes, slots, relay_interval)
         self._registry = JobRegistry()
+        self._schedules = Schedules(
+            self._ledger,
+            self._publisher,
+            self._registered_definition,
+            _positive_seconds(fire_retention, "fire_retention"),
+        )
         self._tasks: dict[str, Any] = {}
         self.queue = QueueClient(self._registry, self._receipt, self._status, self._discover)
         """The queue client: `questpie.queue.<job>.publish(...)`, `get_receipt(...)`."""
@@ -129,6 +146,7 @@ class Questpie:
         # Before the pool forks, read (and record) every job's policy: each child then
         # starts knowing them, also if the ledger goes down later.
         worker_init.connect(self._on_worker_init, weak=False)
+        _BY_APP[celery_app] = self
         self.register(*jobs)
 
     # --- registration ---------------------------------------------------------------------
@@ -140,7 +158,7 @@ class Questpie:
                 raise JobDefinitionError(
                     f"expected a JobDefinition (made with @job), got {type(definition).__name__}"
                 )
-            if self._registry.add(JobClient(definition, self._publisher)):
+            if self._registry.add(JobClient(definition, self._publisher, self._schedules)):
                 self._tasks[definition.name] = self._runner.register(self._celery_app, definition)
                 _REGISTERED.add(definition)
 
@@ -158,6 +176,23 @@ class Questpie:
                 "of plain calls wait for the ledger until they can be read",
                 exc,
             )
+        self.sync_job_schedules()
+
+    def sync_job_schedules(self) -> None:
+        """Store the schedules that registered jobs declare with `options={"cron": ...}`
+        (workers and beats do this as they start); a ledger that cannot be reached is
+        logged, not raised: the next start tries again."""
+        try:
+            self._schedules.sync_job_options(self.definitions)
+        except QuestpieError as exc:
+            log.warning("could not store the jobs' cron schedules (%s)", exc)
+
+    def _registered_definition(self, job_name: str) -> JobDefinition[Any] | None:
+        client = self._registry.by_name(job_name)
+        if client is None:
+            self._discover()
+            client = self._registry.by_name(job_name)
+        return client.definition if client is not None else None
 
     def _discover(self) -> None:
         """An unknown name was asked for: import the modules autodiscovery names (as a
@@ -260,6 +295,11 @@ class Questpie:
         return Operator(self._ledger, redeliver_after=self._outbox.redeliver_after)
 
     @property
+    def schedules(self) -> Schedules:
+        """The ledger's schedules: `list()` them; beat fires them (`fire_due()`)."""
+        return self._schedules
+
+    @property
     def relay_interval(self) -> float:
         return self._relay.interval
 
@@ -333,6 +373,7 @@ class Questpie:
 
     def _configure(self) -> None:
         configure_app(self._celery_app)
+        use_ledger_scheduler(self._celery_app)
         # Redelivering sooner than the broker's own visibility timeout would only race it.
         visibility = visibility_timeout(self._celery_app)
         self._outbox.redeliver_after = max(self._redeliver_after, visibility)

@@ -126,6 +126,28 @@ def configure_app(app: Celery) -> None:
     app.conf.broker_transport_options = options
 
 
+LEDGER_SCHEDULER = "questpie_celery.beat:LedgerScheduler"
+_CELERY_DEFAULT_SCHEDULER = "celery.beat:PersistentScheduler"
+
+
+def use_ledger_scheduler(app: Celery) -> None:
+    """Make `celery beat` use the ledger-backed scheduler, unless the app chose another.
+
+    Read once the app is configured (a Django project's settings arrive late). Celery's
+    own default counts as no choice: it is what an app gets without one.
+    """
+    chosen = app.conf.beat_scheduler
+    if chosen in (None, "", _CELERY_DEFAULT_SCHEDULER):
+        app.conf.beat_scheduler = LEDGER_SCHEDULER
+    elif chosen != LEDGER_SCHEDULER:
+        log.warning(
+            "beat_scheduler is %r, so `celery beat` will not fire questpie schedules "
+            "(schedule() and options.cron); set it to %r, which also runs beat_schedule",
+            chosen,
+            LEDGER_SCHEDULER,
+        )
+
+
 #: kombu's default for transports that redeliver unacknowledged messages (Redis, SQS).
 DEFAULT_VISIBILITY_TIMEOUT = 3600.0
 

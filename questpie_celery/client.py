@@ -15,6 +15,7 @@ from .options import resolve_options, unknown_option_message
 from .policies import QueuePolicy, QueuePolicyName
 from .publish import Publisher
 from .receipts import DispatchStatus, Receipt
+from .schedules import REFUSED_OPTIONS, Schedules
 
 _HOW_TO_REGISTER = (
     "Register a job with Questpie(..., jobs=[...]), questpie.register(definition) or "
@@ -26,9 +27,12 @@ _HOW_TO_REGISTER = (
 class JobClient(Generic[P]):
     """What the queue client offers for one job."""
 
-    def __init__(self, definition: JobDefinition[P], publisher: Publisher) -> None:
+    def __init__(
+        self, definition: JobDefinition[P], publisher: Publisher, schedules: Schedules
+    ) -> None:
         self.definition = definition
         self._publisher = publisher
+        self._schedules = schedules
 
     @property
     def name(self) -> str:
@@ -81,6 +85,56 @@ class JobClient(Generic[P]):
         return self._publisher.publish(
             self.definition, payload, options, session=session, connection=connection
         )
+
+    def schedule(
+        self,
+        payload: P | Mapping[str, Any],
+        cron: str,
+        *,
+        tz: str | None = None,
+        singleton_key: str | None = None,
+        priority: int | None = None,
+        retry_limit: int | None = None,
+        retry_delay: float | None = None,
+        retry_backoff: bool | None = None,
+        expire_in_seconds: int | None = None,
+        queue: str | None = None,
+        **refused: Any,
+    ) -> None:
+        """Run the job on a five-field cron schedule, read in `tz` (an IANA zone name,
+        UTC by default). One schedule per job: calling again replaces it, payload and
+        options included. `celery beat` fires it; each tick is one dispatch.
+
+        The payload, the cron expression, the zone and every option are validated before
+        anything is written. `idempotency_key`, `start_after` and `secret_payload` are
+        refused with a `PublishOptionsError` (each fire is keyed by its tick and starts
+        at it); any other unknown keyword is a `TypeError`.
+        """
+        unknown = {k: v for k, v in refused.items() if k not in REFUSED_OPTIONS}
+        if unknown:
+            raise TypeError(unknown_option_message("schedule", unknown))
+        self._schedules.schedule(
+            self.definition,
+            payload,
+            cron,
+            tz,
+            {
+                **refused,
+                "singleton_key": singleton_key,
+                "priority": priority,
+                "retry_limit": retry_limit,
+                "retry_delay": retry_delay,
+                "retry_backoff": retry_backoff,
+                "expire_in_seconds": expire_in_seconds,
+                "queue": queue,
+            },
+        )
+
+    def unschedule(self) -> None:
+        """Remove every schedule of the job. One that the job's `options={"cron": ...}`
+        declares comes back when a worker or beat next starts with the job; remove the
+        option to remove it for good."""
+        self._schedules.unschedule(self.definition.name)
 
     def __repr__(self) -> str:
         return f"<JobClient {self.definition.name!r}>"

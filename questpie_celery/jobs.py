@@ -59,6 +59,18 @@ class JobDefinition(Generic[P]):
             validated = validate_job_options(options)
         except PublishOptionsError as exc:
             raise JobDefinitionError(f"job {name!r}: {exc}") from None
+        if "cron" in validated:
+            # A fixed schedule fires with the payload {}: refuse it now, not at 6 a.m.
+            try:
+                schema.model_validate({})
+            except ValidationError as exc:
+                fields = ", ".join(
+                    f"{'.'.join(map(str, e['loc'])) or '(root)'}: {e['type']}" for e in exc.errors()
+                )
+                raise JobDefinitionError(
+                    f"job {name!r}: options.cron fires with the payload {{}}, which "
+                    f"{schema.__name__} rejects ({fields})"
+                ) from None
         self.name = name
         self.schema: type[P] = schema
         self.handler = handler

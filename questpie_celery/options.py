@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypedDict, cast
 
+from .cron import Cron
 from .errors import PublishOptionsError
 from .policies import QueuePolicy, QueuePolicyName
 
@@ -42,6 +43,7 @@ class JobOptions(TypedDict, total=False):
     retry_backoff: bool
     expire_in_seconds: int
     queue: str
+    cron: str  # a fixed schedule (read in UTC) that fires the job with the payload {}
 
 
 JOB_OPTION_NAMES = frozenset(JobOptions.__annotations__)
@@ -190,11 +192,6 @@ def validate_job_options(options: Mapping[str, Any] | None) -> JobOptions:
         return {}
     if not isinstance(options, Mapping):
         raise PublishOptionsError("job options must be a mapping")
-    if "cron" in options:
-        raise PublishOptionsError(
-            "the cron job option needs the ledger-backed beat scheduler, which this "
-            "version does not have yet"
-        )
     unknown = sorted(set(options) - JOB_OPTION_NAMES)
     if unknown:
         raise PublishOptionsError(
@@ -202,15 +199,24 @@ def validate_job_options(options: Mapping[str, Any] | None) -> JobOptions:
             f"known: {', '.join(sorted(JOB_OPTION_NAMES))}"
         )
     now = datetime.now(UTC)
+    validated = dict(options)
     for name, value in options.items():
-        _VALIDATORS[name](value, now)
-    return cast(JobOptions, dict(options))
+        if name == "cron":
+            validated[name] = Cron.parse(value).expression
+        else:
+            _VALIDATORS[name](value, now)
+    return cast(JobOptions, validated)
 
 
-def resolve_options(job_options: JobOptions, call_options: Mapping[str, Any]) -> DispatchOptions:
-    """Merge call-time options (which win; `None` means "not given") over the job's."""
+def resolve_options(
+    job_options: JobOptions, call_options: Mapping[str, Any], *, ignore: tuple[str, ...] = ()
+) -> DispatchOptions:
+    """Merge call-time options (which win; `None` means "not given") over the job's,
+    leaving out the job's options named in `ignore`."""
     given = {k: v for k, v in call_options.items() if v is not None}
-    merged: dict[str, Any] = {**job_options, **given}
+    # A job's cron is its schedule, not an option of each dispatch.
+    inherited = {k: v for k, v in job_options.items() if k != "cron" and k not in ignore}
+    merged: dict[str, Any] = {**inherited, **given}
     now = datetime.now(UTC)
     values = {name: _VALIDATORS[name](value, now) for name, value in merged.items()}
 

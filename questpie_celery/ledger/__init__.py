@@ -9,7 +9,7 @@
 """
 
 from .engine import create_ledger_engine, is_private_sqlite
-from .rows import Claim, DispatchRow, NewDispatch
+from .rows import Claim, DispatchRow, NewDispatch, ScheduleRow
 from .schema import (
     LEASE_EXPIRED,
     RELAY_GAVE_UP,
@@ -30,6 +30,7 @@ __all__ = [
     "DispatchRow",
     "Ledger",
     "NewDispatch",
+    "ScheduleRow",
     "Status",
     "caller_connection",
     "create_ledger_engine",

@@ -95,3 +95,23 @@ class Claim:
     outcome: ClaimOutcome
     row: DispatchRow | None = None
     token: str | None = None
+
+
+@dataclass(frozen=True)
+class ScheduleRow:
+    """One schedule: a job's cron, its payload and options, and its next tick."""
+
+    job_name: str
+    source: Literal["call", "option"]  # schedule(), or the job's options={"cron": ...}
+    cron: str
+    tz: str
+    payload: dict[str, Any]
+    singleton_key: str | None
+    options: StoredOptions
+    next_fire_at: datetime
+    last_fire_at: datetime | None = None
+    last_dispatch_id: str | None = None
+
+    @classmethod
+    def from_mapping(cls, row: Mapping[Any, Any]) -> ScheduleRow:
+        return cls(**{name: row[name] for name in cls.__dataclass_fields__})

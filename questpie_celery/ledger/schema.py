@@ -202,3 +202,35 @@ backlog_table = Table(
     Column("backlog", Integer, nullable=False),
     Index("questpie_relay_backlog_sampled", "sampled_at"),
 )
+
+#: Schedules: at most one per job and source, `call` for `schedule()` and `option` for
+#: a job's `options={"cron": ...}`. `next_fire_at` is the tick a beat fires next; the
+#: beat that fires a tick moves it on with a conditional update, so of several beats
+#: exactly one does. Added in schema version 3.
+schedule_table = Table(
+    "questpie_schedule",
+    metadata,
+    Column("job_name", String(200), primary_key=True),
+    Column("source", String(8), primary_key=True),
+    Column("cron", String(200), nullable=False),
+    Column("tz", String(64), nullable=False),
+    Column("payload", JSON, nullable=False),
+    Column("singleton_key", Text, nullable=True),
+    Column("options", StoredOptionsType, nullable=False),
+    Column("next_fire_at", UTCDateTime, nullable=False),
+    Column("last_fire_at", UTCDateTime, nullable=True),
+    Column("last_dispatch_id", String(36), nullable=True),
+    Column("updated_at", UTCDateTime, nullable=False),
+    Index("questpie_schedule_due", "next_fire_at"),
+)
+
+#: The ticks of the app's own `beat_schedule` entries that some beat claimed: the first
+#: beat to insert (entry, tick) sends it, every other beat skips it. Added in version 3.
+beat_tick_table = Table(
+    "questpie_beat_tick",
+    metadata,
+    Column("entry", String(200), primary_key=True),
+    Column("tick", String(40), primary_key=True),
+    Column("claimed_at", UTCDateTime, nullable=False),
+    Index("questpie_beat_tick_claimed", "claimed_at"),
+)

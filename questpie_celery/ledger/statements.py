@@ -45,11 +45,14 @@ from .schema import (
     RELAY_GAVE_UP,
     RESENDABLE,
     RUNNING,
+    TERMINAL,
     UTCDateTime,
     backlog_table,
+    beat_tick_table,
     dispatch_table,
     info_table,
     policy_table,
+    schedule_table,
 )
 
 #: The most due rows one backlog sample counts; past it the plot shows the cap.
@@ -96,6 +99,15 @@ def insert_or_nothing(dialect: str, table: Table) -> Any:
     if dialect == "sqlite":
         return sqlite.insert(table).on_conflict_do_nothing()
     raise LedgerError(f"the ledger supports PostgreSQL and SQLite, not {dialect!r}")
+
+
+def upsert(dialect: str, table: Table, keys: list[str], values: dict[str, Any]) -> Any:
+    """INSERT ... ON CONFLICT (keys) DO UPDATE SET every other value."""
+    if dialect not in ("postgresql", "sqlite"):
+        raise LedgerError(f"the ledger supports PostgreSQL and SQLite, not {dialect!r}")
+    stmt = (postgresql if dialect == "postgresql" else sqlite).insert(table).values(**values)
+    changed = {name: stmt.excluded[name] for name in values if name not in keys}
+    return stmt.on_conflict_do_update(index_elements=keys, set_=changed)
 
 
 class Statements:
@@ -256,6 +268,34 @@ class Statements:
             select(b.sampled_at, b.backlog)
             .where(b.sampled_at >= db_time(seconds("since")))
             .order_by(b.sampled_at)
+        )
+
+        sc = schedule_table.c
+        self.now: Select[Any] = select(now.label("now"))
+        self.due_schedules: Select[Any] = (
+            select(schedule_table, now.label("now"))
+            .where(sc.next_fire_at <= now)
+            .order_by(sc.next_fire_at)
+            .limit(bindparam("limit"))
+        )
+        self.next_schedule_due: Select[Any] = select(func.min(sc.next_fire_at).label("at"))
+        # Moving a schedule on is conditional on the tick we read: of several beats that
+        # fired the same tick (one dispatch, thanks to its key), one moves it on.
+        self.advance_schedule: Update = (
+            update(schedule_table)
+            .where(
+                sc.job_name == bindparam("job"),
+                sc.source == bindparam("from_source"),
+                sc.next_fire_at == bindparam("seen_next", type_=UTCDateTime),
+            )
+            .values(
+                next_fire_at=bindparam("next_fire_at", type_=UTCDateTime),
+                last_fire_at=bindparam("seen_next", type_=UTCDateTime),
+                last_dispatch_id=bindparam("dispatch_id"),
+            )
+        )
+        self.claim_beat_tick: Insert = insert_or_nothing(dialect, beat_tick_table).values(
+            entry=bindparam("entry"), tick=bindparam("tick"), claimed_at=now
         )
 
         # Taking a row for a send is conditional on the exact next_send_at we read, so of
@@ -419,6 +459,43 @@ def parked_slots(limit: int) -> Select[Any]:
         .order_by(func.count().desc(), t.job_name, t.slot)
         .limit(limit)
     )
+
+
+def schedules() -> Select[Any]:
+    """Every schedule, with the status of the dispatch its last fire made."""
+    sc, t = schedule_table.c, dispatch_table.c
+    return (
+        select(schedule_table, t.status.label("last_status"))
+        .select_from(schedule_table.outerjoin(dispatch_table, t.id == sc.last_dispatch_id))
+        .order_by(sc.job_name, sc.source)
+    )
+
+
+def delete_schedules(job_name: str, source: str | None) -> Any:
+    sc = schedule_table.c
+    stmt = delete(schedule_table).where(sc.job_name == job_name)
+    return stmt if source is None else stmt.where(sc.source == source)
+
+
+def prune_fires(*, key_prefix: str, older_than: float, limit: int) -> Any:
+    """Delete up to `limit` ended dispatches that schedule fires made, `older_than`
+    seconds after they ended: a past tick never fires again, so its key is spent."""
+    t = dispatch_table.c
+    spent = (
+        select(t.id)
+        .where(
+            t.status.in_(TERMINAL),
+            t.idempotency_key.startswith(key_prefix, autoescape=True),
+            t.finished_at < db_time(-older_than),
+        )
+        .limit(limit)
+    )
+    return delete(dispatch_table).where(t.id.in_(spent.scalar_subquery()))
+
+
+def prune_beat_ticks(*, older_than: float) -> Any:
+    bt = beat_tick_table.c
+    return delete(beat_tick_table).where(bt.claimed_at < db_time(-older_than))
 
 
 def requeue() -> Update:

@@ -26,7 +26,7 @@ from ..policies import QueuePolicy
 from . import statements
 from .engine import create_ledger_engine, dispose_in_children, runs_in_autocommit
 from .errors import SlotTaken, is_disconnect, translate_errors
-from .rows import Claim, DispatchRow, NewDispatch
+from .rows import Claim, DispatchRow, NewDispatch, ScheduleRow
 from .schema import (
     LEASE_EXPIRED,
     LEDGER_ID_KEY,
@@ -36,9 +36,10 @@ from .schema import (
     Status,
     info_table,
     metadata,
+    schedule_table,
     schema_version_table,
 )
-from .statements import Statements, db_time, insert_or_nothing
+from .statements import Statements, db_time, insert_or_nothing, upsert
 
 log = logging.getLogger(__name__)
 
@@ -416,6 +417,80 @@ class Ledger:
             return bool(count)
         now = self.get(row.id)  # ambiguous: did our first run land?
         return now is not None and now.status == "failed" and now.last_error == RELAY_GAVE_UP
+
+    # --- schedules ------------------------------------------------------------------------
+
+    def now(self) -> datetime:
+        """The database's clock: the one every due time is compared with."""
+        row = self._first(self._sql.now, {})
+        assert row is not None
+        value: datetime = row["now"]
+        return value
+
+    def put_schedule(self, row: ScheduleRow) -> None:
+        """Create or replace the job's schedule from `row.source`."""
+        values = {
+            "job_name": row.job_name,
+            "source": row.source,
+            "cron": row.cron,
+            "tz": row.tz,
+            "payload": row.payload,
+            "singleton_key": row.singleton_key,
+            "options": row.options,
+            "next_fire_at": row.next_fire_at,
+            "last_fire_at": None,
+            "last_dispatch_id": None,
+            "updated_at": db_time(),
+        }
+        self._execute(upsert(self.dialect, schedule_table, ["job_name", "source"], values), {})
+
+    def delete_schedules(self, job_name: str, source: str | None = None) -> int:
+        """Remove the job's schedules (from one source, or all); returns how many."""
+        return int(self._execute(statements.delete_schedules(job_name, source), {}))
+
+    def due_schedules(self, limit: int = 500) -> tuple[datetime | None, list[ScheduleRow]]:
+        """(the database's now, schedules whose next tick has come), oldest tick first."""
+        rows = self._execute(self._sql.due_schedules, {"limit": limit})
+        now = rows[0]["now"] if rows else None
+        return now, [ScheduleRow.from_mapping(row) for row in rows]
+
+    def next_schedule_due(self) -> datetime | None:
+        row = self._first(self._sql.next_schedule_due, {})
+        return row["at"] if row is not None else None
+
+    def advance_schedule(
+        self, row: ScheduleRow, next_fire_at: datetime, dispatch_id: str | None
+    ) -> bool:
+        """Record that `row`'s tick fired and move it to `next_fire_at`; False when another
+        beat did so first (or the schedule changed meanwhile)."""
+        params = {
+            "job": row.job_name,
+            "from_source": row.source,
+            "seen_next": row.next_fire_at,
+            "next_fire_at": next_fire_at,
+            "dispatch_id": dispatch_id,
+        }
+        count, retried = self._run(self._sql.advance_schedule, params)
+        return bool(count) or retried
+
+    def schedules(self) -> list[tuple[ScheduleRow, Status | None]]:
+        """Every schedule, with the status of the dispatch its last fire made."""
+        return [
+            (ScheduleRow.from_mapping(row), row["last_status"])
+            for row in self._execute(statements.schedules(), {})
+        ]
+
+    def claim_beat_tick(self, entry: str, tick: str) -> bool:
+        """Take the tick of a `beat_schedule` entry; True for exactly one claimer."""
+        rows, retried = self._run(self._sql.claim_beat_tick, {"entry": entry, "tick": tick})
+        # A retried insert that now conflicts may have been our own: send rather than lose.
+        return bool(rows) or retried
+
+    def prune_schedule_history(self, *, key_prefix: str, older_than: float, limit: int) -> int:
+        """Delete spent fire rows and beat tick claims older than `older_than` seconds."""
+        self._execute(statements.prune_beat_ticks(older_than=older_than), {})
+        stmt = statements.prune_fires(key_prefix=key_prefix, older_than=older_than, limit=limit)
+        return int(self._execute(stmt, {}))
 
     # --- the operator's views ------------------------------------------------------------
 

@@ -1,0 +1,256 @@
+"""Schedules in the ledger: `schedule()`, `unschedule()`, a job's `options={"cron": ...}`,
+and firing the ticks that have come.
+
+A fire is an ordinary keyed dispatch. Its idempotency key names the schedule's source
+and the tick (`questpie-schedule:call:2026-11-30T06:00:00Z`), so however many beats fire
+the same tick, the ledger's insert-or-nothing accepts one dispatch. The beat that fired
+a tick moves the schedule on to its next tick with an update conditional on the tick it
+read, so the schedule advances once too. A beat that dies between the two leaves the
+tick for the next beat, which finds the dispatch already made under the same key.
+
+A schedule that missed several ticks (every beat was down) fires once, for the first
+missed tick, and moves on to the next tick after now.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from .cron import Cron
+from .errors import PayloadValidationError, PublishOptionsError, QuestpieError
+from .jobs import JobDefinition
+from .ledger import Ledger, ScheduleRow, Status
+from .options import DispatchOptions, resolve_options
+from .publish import Publisher
+
+log = logging.getLogger(__name__)
+
+FIRE_KEY_PREFIX = "questpie-schedule:"
+#: Ended fire dispatches are deleted this long after they ended (a past tick never fires
+#: again, so nothing can ask for its key any more).
+DEFAULT_FIRE_RETENTION_SECONDS = 7 * 86400.0
+#: The most ticks one beat fires in one pass; the rest come in the next pass at once.
+FIRES_PER_PASS = 500
+#: How often a beat deletes spent fire rows.
+PRUNE_EVERY_SECONDS = 600.0
+PRUNE_BATCH = 1000
+
+#: Options a schedule cannot take: a fire's key, start and secrecy are its own.
+REFUSED_OPTIONS = ("idempotency_key", "start_after", "secret_payload")
+
+
+@dataclass(frozen=True)
+class ScheduleInfo:
+    """A schedule as `questpie-celery schedules` and the status page show it."""
+
+    job_name: str
+    source: str  # "call" (schedule()) or "option" (the job's options.cron)
+    cron: str
+    tz: str
+    next_fire_at: datetime
+    last_fire_at: datetime | None
+    last_dispatch_id: str | None
+    last_status: Status | None  # of the dispatch the last fire made (None: none, or pruned)
+
+
+def fire_key(row: ScheduleRow) -> str:
+    return f"{FIRE_KEY_PREFIX}{row.source}:{row.next_fire_at:%Y-%m-%dT%H:%M:%SZ}"
+
+
+class Schedules:
+    """The schedules of one ledger, and firing them."""
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        publisher: Publisher,
+        definition_of: Callable[[str], JobDefinition[Any] | None],
+        retention: float = DEFAULT_FIRE_RETENTION_SECONDS,
+    ) -> None:
+        self._ledger = ledger
+        self._publisher = publisher
+        self._definition_of = definition_of
+        self.retention = retention
+        self._unknown_warned: set[str] = set()
+        self._last_prune = float("-inf")
+
+    # --- changing schedules ----------------------------------------------------------------
+
+    def schedule(
+        self,
+        definition: JobDefinition[Any],
+        payload: Any,
+        cron: object,
+        tz: object,
+        options: Mapping[str, Any],
+    ) -> None:
+        """Validate everything, then store the job's schedule (replacing the one before)."""
+        refused = [name for name in REFUSED_OPTIONS if options.get(name) not in (None, False)]
+        if refused:
+            raise PublishOptionsError(
+                f"schedule() does not take {refused[0]}: each fire is its own dispatch, keyed "
+                "by its tick, starting at its tick, with a plain payload"
+            )
+        parsed = Cron.parse(cron, tz)
+        body = definition.to_json(payload)
+        # A fire starts at its tick: a job's start_after does not delay it.
+        resolved = resolve_options(definition.options, options, ignore=("start_after",))
+        self._put(definition.name, "call", parsed, body, resolved)
+
+    def unschedule(self, job_name: str) -> None:
+        """Remove every schedule of the job (an options.cron one comes back when a worker
+        or beat next starts with the job registered)."""
+        self._ledger.delete_schedules(job_name)
+
+    def sync_job_options(self, definitions: Mapping[str, JobDefinition[Any]]) -> None:
+        """Make the ledger hold each job's `options.cron` schedule, as declared now: add
+        the new ones, change the changed ones, remove those whose option was removed.
+        Workers and beats call this as they start."""
+        stored = {
+            row.job_name: row for row, _ in self._ledger.schedules() if row.source == "option"
+        }
+        for name, definition in definitions.items():
+            expression = definition.options.get("cron")
+            if expression is None:
+                if name in stored:
+                    self._ledger.delete_schedules(name, "option")
+                continue
+            cron = Cron.parse(expression)
+            body = definition.to_json({})
+            options = resolve_options(definition.options, {}, ignore=("start_after",))
+            existing = stored.get(name)
+            if existing is not None and _same(existing, cron, body, options):
+                continue  # leave its next tick alone: rewriting it could skip one
+            self._put(name, "option", cron, body, options)
+
+    def _put(
+        self,
+        job_name: str,
+        source: str,
+        cron: Cron,
+        body: dict[str, Any],
+        options: DispatchOptions,
+    ) -> None:
+        self._ledger.put_schedule(
+            ScheduleRow(
+                job_name=job_name,
+                source="call" if source == "call" else "option",
+                cron=cron.expression,
+                tz=cron.tz,
+                payload=body,
+                singleton_key=options.singleton_key,
+                options=options.stored(),
+                next_fire_at=cron.next_after(self._ledger.now()),
+            )
+        )
+
+    # --- reading ---------------------------------------------------------------------------
+
+    def list(self) -> list[ScheduleInfo]:
+        return [
+            ScheduleInfo(
+                job_name=row.job_name,
+                source=row.source,
+                cron=row.cron,
+                tz=row.tz,
+                next_fire_at=row.next_fire_at,
+                last_fire_at=row.last_fire_at,
+                last_dispatch_id=row.last_dispatch_id,
+                last_status=status,
+            )
+            for row, status in self._ledger.schedules()
+        ]
+
+    # --- firing ----------------------------------------------------------------------------
+
+    def claim_beat_tick(self, entry: str, tick: str) -> bool:
+        """Claim one tick of a `beat_schedule` entry; True for exactly one beat."""
+        return self._ledger.claim_beat_tick(entry, tick)
+
+    def fire_due(self) -> float:
+        """Fire every tick that has come; return seconds until the next one is due (or
+        None-like infinity when no schedule exists)."""
+        now, due = self._ledger.due_schedules(FIRES_PER_PASS)
+        for row in due:
+            assert now is not None
+            try:
+                self._fire(row, now)
+            except QuestpieError as exc:
+                # The ledger or the broker is down: every beat tries again next pass, and
+                # the tick's key keeps it to one dispatch when it succeeds.
+                log.warning("schedule of job %s could not fire yet (%s)", row.job_name, exc)
+                return 1.0
+        if len(due) == FIRES_PER_PASS:
+            return 0.0
+        self._prune_now_and_then()
+        upcoming = self._ledger.next_schedule_due()
+        if upcoming is None:
+            return float("inf")
+        return max((upcoming - (now or self._ledger.now())).total_seconds(), 0.0)
+
+    def _fire(self, row: ScheduleRow, now: datetime) -> None:
+        definition = self._definition_of(row.job_name)
+        if definition is None:
+            # Another beat may know the job: leave the tick to it.
+            if row.job_name not in self._unknown_warned:
+                self._unknown_warned.add(row.job_name)
+                log.warning(
+                    "job %s has a schedule but is not registered in this beat; another beat "
+                    "that has it fires its ticks",
+                    row.job_name,
+                )
+            return
+        cron = Cron(row.cron, row.tz)
+        options = DispatchOptions(
+            run=row.options.run,
+            idempotency_key=fire_key(row),
+            singleton_key=row.singleton_key,
+            priority=row.options.priority,
+            queue=row.options.queue,
+        )
+        try:
+            dispatch_id = self._publisher.publish(definition, row.payload, options)
+        except PayloadValidationError as exc:
+            # The job's schema changed under a stored payload: skip the tick, loudly.
+            log.warning("schedule of job %s skipped its tick: %s", row.job_name, exc)
+            dispatch_id = None
+        # Missed ticks (every beat was down) fire once: the next tick is after now.
+        next_fire_at = cron.next_after(max(now, row.next_fire_at))
+        if self._ledger.advance_schedule(row, next_fire_at, dispatch_id):
+            log.info(
+                "schedule of job %s fired its %s tick: dispatch %s",
+                row.job_name,
+                row.next_fire_at.isoformat(),
+                dispatch_id or "(suppressed by its queue policy)",
+                extra={"job_name": row.job_name, "dispatch_id": dispatch_id},
+            )
+
+    def _prune_now_and_then(self) -> None:
+        started = time.monotonic()
+        if started - self._last_prune < PRUNE_EVERY_SECONDS:
+            return
+        self._last_prune = started
+        try:
+            pruned = self._ledger.prune_schedule_history(
+                key_prefix=FIRE_KEY_PREFIX, older_than=self.retention, limit=PRUNE_BATCH
+            )
+        except QuestpieError as exc:
+            log.warning("could not prune ended schedule fires (%s); trying again later", exc)
+            return
+        if pruned:
+            log.info("pruned %d ended schedule fire(s) older than %.0f s", pruned, self.retention)
+
+
+def _same(row: ScheduleRow, cron: Cron, body: dict[str, Any], options: DispatchOptions) -> bool:
+    return (
+        row.cron == cron.expression
+        and row.tz == cron.tz
+        and row.payload == body
+        and row.singleton_key == options.singleton_key
+        and row.options == options.stored()
+    )

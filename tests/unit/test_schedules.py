@@ -1,0 +1,304 @@
+"""schedule(), unschedule(), options.cron and firing ticks, on a SQLite ledger and an
+in-memory broker nobody reads: what is stored, what is refused before anything is
+written, and one dispatch per tick however many beats fire it."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+from zoneinfo import ZoneInfo
+
+import pytest
+from celery import Celery
+from celery.beat import ScheduleEntry
+from celery.schedules import crontab
+from celery.schedules import schedule as every
+from pydantic import BaseModel
+from sqlalchemy import insert, select, update
+
+from questpie_celery import (
+    JobContext,
+    JobDefinitionError,
+    PayloadValidationError,
+    PublishOptionsError,
+    Questpie,
+)
+from questpie_celery.beat import LedgerScheduler, tick_name
+from questpie_celery.broker import LEDGER_SCHEDULER
+from questpie_celery.jobs import JobDefinition
+from questpie_celery.ledger import ScheduleRow, dispatch_table, open_ledger
+from questpie_celery.ledger.schema import schedule_table
+from questpie_celery.options import StoredOptions
+from questpie_celery.schedules import FIRE_KEY_PREFIX
+from tests.support import jobapp
+from tests.unit.helpers import IdleApp, row_count, sqlite_url
+
+
+@pytest.fixture
+def idle(tmp_path: Path) -> Iterator[IdleApp]:
+    made = IdleApp.build(tmp_path)
+    yield made
+    made.close()
+
+
+def stored(idle: IdleApp) -> list[ScheduleRow]:
+    return [row for row, _ in idle.ledger.schedules()]
+
+
+def make_due(idle: IdleApp, job_name: str, at: datetime) -> None:
+    with idle.ledger.engine.begin() as conn:
+        conn.execute(
+            update(schedule_table)
+            .where(schedule_table.c.job_name == job_name)
+            .values(next_fire_at=at)
+        )
+
+
+class Nightly(BaseModel):
+    kind: str = "nightly"
+
+
+class NeedsUser(BaseModel):
+    user_id: str
+
+
+def nothing(payload: BaseModel, ctx: JobContext) -> None:
+    return None
+
+
+def cron_job(cron: str | None, name: str = "cron.job") -> JobDefinition[Nightly]:
+    # Made directly, not with @job: nothing here should join other tests' apps.
+    return JobDefinition(
+        name=name, schema=Nightly, handler=nothing, options={"cron": cron} if cron else {}
+    )
+
+
+def test_schedule_stores_one_schedule_per_job_and_a_second_call_replaces_it(
+    idle: IdleApp,
+) -> None:
+    record = idle.questpie.queue.record
+    assert record.schedule({"tag": "a"}, "0 6 * * *", tz="Europe/Prague", priority=3) is None
+    (first,) = stored(idle)
+    assert (first.cron, first.tz, first.payload["tag"]) == ("0 6 * * *", "Europe/Prague", "a")
+    assert first.options.priority == 3
+    local = first.next_fire_at.astimezone(ZoneInfo("Europe/Prague"))
+    assert (local.hour, local.minute) == (6, 0) and first.next_fire_at > datetime.now(UTC)
+
+    record.schedule({"tag": "b"}, "*/5 * * * *", singleton_key="k", retry_limit=0)
+    (second,) = stored(idle)
+    assert (second.cron, second.tz, second.payload["tag"]) == ("*/5 * * * *", "UTC", "b")
+    assert (second.singleton_key, second.options.priority) == ("k", None)
+    assert second.options.run.retry_limit == 0
+    assert [s.job_name for s in idle.questpie.schedules.list()] == ["record"]
+
+
+@pytest.mark.parametrize(
+    ("options", "error"),
+    [
+        ({"idempotency_key": "k"}, PublishOptionsError),
+        ({"start_after": 30}, PublishOptionsError),
+        ({"secret_payload": True}, PublishOptionsError),
+        ({"priority": 10}, PublishOptionsError),
+        ({"tz": "Mars/Base"}, PublishOptionsError),
+        ({"queue": "a\x00b"}, PublishOptionsError),
+    ],
+)
+def test_refused_options_are_value_errors_and_write_nothing(
+    idle: IdleApp, options: dict[str, Any], error: type[Exception]
+) -> None:
+    with pytest.raises(error) as raised:
+        idle.questpie.queue.record.schedule({"tag": "x"}, "0 6 * * *", **options)
+    assert isinstance(raised.value, ValueError)
+    assert stored(idle) == []
+
+
+def test_a_bad_cron_payload_or_keyword_writes_nothing(idle: IdleApp) -> None:
+    record = idle.questpie.queue.record
+    with pytest.raises(PublishOptionsError):
+        record.schedule({"tag": "x"}, "0 6 * *")
+    with pytest.raises(PayloadValidationError):
+        record.schedule({"tag": 5}, "0 6 * * *")
+    with pytest.raises(TypeError, match="countdown"):
+        record.schedule({"tag": "x"}, "0 6 * * *", countdown=5)
+    assert stored(idle) == []
+
+
+def test_unschedule_removes_every_schedule_of_the_job(idle: IdleApp) -> None:
+    idle.questpie.register(cron_job("0 1 * * *"))
+    idle.questpie.sync_job_schedules()
+    client = idle.questpie.queue["cron.job"]
+    client.schedule({}, "0 2 * * *")
+    assert sorted(r.source for r in stored(idle)) == ["call", "option"]
+    assert client.unschedule() is None
+    assert stored(idle) == []
+    idle.questpie.sync_job_schedules()  # a worker or beat starting brings the option back
+    assert [r.source for r in stored(idle)] == ["option"]
+
+
+def test_a_due_tick_fires_one_dispatch_however_many_beats_fire_it(
+    idle: IdleApp, tmp_path: Path
+) -> None:
+    idle.questpie.queue.record.schedule({"tag": "tick"}, "* * * * *")
+    tick = datetime.now(UTC).replace(second=0, microsecond=0) - timedelta(minutes=1)
+    make_due(idle, "record", tick)
+    _, other = jobapp.build(broker="memory://", ledger=sqlite_url(tmp_path), queue=idle.queue)
+    try:
+        idle.questpie.schedules.fire_due()
+        # A second beat that read the same tick before the first moved it on.
+        make_due(idle, "record", tick)
+        other.schedules.fire_due()
+    finally:
+        other.close()
+    (row,) = stored(idle)
+    assert row.last_fire_at == tick and row.next_fire_at > datetime.now(UTC)
+    key = f"{FIRE_KEY_PREFIX}call:{tick:%Y-%m-%dT%H:%M:%SZ}"
+    fired = idle.ledger.get(row.last_dispatch_id or "")
+    assert fired is not None and fired.idempotency_key == key
+    assert fired.payload == {**fired.payload, "tag": "tick"}
+    assert idle.written() == (1, 1)  # one row, one message
+
+
+def test_missed_ticks_fire_once_on_return(idle: IdleApp) -> None:
+    idle.questpie.queue.record.schedule({"tag": "late"}, "* * * * *")
+    make_due(idle, "record", datetime.now(UTC) - timedelta(minutes=30))
+    idle.questpie.schedules.fire_due()
+    idle.questpie.schedules.fire_due()
+    assert idle.written() == (1, 1)
+    (row,) = stored(idle)
+    assert row.next_fire_at > datetime.now(UTC)
+
+
+def test_a_fire_goes_through_the_jobs_queue_policy(idle: IdleApp) -> None:
+    stately = idle.questpie.queue.policy_stately
+    waiting = stately.publish({"tag": "w"}, singleton_key="s")  # nobody reads: it waits
+    assert waiting is not None
+    stately.schedule({"tag": "report"}, "* * * * *", singleton_key="s")
+    make_due(idle, "policy.stately", datetime.now(UTC) - timedelta(seconds=1))
+    idle.questpie.schedules.fire_due()
+    (info,) = idle.questpie.schedules.list()
+    assert info.last_fire_at is not None and info.last_dispatch_id is None  # suppressed
+    assert row_count(idle.ledger) == 1  # a stately report never piles up
+
+
+def test_a_fire_with_the_broker_down_is_left_to_the_relay(tmp_path: Path) -> None:
+    app, questpie = jobapp.build(
+        broker="redis://127.0.0.1:9/0", ledger=sqlite_url(tmp_path), queue="nobody"
+    )
+    app.conf.broker_connection_retry = False
+    app.conf.broker_transport_options = {"max_retries": 0, "socket_connect_timeout": 1}
+    try:
+        questpie.migrate()
+        questpie.queue.record.schedule({"tag": "down"}, "* * * * *")
+        own = open_ledger(sqlite_url(tmp_path))
+        with own.engine.begin() as conn:
+            conn.execute(
+                update(schedule_table).values(next_fire_at=datetime.now(UTC) - timedelta(seconds=1))
+            )
+        questpie.schedules.fire_due()
+        (after,) = questpie.schedules.list()
+        assert after.last_dispatch_id is not None and after.next_fire_at > datetime.now(UTC)
+        fired = own.get(after.last_dispatch_id)
+        assert fired is not None and fired.status == "pending"  # the relay sends it later
+        own.close()
+    finally:
+        questpie.close()
+
+
+def test_cron_job_option_is_checked_against_the_schema_at_registration() -> None:
+    with pytest.raises(JobDefinitionError, match=r"options\.cron.*user_id"):
+        JobDefinition(
+            name="needs", schema=NeedsUser, handler=nothing, options={"cron": "0 6 * * *"}
+        )
+    with pytest.raises(JobDefinitionError, match="cron"):
+        cron_job("0 6 * *")
+
+
+def test_option_schedules_follow_the_declaration(idle: IdleApp, tmp_path: Path) -> None:
+    idle.questpie.register(cron_job("0 1 * * *"))
+    idle.questpie.sync_job_schedules()
+    (row,) = stored(idle)
+    assert (row.source, row.cron, row.payload) == ("option", "0 1 * * *", {"kind": "nightly"})
+    # Unchanged: its next tick is left alone (rewriting it could skip a tick).
+    pinned = datetime(2030, 1, 1, 1, 0, tzinfo=UTC)
+    make_due(idle, "cron.job", pinned)
+    idle.questpie.sync_job_schedules()
+    assert stored(idle)[0].next_fire_at == pinned
+
+    def sync_with(definition: JobDefinition[Nightly]) -> list[ScheduleRow]:
+        _, questpie = jobapp.build(
+            broker="memory://", ledger=sqlite_url(tmp_path), queue=idle.queue
+        )
+        try:
+            questpie.register(definition)
+            questpie.sync_job_schedules()
+        finally:
+            questpie.close()
+        return stored(idle)
+
+    (changed,) = sync_with(cron_job("30 1 * * *"))
+    assert changed.cron == "30 1 * * *" and changed.next_fire_at != pinned
+    assert sync_with(cron_job(None)) == []  # the option removed: so is its schedule
+
+
+def test_spent_fires_are_pruned_after_the_retention(idle: IdleApp) -> None:
+    long_ago = datetime.now(UTC) - timedelta(days=8)
+    rows = [
+        ("fire-old", f"{FIRE_KEY_PREFIX}call:2026-01-01T00:00:00Z", "completed", long_ago),
+        ("fire-new", f"{FIRE_KEY_PREFIX}call:2026-11-01T00:00:00Z", "completed", datetime.now(UTC)),
+        ("fire-waiting", f"{FIRE_KEY_PREFIX}call:2026-01-02T00:00:00Z", "queued", None),
+        ("not-a-fire", "order:1", "completed", long_ago),
+    ]
+    with idle.ledger.engine.begin() as conn:
+        for dispatch_id, key, status, finished in rows:
+            conn.execute(
+                insert(dispatch_table).values(
+                    id=dispatch_id, job_name="record", idempotency_key=key, status=status,
+                    options=StoredOptions(), attempt=1, send_count=0, secret=False,
+                    run_after=long_ago, created_at=long_ago, finished_at=finished,
+                )
+            )  # fmt: skip
+    idle.questpie.schedules.fire_due()  # a beat's pass prunes now and then: first, at once
+    with idle.ledger.engine.connect() as conn:
+        left = set(conn.execute(select(dispatch_table.c.id)).scalars())
+    assert left == {"fire-new", "fire-waiting", "not-a-fire"}
+
+
+def test_questpie_makes_beat_use_the_ledger_scheduler_unless_the_app_chose_one(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    url = sqlite_url(tmp_path)
+    plain = Celery("plain", broker="memory://")
+    Questpie(plain, ledger_url=url).close()
+    assert plain.conf.beat_scheduler == LEDGER_SCHEDULER
+
+    late = Celery("late", broker="memory://")
+    Questpie(late, ledger_url=url).close()
+    late.config_from_object({"beat_scheduler": "django_celery_beat.schedulers:DatabaseScheduler"})
+    with caplog.at_level(logging.WARNING):
+        assert late.conf.beat_scheduler == "django_celery_beat.schedulers:DatabaseScheduler"
+    assert any("will not fire questpie schedules" in r.getMessage() for r in caplog.records)
+
+
+def test_of_two_beats_one_sends_each_tick_of_a_beat_schedule_entry(idle: IdleApp) -> None:
+    entry = ScheduleEntry(
+        name="nightly-record", task="record", schedule=crontab(),
+        args=({"tag": "entry"},), options={"queue": idle.queue}, app=idle.celery_app,
+    )  # fmt: skip
+    beats = [LedgerScheduler(idle.celery_app, lazy=True) for _ in range(2)]
+    for beat in beats:
+        beat.apply_entry(entry, producer=None)
+    assert idle.messages() == 1
+
+
+def test_tick_names_are_the_same_in_every_beat() -> None:
+    app = Celery("t")
+    at = datetime(2026, 11, 30, 12, 5, 42, tzinfo=UTC)
+    minute = ScheduleEntry(name="m", task="t", schedule=crontab(), app=app)
+    assert tick_name(minute, at) == "2026-11-30T12:05Z"
+    ten = ScheduleEntry(name="i", task="t", schedule=every(timedelta(seconds=10)), app=app)
+    slot = int(at.timestamp() // 10)
+    assert tick_name(ten, at) == f"every 10s #{slot}"
+    assert tick_name(ten, at + timedelta(seconds=9)) != tick_name(ten, at)  # 12:05:51: next
