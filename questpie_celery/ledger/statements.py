@@ -294,8 +294,11 @@ class Statements:
                 last_dispatch_id=bindparam("dispatch_id"),
             )
         )
-        self.claim_beat_tick: Insert = insert_or_nothing(dialect, beat_tick_table).values(
-            entry=bindparam("entry"), tick=bindparam("tick"), claimed_at=now
+        # RETURNING says who won: an INSERT's row count is not reported on every driver.
+        self.claim_beat_tick: Insert = (
+            insert_or_nothing(dialect, beat_tick_table)
+            .values(entry=bindparam("entry"), tick=bindparam("tick"), claimed_at=now)
+            .returning(beat_tick_table.c.entry)
         )
 
         # Taking a row for a send is conditional on the exact next_send_at we read, so of

@@ -319,3 +319,53 @@ class Worker:
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
+
+
+@dataclass
+class Beat:
+    """A real `celery beat` process."""
+
+    env: dict[str, str]
+    app: str
+    cwd: Path
+    pythonpath: str
+    log_path: Path = field(default_factory=lambda: Path(tempfile.mktemp(prefix="qp-beat-")))
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 60.0) -> Beat:
+        cmd = [
+            sys.executable, "-m", "celery", "-A", self.app, "beat", "-l", "info",
+            "--pidfile=", "-s", str(self.log_path) + ".schedule",
+        ]  # fmt: skip
+        env = {**os.environ, **self.env, "PYTHONPATH": self.pythonpath}
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                cmd, cwd=self.cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if "beat: Starting..." in self.log():
+                return self
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"celery beat exited early:\n{self.log()}")
+            time.sleep(0.1)
+        self.kill()
+        raise RuntimeError(f"celery beat not started after {timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def kill(self) -> None:
+        """SIGKILL: no goodbye, no cleanup, as when a machine dies."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.kill()

@@ -1,0 +1,169 @@
+"""Two real `celery beat` processes, a real worker, PostgreSQL and Redis, over two minute
+boundaries: each tick of a questpie schedule and of a plain `beat_schedule` crontab
+entry runs once, a change made from another process is picked up before the next tick,
+and the beat that fired is killed with SIGKILL between the ticks while the next tick
+still fires, once, from the other."""
+
+from __future__ import annotations
+
+import textwrap
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+from pydantic import BaseModel
+from sqlalchemy import create_engine, text
+
+from questpie_celery import JobContext, Questpie
+from questpie_celery.jobs import JobDefinition
+from tests.support.services import Beat, PostgresServer, RedisServer, Worker
+
+PROJECT = """
+import os
+from celery import Celery
+from celery.schedules import crontab
+from pydantic import BaseModel
+from sqlalchemy import create_engine, text
+from questpie_celery import JobContext, Questpie, job
+
+app = Celery("beatproj", broker=os.environ["BP_BROKER"])
+app.conf.task_default_queue = os.environ["BP_QUEUE"]
+app.conf.beat_schedule = {"plain-every-minute": {"task": "beatproj.plain", "schedule": crontab()}}
+_engines = {}
+
+
+def record(name, note, dispatch_id):
+    engine = _engines.setdefault(os.getpid(), create_engine(os.environ["BP_LEDGER"]))
+    with engine.begin() as conn:
+        conn.execute(
+            text("INSERT INTO beat_runs (name, note, dispatch_id) VALUES (:n, :note, :d)"),
+            {"n": name, "note": note, "d": dispatch_id},
+        )
+
+
+@app.task(name="beatproj.plain")
+def plain():
+    record("plain", None, plain.request.id)
+
+
+class Report(BaseModel):
+    note: str
+
+
+@job(name="beatproj.report", schema=Report)
+def report(payload: Report, ctx: JobContext) -> None:
+    record("report", payload.note, ctx.dispatch_id)
+
+
+questpie = Questpie(app, ledger_url=os.environ["BP_LEDGER"], jobs=[report])
+"""
+
+
+class Report(BaseModel):
+    note: str
+
+
+def wait_for(probe: Callable[[], Any], what: str, until: datetime) -> Any:
+    while True:
+        found = probe()
+        if found:
+            return found
+        if datetime.now(UTC) > until:
+            raise AssertionError(f"no {what} by {until:%H:%M:%S}")
+        time.sleep(0.2)
+
+
+@pytest.mark.timeout(420)
+def test_two_beats_fire_each_tick_once_pick_up_changes_and_survive_a_kill(
+    postgres: PostgresServer, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    ledger = postgres.create_database("beat")
+    env = {
+        "BP_LEDGER": ledger,
+        "BP_BROKER": redis_server.url(redis_server.new_db()),
+        "BP_QUEUE": f"beat-{tmp_path.name}",
+    }
+    (tmp_path / "beatproj.py").write_text(textwrap.dedent(PROJECT))
+    engine = create_engine(ledger)
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "CREATE TABLE beat_runs (name text, note text, dispatch_id text, "
+                "ran_at timestamptz DEFAULT now())"
+            )
+        )
+    # Another process's view: the test changes the schedule as an admin script would.
+    admin = Questpie(
+        Celery("admin", broker=env["BP_BROKER"]),
+        ledger_url=ledger,
+        jobs=[JobDefinition(name="beatproj.report", schema=Report, handler=_unused)],
+    )
+    admin.migrate()
+    where = {"cwd": tmp_path, "pythonpath": str(tmp_path)}
+    worker = Worker(env, app="beatproj:app", **where).start()
+    beats = [Beat(env, app="beatproj:app", **where).start() for _ in range(2)]
+
+    def runs() -> list[tuple[str, str | None, datetime]]:
+        with engine.connect() as conn:
+            found = conn.execute(
+                text(
+                    "SELECT name, note, date_trunc('minute', ran_at) FROM beat_runs ORDER BY ran_at"
+                )
+            )
+            return [(name, note, minute) for name, note, minute in found]
+
+    try:
+        report = admin.queue["beatproj.report"]
+        report.schedule({"note": "v1"}, "* * * * *")
+        first = admin.schedules.list()[0].next_fire_at
+        second = first + timedelta(minutes=1)
+
+        wait_for(
+            lambda: ("report", "v1", first) in runs(), "first report", first + timedelta(seconds=30)
+        )
+        wait_for(
+            lambda: ("plain", None, first) in runs(),
+            "first plain run",
+            first + timedelta(seconds=30),
+        )
+        fired = [b for b in beats if "beatproj.report fired its" in b.log()]
+        assert len(fired) == 1, [b.log() for b in beats]
+        fired[0].kill()  # between the ticks, the beat that fired the first one
+        survivor = next(b for b in beats if b is not fired[0])
+        report.schedule({"note": "v2"}, "* * * * *")  # changed by another process
+
+        wait_for(
+            lambda: ("report", "v2", second) in runs(),
+            "second report",
+            second + timedelta(seconds=30),
+        )
+        wait_for(
+            lambda: ("plain", None, second) in runs(),
+            "second plain run",
+            second + timedelta(seconds=30),
+        )
+        # Anything a second beat might have doubled would have run by now, within the
+        # second after each tick; the worker is idle and has drained its queue.
+        settled = runs()
+        reports = [(note, minute) for name, note, minute in settled if name == "report"]
+        assert reports == [("v1", first), ("v2", second)]
+        plain_minutes = [minute for name, _, minute in settled if name == "plain"]
+        assert plain_minutes.count(first) == 1 and plain_minutes.count(second) == 1
+        assert len(plain_minutes) == len(set(plain_minutes))  # never two in one minute
+        assert "beatproj.report fired its" in survivor.log()
+        for beat in beats:
+            assert "Traceback" not in beat.log(), beat.log()
+    finally:
+        for beat in beats:
+            beat.stop()
+        worker.stop()
+        admin.close()
+        engine.dispose()
+
+
+def _unused(payload: Report, ctx: JobContext) -> None:
+    raise AssertionError("the test process never runs the job")
