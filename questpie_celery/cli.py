@@ -9,6 +9,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
+from datetime import datetime
 from typing import Protocol, get_args
 
 import click
@@ -18,6 +19,7 @@ from .errors import QuestpieError
 from .ledger import Status, open_ledger
 from .operations import DispatchDetail, Operator
 from .policies import QueuePolicy
+from .schedules import ScheduleInfo
 
 
 def load_questpie(spec: str) -> Questpie:
@@ -255,6 +257,33 @@ def dispatches_counts(app: str | None, ledger_url: str | None, as_json: bool) ->
 
 
 @main.command()
+@_target
+def schedules(app: str | None, ledger_url: str | None, as_json: bool) -> None:
+    """Every schedule: job, cron, zone, next fire, last fire and its dispatch's status."""
+    with _clear_errors():
+        found = _operator(app, ledger_url).schedules()
+    if as_json:
+        click.echo(json.dumps([_schedule_json(s) for s in found], indent=2))
+        return
+    for s in found:
+        last = (
+            f"{s.last_fire_at:%Y-%m-%d %H:%M} UTC -> {s.last_status or 'suppressed or pruned'}"
+            if s.last_fire_at
+            else "never fired"
+        )
+        click.echo(
+            f"{s.job_name:<28} {s.source:<6} {s.cron:<16} {s.tz:<18} "
+            f"next {s.next_fire_at:%Y-%m-%d %H:%M} UTC   last {last}"
+        )
+    if not found:
+        click.echo("(no schedules)")
+
+
+def _schedule_json(info: ScheduleInfo) -> dict[str, object]:
+    return {k: v.isoformat() if isinstance(v, datetime) else v for k, v in asdict(info).items()}
+
+
+@main.command()
 @click.option("-A", "--app", help="module:attribute of your Questpie instance")
 @click.option("--ledger-url", envvar="QUESTPIE_LEDGER_URL", help="SQLAlchemy URL of the ledger")
 @click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on")
@@ -286,7 +315,7 @@ def web(
     label = operator.ledger_label
     click.echo(f"status page of {label} on http://{host}:{port}/ (Ctrl-C stops it)")
     status_page.serve(
-        status_page.status_app(operator, ledger=label, refresh_seconds=refresh),
+        status_page.status_app(operator, ledger=label, refresh_seconds=refresh, public=public),
         host=host,
         port=port,
     )

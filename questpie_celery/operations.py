@@ -8,13 +8,14 @@ Nothing here returns the payload or the ciphertext of a secret dispatch.
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass
-from datetime import UTC, datetime
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
 from typing import Any
 
-from .errors import PublishOptionsError
+from .errors import LedgerSchemaError, PublishOptionsError
 from .ledger import DispatchRow, Ledger
 from .outbox import DEFAULT_REDELIVER_AFTER_SECONDS, PENDING_GRACE_SECONDS
+from .schedules import ScheduleInfo, schedule_infos
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,9 @@ class JobCount:
     status: str
     count: int
     oldest_age_seconds: float  # of the oldest dispatch of the job in that status
+    #: Since when the longest-waiting one that is due to run became due (None: none is
+    #: due yet); a dispatch with a far-off start does not count before its start.
+    oldest_due_seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -113,7 +117,11 @@ class Overview:
     parked: list[ParkedSlot]
     #: (sampled_at, dispatches due for the relay) over the last hour, oldest first.
     backlog: list[tuple[datetime, int]]
+    schedules: list[ScheduleInfo]
+    #: On the database's clock, like every time in the view.
     taken_at: datetime
+    #: What this ledger cannot show yet (its schema is older), in a person's words.
+    missing: list[str] = field(default_factory=list)
 
 
 class Operator:
@@ -132,8 +140,10 @@ class Operator:
 
     @property
     def ledger_label(self) -> str:
-        """Which ledger this is, for a person: its URL with the password hidden."""
-        return self._ledger.engine.url.render_as_string(hide_password=True)
+        """Which ledger this is, for a person: dialect, host, port and database; never a
+        user's password, nor a query string (which may hold one)."""
+        url = self._ledger.engine.url.set(password=None, query={})
+        return url.render_as_string(hide_password=True)
 
     def dispatches(
         self,
@@ -177,15 +187,21 @@ class Operator:
         return self.dispatches(status="failed", job=job, limit=limit)
 
     def counts(self) -> list[JobCount]:
-        now = datetime.now(UTC)
+        now = self._ledger.now()
         return [
-            JobCount(job, status, count, max((now - oldest).total_seconds(), 0.0))
-            for job, status, count, oldest in self._ledger.counts()
+            JobCount(
+                job,
+                status,
+                count,
+                _age(now, oldest) or 0.0,
+                _age(now, oldest_due),
+            )
+            for job, status, count, oldest, oldest_due in self._ledger.counts()
         ]
 
     def parked(self, limit: int = 50) -> list[ParkedSlot]:
         """Parked runs per queue-policy slot, the fullest slots first."""
-        now = datetime.now(UTC)
+        now = self._ledger.now()
         return [
             ParkedSlot(job, slot, count, max((now - oldest).total_seconds(), 0.0))
             for job, slot, count, oldest in self._ledger.parked_slots(limit)
@@ -196,15 +212,28 @@ class Operator:
         it (about twice a minute) over the last `seconds`, oldest first."""
         return self._ledger.backlog_history(seconds)
 
+    def schedules(self) -> list[ScheduleInfo]:
+        """Every schedule: job, cron, zone, next and last fire, and the last fire's status."""
+        return schedule_infos(self._ledger)
+
     def overview(self, limit: int = 20) -> Overview:
-        """Counts, stuck, failed, parked slots and the relay's backlog in one call."""
+        """Counts, stuck, failed, parked slots, the relay's backlog and the schedules in
+        one call."""
+        missing: list[str] = []
+        try:  # tables a schema older than version 3 lacks: the rest of the view still works
+            backlog, schedules = self.backlog(), self.schedules()
+        except LedgerSchemaError:
+            backlog, schedules = [], []
+            missing.append("the relay's backlog and the schedules (run questpie-celery migrate)")
         return Overview(
             counts=self.counts(),
             stuck=self.stuck(limit=limit),
             failed=self.failed(limit=limit),
             parked=self.parked(limit=limit),
-            backlog=self.backlog(),
-            taken_at=datetime.now(UTC),
+            backlog=backlog,
+            schedules=schedules,
+            taken_at=self._ledger.now(),
+            missing=missing,
         )
 
     def requeue(self, dispatch_id: str) -> DispatchDetail:
@@ -237,3 +266,7 @@ class Operator:
         detail = self.show(dispatch_id)
         assert detail is not None
         return detail
+
+
+def _age(now: datetime, then: datetime | None) -> float | None:
+    return None if then is None else max((now - then).total_seconds(), 0.0)

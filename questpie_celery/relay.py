@@ -49,6 +49,8 @@ LAPSE_GRACE_SECONDS = 10.0
 #: samples are kept.
 BACKLOG_SAMPLE_SECONDS = 30.0
 BACKLOG_KEEP_SECONDS = 2 * 3600.0
+#: How often a relay tries again when the ledger had no backlog table (before `migrate`).
+BACKLOG_RETRY_SECONDS = 300.0
 
 
 class Relay:
@@ -84,8 +86,9 @@ class Relay:
                 moved += self._slots.send_next(job_name, slot)
         return moved
 
-    def _sample_backlog(self) -> bool:
-        """Record the backlog for the status page; False once that cannot work here."""
+    def _sample_backlog(self, *, warn: bool) -> bool:
+        """Record the backlog for the status page; False while the ledger lacks the table
+        (warned about once, not on every retry)."""
         try:
             # A little under the period, so the relay that sampled last time wins again
             # rather than each relay deferring to the others' slightly younger samples.
@@ -93,6 +96,8 @@ class Relay:
                 every=BACKLOG_SAMPLE_SECONDS * 0.9, keep=BACKLOG_KEEP_SECONDS
             )
         except LedgerSchemaError:
+            if not warn:
+                return False
             log.warning(
                 "the ledger has no backlog table yet (schema older than this version); "
                 "run `questpie-celery migrate` so the status page can plot the relay's backlog"
@@ -118,9 +123,11 @@ class Relay:
                 if failing:
                     log.warning("relay passes succeed again")
                 failing = False
-                if sampling and started - last_sample >= BACKLOG_SAMPLE_SECONDS:
+                # After a schema error, only every few minutes: until `migrate` runs.
+                wait = BACKLOG_SAMPLE_SECONDS if sampling else BACKLOG_RETRY_SECONDS
+                if started - last_sample >= wait:
                     last_sample = started
-                    sampling = self._sample_backlog()
+                    sampling = self._sample_backlog(warn=sampling)
             except QuestpieError as exc:
                 reachable_since = None
                 if not failing:

@@ -58,6 +58,23 @@ class ScheduleInfo:
     last_status: Status | None  # of the dispatch the last fire made (None: none, or pruned)
 
 
+def schedule_infos(ledger: Ledger) -> list[ScheduleInfo]:
+    """Every schedule of the ledger, by job."""
+    return [
+        ScheduleInfo(
+            job_name=row.job_name,
+            source=row.source,
+            cron=row.cron,
+            tz=row.tz,
+            next_fire_at=row.next_fire_at,
+            last_fire_at=row.last_fire_at,
+            last_dispatch_id=row.last_dispatch_id,
+            last_status=status,
+        )
+        for row, status in ledger.schedules()
+    ]
+
+
 def fire_key(row: ScheduleRow) -> str:
     return f"{FIRE_KEY_PREFIX}{row.source}:{row.next_fire_at:%Y-%m-%dT%H:%M:%SZ}"
 
@@ -152,19 +169,7 @@ class Schedules:
     # --- reading ---------------------------------------------------------------------------
 
     def list(self) -> list[ScheduleInfo]:
-        return [
-            ScheduleInfo(
-                job_name=row.job_name,
-                source=row.source,
-                cron=row.cron,
-                tz=row.tz,
-                next_fire_at=row.next_fire_at,
-                last_fire_at=row.last_fire_at,
-                last_dispatch_id=row.last_dispatch_id,
-                last_status=status,
-            )
-            for row, status in self._ledger.schedules()
-        ]
+        return schedule_infos(self._ledger)
 
     # --- firing ----------------------------------------------------------------------------
 

@@ -12,13 +12,17 @@ index range scan or one grouped count, so it stays quick on a large ledger.
 from __future__ import annotations
 
 import ipaddress
+import socket
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, get_args
 
+import anyio
 import jinja2
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.middleware import Middleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
@@ -26,11 +30,13 @@ from starlette.routing import Route
 from .errors import QuestpieError
 from .ledger import Status
 from .ledger.schema import WAITING
-from .operations import Operator, Overview
+from .operations import DispatchDetail, Operator, Overview
 
 STATUSES: tuple[str, ...] = get_args(Status)
 PLOT_SECONDS = 3600
 PLOT_WIDTH, PLOT_HEIGHT = 720, 160
+#: A read that takes longer gets a 503 (a stalled database must not hang the page).
+READ_TIMEOUT_SECONDS = 15.0
 
 _templates = jinja2.Environment(
     loader=jinja2.PackageLoader("questpie_celery", "templates"),
@@ -42,13 +48,18 @@ _templates = jinja2.Environment(
 
 def is_loopback(host: str) -> bool:
     """Whether `host` names this machine only (the page's default; anything else must be
-    asked for explicitly)."""
-    if host == "localhost":
-        return True
+    asked for explicitly). A name counts when every address it resolves to is loopback."""
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
+        pass
+    if not host:
         return False
+    try:
+        found = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(found) and all(ipaddress.ip_address(info[4][0]).is_loopback for info in found)
 
 
 @dataclass(frozen=True)
@@ -75,8 +86,8 @@ def job_rows(overview: Overview) -> list[JobRow]:
     oldest: dict[str, float] = {}
     for c in overview.counts:
         rows.setdefault(c.job_name, {})[c.status] = c.count
-        if c.status in WAITING:
-            oldest[c.job_name] = max(oldest.get(c.job_name, 0.0), c.oldest_age_seconds)
+        if c.status in WAITING and c.oldest_due_seconds is not None:
+            oldest[c.job_name] = max(oldest.get(c.job_name, 0.0), c.oldest_due_seconds)
     return [JobRow(job, rows[job], oldest.get(job)) for job in sorted(rows)]
 
 
@@ -138,9 +149,25 @@ def render(overview: Overview, *, ledger: str, refresh_seconds: int) -> str:
     )
 
 
+def _dispatch(d: DispatchDetail) -> dict[str, Any]:
+    """What the page tells of one dispatch: never its payload or its keys, which may name
+    people or orders, on a page without a login."""
+    return {
+        "dispatch_id": d.dispatch_id,
+        "job_name": d.job_name,
+        "status": d.status,
+        "attempt": d.attempt,
+        "last_error": d.last_error,
+        "secret": d.secret,
+        "created_at": d.created_at.isoformat(),
+        "finished_at": d.finished_at.isoformat() if d.finished_at else None,
+    }
+
+
 def overview_json(overview: Overview) -> dict[str, Any]:
     return {
         "taken_at": overview.taken_at.isoformat(),
+        "missing": overview.missing,
         "counts": [
             {
                 "job_name": j.job_name,
@@ -149,8 +176,8 @@ def overview_json(overview: Overview) -> dict[str, Any]:
             }
             for j in job_rows(overview)
         ],
-        "stuck": [{"reason": reason, **d.to_json()} for reason, d in overview.stuck],
-        "failed": [d.to_json() for d in overview.failed],
+        "stuck": [{"reason": reason, **_dispatch(d)} for reason, d in overview.stuck],
+        "failed": [_dispatch(d) for d in overview.failed],
         "parked": [
             {
                 "job_name": p.job_name,
@@ -160,33 +187,68 @@ def overview_json(overview: Overview) -> dict[str, Any]:
             }
             for p in overview.parked
         ],
+        "schedules": [
+            {
+                "job_name": sc.job_name,
+                "source": sc.source,
+                "cron": sc.cron,
+                "tz": sc.tz,
+                "next_fire_at": sc.next_fire_at.isoformat(),
+                "last_fire_at": sc.last_fire_at.isoformat() if sc.last_fire_at else None,
+                "last_status": sc.last_status,
+            }
+            for sc in overview.schedules
+        ],
         "backlog": [{"sampled_at": at.isoformat(), "due": n} for at, n in overview.backlog],
     }
 
 
-def status_app(operator: Operator, *, ledger: str, refresh_seconds: int = 10) -> Starlette:
-    """The page as an ASGI application; `ledger` names the ledger in its header (pass a
-    URL with its password hidden)."""
+def status_app(
+    operator: Operator, *, ledger: str, refresh_seconds: int = 10, public: bool = False
+) -> Starlette:
+    """The page as an ASGI application; `ledger` names the ledger in its header.
+
+    Unless `public`, it answers only requests addressed to this machine by name
+    (`localhost`, `127.0.0.1`, `[::1]`), so a web page elsewhere cannot read it through a
+    hostname that resolves to 127.0.0.1 (DNS rebinding).
+    """
+
+    async def read() -> Overview:
+        with anyio.fail_after(READ_TIMEOUT_SECONDS):
+            return await run_in_threadpool(operator.overview)
 
     async def page(request: Request) -> Response:
         try:
-            overview = await run_in_threadpool(operator.overview)
-        except QuestpieError as exc:
-            # The ledger is down or unmigrated: say so, and keep refreshing until it is back.
+            overview = await read()
+        except (QuestpieError, TimeoutError) as exc:
+            # The ledger is down or stalled: say so, and keep refreshing until it is back.
             body = _templates.get_template("unavailable.html").render(
-                ledger=ledger, error=str(exc), refresh_seconds=refresh_seconds
+                ledger=ledger, error=_unavailable(exc), refresh_seconds=refresh_seconds
             )
             return HTMLResponse(body, status_code=503)
         return HTMLResponse(render(overview, ledger=ledger, refresh_seconds=refresh_seconds))
 
     async def as_json(request: Request) -> Response:
         try:
-            overview = await run_in_threadpool(operator.overview)
-        except QuestpieError as exc:
-            return JSONResponse({"error": str(exc)}, status_code=503)
+            overview = await read()
+        except (QuestpieError, TimeoutError) as exc:
+            return JSONResponse({"error": _unavailable(exc)}, status_code=503)
         return JSONResponse(overview_json(overview))
 
-    return Starlette(routes=[Route("/", page), Route("/overview.json", as_json)])
+    middleware = (
+        []
+        if public
+        else [Middleware(TrustedHostMiddleware, allowed_hosts=["localhost", "127.0.0.1", "[::1]"])]
+    )
+    return Starlette(
+        routes=[Route("/", page), Route("/overview.json", as_json)], middleware=middleware
+    )
+
+
+def _unavailable(exc: BaseException) -> str:
+    if isinstance(exc, TimeoutError):
+        return f"the ledger did not answer within {READ_TIMEOUT_SECONDS:.0f} s"
+    return str(exc)
 
 
 def serve(app: Starlette, *, host: str, port: int) -> None:

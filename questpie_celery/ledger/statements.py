@@ -260,7 +260,8 @@ class Statements:
         self.sample_backlog: Insert = insert(backlog_table).from_select(
             ["sampled_at", "backlog"],
             select(now, select(func.count()).select_from(due_rows).scalar_subquery()).where(
-                ~exists().where(b.sampled_at > db_time(seconds("gap")))
+                # A sample "from the future" (the clock stepped back) must not stop sampling.
+                ~exists().where(b.sampled_at > db_time(seconds("gap")), b.sampled_at <= now)
             ),
         )
         self.prune_backlog = delete(backlog_table).where(b.sampled_at < db_time(seconds("keep")))
@@ -408,7 +409,8 @@ def list_dispatches(
 
 
 def counts() -> Select[Any]:
-    """(job, status, count, oldest created_at) for every job and status."""
+    """(job, status, count, oldest created_at, oldest due run_after) for every job and
+    status."""
     t = dispatch_table.c
     return (
         select(
@@ -416,6 +418,8 @@ def counts() -> Select[Any]:
             t.status,
             func.count().label("count"),
             func.min(t.created_at).label("oldest"),
+            # Waiting since it became due: a far-off start is not late before it comes.
+            func.min(case((t.run_after <= db_time(), t.run_after))).label("oldest_due"),
         )
         .group_by(t.job_name, t.status)
         .order_by(t.job_name, t.status)

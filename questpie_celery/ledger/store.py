@@ -510,10 +510,14 @@ class Ledger:
         )
         return [DispatchRow.from_mapping(row) for row in self._execute(stmt, {})]
 
-    def counts(self) -> list[tuple[str, str, int, datetime]]:
-        """(job, status, count, oldest created_at) per job and status."""
+    def counts(self) -> list[tuple[str, str, int, datetime, datetime | None]]:
+        """(job, status, count, oldest created_at, oldest run_after that has come) per job
+        and status."""
         rows = self._execute(statements.counts(), {})
-        return [(r["job_name"], r["status"], int(r["count"]), r["oldest"]) for r in rows]
+        return [
+            (r["job_name"], r["status"], int(r["count"]), r["oldest"], r["oldest_due"])
+            for r in rows
+        ]
 
     def stuck(
         self, *, grace: float, redeliver_after: float, limit: int = 100

@@ -97,11 +97,12 @@ def filled(make_stack: StackFactory) -> Iterator[tuple[Stack, dict[str, str]]]:
         conn.execute(
             update(dispatch_table).where(rows.id == running).values(lease_expires_at=long_ago)
         )
-        conn.execute(
-            update(dispatch_table)
-            .where(rows.id == never_sent)
-            .values(status="pending", next_send_at=long_ago, queued_at=None)
-        )
+        for stuck in (never_sent, secret):
+            conn.execute(
+                update(dispatch_table)
+                .where(rows.id == stuck)
+                .values(status="pending", next_send_at=long_ago, queued_at=None)
+            )
         # An hour of samples: a backlog that built up and drained.
         conn.execute(
             insert(backlog_table),
@@ -133,6 +134,7 @@ def test_the_page_shows_the_ledger_at_a_glance_in_chromium(
         reasons = {row["dispatch_id"]: row["reason"] for row in data["stuck"]}
         assert reasons[ids["running"]] == "lease lapsed"
         assert reasons[ids["never_sent"]] == "never sent"
+        assert reasons[ids["secret"]] == "never sent"  # listed, and still nothing of it shown
         assert [row["dispatch_id"] for row in data["failed"]] == [ids["failed"]]
         assert data["failed"][0]["last_error"] == "RuntimeError"
         assert [(p["job_name"], p["count"]) for p in data["parked"]] == [("policy.stately", 1)]
@@ -160,8 +162,9 @@ def test_the_page_shows_the_ledger_at_a_glance_in_chromium(
     for shown in (ids["failed"], ids["running"], ids["never_sent"], "policy.stately"):
         assert shown in dom
     assert "lease lapsed" in dom and "RuntimeError" in dom
-    assert ids["canary"] not in dom  # a secret payload never reaches the page
-    assert ids["canary"] not in json.dumps(data)
+    # No payload reaches the page, secret or not, nor a key (payloads and keys carry the tag).
+    for hidden in (ids["canary"], ids["tag"]):
+        assert hidden not in dom and hidden not in json.dumps(data)
 
     image = Image.open(shot).convert("RGB")
     assert image.size == WINDOW
@@ -182,13 +185,30 @@ def pixels_near(image: Image.Image, colour: tuple[int, int, int], tolerance: int
     )
 
 
+def test_a_page_for_this_machine_refuses_requests_addressed_to_another_name(
+    filled: tuple[Stack, dict[str, str]],
+) -> None:
+    stack, _ = filled
+    with serve(stack.env["QP_TEST_LEDGER"]) as base:
+        # What a browser sends after a DNS rebinding attack: our address, their name.
+        rebound = urllib.request.Request(f"{base}/overview.json", headers={"Host": "evil.example"})
+        with pytest.raises(urllib.error.HTTPError) as raised:
+            urllib.request.urlopen(rebound, timeout=30)
+        assert raised.value.code == 400
+        raised.value.close()
+        with urllib.request.urlopen(f"{base}/overview.json", timeout=30) as response:
+            assert response.status == 200
+
+
 def test_an_unreachable_ledger_gets_a_page_that_says_so() -> None:
     unused = free_port()
-    url = f"postgresql+psycopg://nobody:hunter2@127.0.0.1:{unused}/ledger"
+    url = f"postgresql+psycopg://nobody:hunter2@127.0.0.1:{unused}/ledger?password=query-pw"
     with serve(url) as base:
         with pytest.raises(urllib.error.HTTPError) as raised:
             urllib.request.urlopen(f"{base}/", timeout=30)
         assert raised.value.code == 503
         body = raised.value.read().decode()
+        raised.value.close()
         assert "cannot be reached" in body and str(unused) in body
-        assert "hunter2" not in body  # the header names the ledger without its password
+        # The header names the ledger without a password, in the URL or its query string.
+        assert "hunter2" not in body and "query-pw" not in body

@@ -16,7 +16,7 @@ from questpie_celery.cli import main
 from questpie_celery.ledger import Ledger, dispatch_table, open_ledger
 from questpie_celery.ledger.schema import backlog_table
 from questpie_celery.operations import Operator
-from questpie_celery.web import PLOT_WIDTH, backlog_plot, is_loopback, render
+from questpie_celery.web import PLOT_WIDTH, backlog_plot, is_loopback, job_rows, render
 from tests.unit.helpers import IdleApp, new_dispatch, sqlite_url, wait_until
 
 
@@ -49,7 +49,7 @@ def test_one_sample_per_period_however_often_asked_and_old_ones_go(ledger: Ledge
                 sampled_at=datetime.now(UTC) - timedelta(hours=3), backlog=99
             )
         )
-    for _ in range(3):  # three relays at once
+    for _ in range(3):  # three relays, one after another within the period
         ledger.sample_backlog(every=30, keep=7200)
     history = ledger.backlog_history(3600)
     assert [n for _, n in history] == [3]
@@ -155,3 +155,29 @@ def test_serving_beyond_this_machine_needs_the_public_flag(tmp_path: Path) -> No
     assert result.exit_code == 2
     assert "--public" in result.output
     assert not (tmp_path / "ledger.sqlite3").exists()  # refused before opening anything
+
+
+def test_a_far_off_start_is_not_counted_as_waiting_before_it_comes(ledger: Ledger) -> None:
+    week = datetime.now(UTC) + timedelta(days=7)
+    assert ledger.insert(new_dispatch("later", run_after=week, next_send_at=week))
+    (late,) = due(ledger, 1, job_name="late")
+    with ledger.engine.begin() as conn:
+        conn.execute(
+            update(dispatch_table)
+            .where(dispatch_table.c.id == late)
+            .values(run_after=datetime.now(UTC) - timedelta(hours=2))
+        )
+    rows = {row.job_name: row for row in job_rows(Operator(ledger).overview())}
+    assert rows["later"].oldest_waiting_seconds is None
+    assert (rows["late"].oldest_waiting_seconds or 0) >= 7000
+
+
+def test_a_ledger_of_an_older_schema_still_gets_its_page(ledger: Ledger) -> None:
+    due(ledger, 1)
+    with ledger.engine.begin() as conn:  # as a version-2 ledger is
+        conn.execute(text("DROP TABLE questpie_relay_backlog"))
+        conn.execute(text("DROP TABLE questpie_schedule"))
+    overview = Operator(ledger).overview()
+    assert overview.missing and "migrate" in overview.missing[0]
+    page = render(overview, ledger="x", refresh_seconds=10)
+    assert "Not shown" in page and "record" in page
