@@ -4,6 +4,7 @@ written, and one dispatch per tick however many beats fire it."""
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -16,6 +17,7 @@ from celery import Celery
 from celery.beat import ScheduleEntry
 from celery.schedules import crontab
 from celery.schedules import schedule as every
+from click.testing import CliRunner
 from pydantic import BaseModel
 from sqlalchemy import insert, select, update
 
@@ -28,6 +30,7 @@ from questpie_celery import (
 )
 from questpie_celery.beat import LedgerScheduler, tick_name
 from questpie_celery.broker import LEDGER_SCHEDULER
+from questpie_celery.cli import main
 from questpie_celery.jobs import JobDefinition
 from questpie_celery.ledger import ScheduleRow, dispatch_table, open_ledger
 from questpie_celery.ledger.schema import schedule_table
@@ -80,12 +83,13 @@ def test_schedule_stores_one_schedule_per_job_and_a_second_call_replaces_it(
     idle: IdleApp,
 ) -> None:
     record = idle.questpie.queue.record
+    called = datetime.now(UTC)
     assert record.schedule({"tag": "a"}, "0 6 * * *", tz="Europe/Prague", priority=3) is None
     (first,) = stored(idle)
     assert (first.cron, first.tz, first.payload["tag"]) == ("0 6 * * *", "Europe/Prague", "a")
     assert first.options.priority == 3
     local = first.next_fire_at.astimezone(ZoneInfo("Europe/Prague"))
-    assert (local.hour, local.minute) == (6, 0) and first.next_fire_at > datetime.now(UTC)
+    assert (local.hour, local.minute) == (6, 0) and first.next_fire_at > called
 
     record.schedule({"tag": "b"}, "*/5 * * * *", singleton_key="k", retry_limit=0)
     (second,) = stored(idle)
@@ -145,6 +149,7 @@ def test_a_due_tick_fires_one_dispatch_however_many_beats_fire_it(
     tick = datetime.now(UTC).replace(second=0, microsecond=0) - timedelta(minutes=1)
     make_due(idle, "record", tick)
     _, other = jobapp.build(broker="memory://", ledger=sqlite_url(tmp_path), queue=idle.queue)
+    fired_at = datetime.now(UTC)
     try:
         idle.questpie.schedules.fire_due()
         # A second beat that read the same tick before the first moved it on.
@@ -153,7 +158,7 @@ def test_a_due_tick_fires_one_dispatch_however_many_beats_fire_it(
     finally:
         other.close()
     (row,) = stored(idle)
-    assert row.last_fire_at == tick and row.next_fire_at > datetime.now(UTC)
+    assert row.last_fire_at == tick and row.next_fire_at > fired_at
     key = f"{FIRE_KEY_PREFIX}call:{tick:%Y-%m-%dT%H:%M:%SZ}"
     fired = idle.ledger.get(row.last_dispatch_id or "")
     assert fired is not None and fired.idempotency_key == key
@@ -164,11 +169,12 @@ def test_a_due_tick_fires_one_dispatch_however_many_beats_fire_it(
 def test_missed_ticks_fire_once_on_return(idle: IdleApp) -> None:
     idle.questpie.queue.record.schedule({"tag": "late"}, "* * * * *")
     make_due(idle, "record", datetime.now(UTC) - timedelta(minutes=30))
+    fired_at = datetime.now(UTC)
     idle.questpie.schedules.fire_due()
     idle.questpie.schedules.fire_due()
     assert idle.written() == (1, 1)
     (row,) = stored(idle)
-    assert row.next_fire_at > datetime.now(UTC)
+    assert row.next_fire_at > fired_at  # moved past every missed tick at once
 
 
 def test_a_fire_goes_through_the_jobs_queue_policy(idle: IdleApp) -> None:
@@ -197,9 +203,10 @@ def test_a_fire_with_the_broker_down_is_left_to_the_relay(tmp_path: Path) -> Non
             conn.execute(
                 update(schedule_table).values(next_fire_at=datetime.now(UTC) - timedelta(seconds=1))
             )
+        fired_at = datetime.now(UTC)
         questpie.schedules.fire_due()
         (after,) = questpie.schedules.list()
-        assert after.last_dispatch_id is not None and after.next_fire_at > datetime.now(UTC)
+        assert after.last_dispatch_id is not None and after.next_fire_at > fired_at
         fired = own.get(after.last_dispatch_id)
         assert fired is not None and fired.status == "pending"  # the relay sends it later
         own.close()
@@ -302,3 +309,17 @@ def test_tick_names_are_the_same_in_every_beat() -> None:
     slot = int(at.timestamp() // 10)
     assert tick_name(ten, at) == f"every 10s #{slot}"
     assert tick_name(ten, at + timedelta(seconds=9)) != tick_name(ten, at)  # 12:05:51: next
+
+
+def test_the_schedules_command_lists_every_schedule(idle: IdleApp, tmp_path: Path) -> None:
+    idle.questpie.queue.record.schedule({"tag": "cli"}, "0 6 * * 1-5", tz="Europe/Prague")
+    url = sqlite_url(tmp_path)
+    listed = CliRunner().invoke(main, ["schedules", "--ledger-url", url, "--json"])
+    assert listed.exit_code == 0, listed.output
+    (row,) = json.loads(listed.output)
+    assert (row["job_name"], row["source"], row["cron"], row["tz"]) == (
+        "record", "call", "0 6 * * 1-5", "Europe/Prague"
+    )  # fmt: skip
+    assert row["last_fire_at"] is None and row["next_fire_at"]
+    plain = CliRunner().invoke(main, ["schedules", "--ledger-url", url])
+    assert "record" in plain.output and "never fired" in plain.output
