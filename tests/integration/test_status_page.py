@@ -85,6 +85,7 @@ def filled(make_stack: StackFactory) -> Iterator[tuple[Stack, dict[str, str]]]:
         stack.wait_status(dispatch_id, "completed")
     stack.wait_status(failed, "failed")
     stack.wait_status(parked, "parked")
+    queue.record.schedule({"tag": t}, "0 6 * * 1-5", tz="Europe/Prague")
     # The worker's relay samples the backlog on its first pass.
     assert stack.questpie.operator.backlog(), "a running relay records the backlog"
 
@@ -139,6 +140,11 @@ def test_the_page_shows_the_ledger_at_a_glance_in_chromium(
         assert data["failed"][0]["last_error"] == "RuntimeError"
         assert [(p["job_name"], p["count"]) for p in data["parked"]] == [("policy.stately", 1)]
         assert max(sample["due"] for sample in data["backlog"]) == 40
+        (schedule,) = data["schedules"]
+        assert (schedule["job_name"], schedule["cron"], schedule["tz"]) == (
+            "record", "0 6 * * 1-5", "Europe/Prague"
+        )  # fmt: skip
+        assert schedule["next_fire_at"] and schedule["last_fire_at"] is None
 
         shot = tmp_path / "status.png"
         chromium = [
@@ -161,7 +167,7 @@ def test_the_page_shows_the_ledger_at_a_glance_in_chromium(
 
     for shown in (ids["failed"], ids["running"], ids["never_sent"], "policy.stately"):
         assert shown in dom
-    assert "lease lapsed" in dom and "RuntimeError" in dom
+    assert "lease lapsed" in dom and "RuntimeError" in dom and "0 6 * * 1-5" in dom
     # No payload reaches the page, secret or not, nor a key (payloads and keys carry the tag).
     for hidden in (ids["canary"], ids["tag"]):
         assert hidden not in dom and hidden not in json.dumps(data)
