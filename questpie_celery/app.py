@@ -178,14 +178,16 @@ class Questpie:
             )
         self.sync_job_schedules()
 
-    def sync_job_schedules(self) -> None:
+    def sync_job_schedules(self) -> bool:
         """Store the schedules that registered jobs declare with `options={"cron": ...}`
-        (workers and beats do this as they start); a ledger that cannot be reached is
-        logged, not raised: the next start tries again."""
+        (workers and beats do this as they start). A ledger that cannot be reached is
+        logged, not raised, and False returned: a beat tries again until it succeeds."""
         try:
             self._schedules.sync_job_options(self.definitions)
         except QuestpieError as exc:
-            log.warning("could not store the jobs' cron schedules (%s)", exc)
+            log.warning("could not store the jobs' cron schedules yet (%s)", exc)
+            return False
+        return True
 
     def _registered_definition(self, job_name: str) -> JobDefinition[Any] | None:
         client = self._registry.by_name(job_name)

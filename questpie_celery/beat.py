@@ -6,21 +6,27 @@ both kinds of schedule:
 - questpie schedules (`schedule()` and `options={"cron": ...}`), read from the ledger
   every pass, so a change made by any process is picked up within a second;
 - the app's own `beat_schedule` entries, as Celery's scheduler runs them, except that
-  each tick is claimed in the ledger first, so of several beats one sends it. A
-  crontab (or solar) tick is named by its minute, an interval tick by its slot (the
-  time divided by the interval).
+  each tick is claimed in the ledger first, so of several beats one sends it.
+
+A tick must have the same name in every beat, whenever each beat gets to it:
+
+- a crontab (or solar) tick is named by the minute it fell due, worked out from the
+  entry's last run, so a beat that runs it late names it as the punctual one did;
+- an interval entry runs at the multiples of its interval (since the Unix epoch, UTC),
+  so all beats fall due together whenever each started, and a tick is named by its
+  multiple. A 30-second entry runs at :00 and :30; an hourly one on the hour.
 
 So any number of beats may run against one ledger, and that is the high-availability
-setup: when one dies, the next tick still fires from another, on time. Entries are not
-persisted in a local file: a beat that starts fresh waits one interval before an
-interval entry's first run, as Celery's scheduler does for a new entry.
+setup: when one dies, the next tick still fires from another, on time.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
-from datetime import UTC, datetime
+import time
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from celery import Celery
@@ -34,6 +40,11 @@ log = logging.getLogger(__name__)
 
 #: The longest beat sleeps between two looks at the ledger's schedules.
 LOOK_EVERY_SECONDS = 1.0
+#: How often a beat tries again to store the jobs' `options.cron` schedules, while the
+#: ledger could not be reached when it started.
+SYNC_RETRY_SECONDS = 30.0
+#: Entry names longer than this are claimed under a digest (the column's width).
+MAX_ENTRY_NAME = 200
 
 
 class LedgerScheduler(Scheduler):  # type: ignore[misc]  # Celery ships no type hints
@@ -47,6 +58,8 @@ class LedgerScheduler(Scheduler):  # type: ignore[misc]  # Celery ships no type 
                 "app in the module `celery -A` imports"
             )
         self._questpie: Questpie = questpie
+        self._synced = False
+        self._last_sync_try = float("-inf")
         super().__init__(app, *args, **kwargs)
         # Celery's default loop sleeps up to 300 s; schedules changed elsewhere and ticks
         # of other beats' entries must be seen sooner.
@@ -55,24 +68,54 @@ class LedgerScheduler(Scheduler):  # type: ignore[misc]  # Celery ships no type 
 
     def setup_schedule(self) -> None:
         super().setup_schedule()
-        self._questpie.sync_job_schedules()
+        self._sync_job_schedules()
+
+    def _sync_job_schedules(self) -> None:
+        self._last_sync_try = time.monotonic()
+        self._synced = self._questpie.sync_job_schedules()
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
         delay: float = super().tick(*args, **kwargs)
+        if not self._synced and time.monotonic() - self._last_sync_try >= SYNC_RETRY_SECONDS:
+            self._sync_job_schedules()
         try:
             until_next = self._questpie.schedules.fire_due()
         except QuestpieError as exc:
             log.warning("questpie schedules could not be read (%s); trying again", exc)
             until_next = LOOK_EVERY_SECONDS
+        except Exception:
+            # Whatever went wrong, beat must live on: its other entries depend on it.
+            log.exception("questpie schedules failed unexpectedly; trying again")
+            until_next = LOOK_EVERY_SECONDS
         return min(delay, until_next, LOOK_EVERY_SECONDS)
+
+    def is_due(self, entry: ScheduleEntry) -> tuple[bool, float]:
+        """Interval entries fall due at the multiples of their interval, in every beat."""
+        seconds = _interval_seconds(entry)
+        if seconds is None:
+            due: tuple[bool, float] = super().is_due(entry)
+            return due
+        now = datetime.now(UTC).timestamp()
+        last = entry.last_run_at.timestamp() if entry.last_run_at else now
+        until_next = seconds - now % seconds
+        return math.floor(now / seconds) > math.floor(last / seconds), until_next
 
     def apply_entry(self, entry: ScheduleEntry, producer: Any = None) -> None:
         """Send a due `beat_schedule` entry if this beat is the first to claim its tick."""
         tick = tick_name(entry, datetime.now(UTC))
+        name = entry.name
+        if len(name) > MAX_ENTRY_NAME:
+            name = "sha256:" + hashlib.sha256(name.encode()).hexdigest()
         try:
-            claimed = self._questpie.schedules.claim_beat_tick(entry.name, tick)
+            claimed = self._questpie.schedules.claim_beat_tick(name, tick)
         except QuestpieError as exc:
-            log.warning("beat entry %s skipped its %s tick: %s", entry.name, tick, exc)
+            log.error(  # noqa: TRY400  (a known, translated error: no traceback needed)
+                "beat entry %s skipped its %s tick: the ledger could not be reached to "
+                "claim it (%s)",
+                entry.name,
+                tick,
+                exc,
+            )
             return
         if not claimed:
             log.debug("beat entry %s: another beat sent its %s tick", entry.name, tick)
@@ -80,12 +123,27 @@ class LedgerScheduler(Scheduler):  # type: ignore[misc]  # Celery ships no type 
         super().apply_entry(entry, producer=producer)
 
 
-def tick_name(entry: ScheduleEntry, now: datetime) -> str:
-    """What names one tick of an entry, the same in every beat: its interval slot, or
-    the minute it fell due in."""
+def _interval_seconds(entry: ScheduleEntry) -> float | None:
     schedule = entry.schedule
     if type(schedule) is interval_schedule:
-        seconds = schedule.run_every.total_seconds()
-        if seconds > 0:
-            return f"every {seconds:g}s #{math.floor(now.timestamp() / seconds)}"
-    return f"{now:%Y-%m-%dT%H:%M}Z"
+        seconds = float(schedule.run_every.total_seconds())
+        return seconds if seconds > 0 else None
+    return None
+
+
+def tick_name(entry: ScheduleEntry, now: datetime) -> str:
+    """What names one tick of an entry, the same in every beat: its interval's multiple,
+    or the minute it fell due in."""
+    seconds = _interval_seconds(entry)
+    if seconds is not None:
+        return f"every {seconds:g}s #{math.floor(now.timestamp() / seconds)}"
+    due = now
+    schedule = entry.schedule
+    if entry.last_run_at is not None and hasattr(schedule, "remaining_estimate"):
+        try:
+            # When it fell due: from its last run, not from when this beat got to it.
+            due = (schedule.now() + schedule.remaining_estimate(entry.last_run_at)).astimezone(UTC)
+        except Exception:  # a schedule of the user's own: fall back to now
+            log.debug("no due time for %s; naming its tick by now", entry.name, exc_info=True)
+    due = (due + timedelta(seconds=30)).replace(second=0, microsecond=0)
+    return f"{due:%Y-%m-%dT%H:%M}Z"

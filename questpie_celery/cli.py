@@ -279,6 +279,18 @@ def schedules(app: str | None, ledger_url: str | None, as_json: bool) -> None:
         click.echo("(no schedules)")
 
 
+@main.command()
+@click.argument("job_name")
+@click.option("-A", "--app", help="module:attribute of your Questpie instance")
+@click.option("--ledger-url", envvar="QUESTPIE_LEDGER_URL", help="SQLAlchemy URL of the ledger")
+def unschedule(job_name: str, app: str | None, ledger_url: str | None) -> None:
+    """Remove every schedule of JOB_NAME, also of a job deleted from the code (an
+    options.cron schedule of a job still declared comes back when a worker starts)."""
+    with _clear_errors():
+        removed = _operator(app, ledger_url).unschedule(job_name)
+    click.echo(f"{job_name}: {removed} schedule(s) removed")
+
+
 def _schedule_json(info: ScheduleInfo) -> dict[str, object]:
     return {k: v.isoformat() if isinstance(v, datetime) else v for k, v in asdict(info).items()}
 

@@ -88,4 +88,8 @@ class Cron:
             # is the same tick again: skip it.
             if tick.fold == 1 and tick.replace(fold=0).utcoffset() != tick.utcoffset():
                 continue
+            # Asked from inside an overlap, cronsim may answer with the first occurrence
+            # of a wall-clock time that is already past: never go back in time.
+            if tick <= instant:
+                continue
             yield tick.astimezone(UTC)

@@ -79,6 +79,11 @@ class JobDefinition(Generic[P]):
         self._has_secret_fields = _has_secret_fields(schema)
 
     @property
+    def has_secret_fields(self) -> bool:
+        """Whether the schema holds pydantic `Secret*` values anywhere."""
+        return self._has_secret_fields
+
+    @property
     def attribute_name(self) -> str:
         """The name under which `questpie.queue` exposes this job."""
         return job_attribute_name(self.name)

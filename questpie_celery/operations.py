@@ -216,6 +216,18 @@ class Operator:
         """Every schedule: job, cron, zone, next and last fire, and the last fire's status."""
         return schedule_infos(self._ledger)
 
+    def unschedule(self, job_name: str) -> int:
+        """Remove every schedule of a job, also of one no process registers any more;
+        returns how many there were. Logged, like a requeue."""
+        removed = self._ledger.delete_schedules(job_name)
+        log.warning(
+            "%d schedule(s) of job %s removed by an operator",
+            removed,
+            job_name,
+            extra={"job_name": job_name, "audit": "unschedule"},
+        )
+        return removed
+
     def overview(self, limit: int = 20) -> Overview:
         """Counts, stuck, failed, parked slots, the relay's backlog and the schedules in
         one call."""

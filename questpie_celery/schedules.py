@@ -36,9 +36,10 @@ FIRE_KEY_PREFIX = "questpie-schedule:"
 DEFAULT_FIRE_RETENTION_SECONDS = 7 * 86400.0
 #: The most ticks one beat fires in one pass; the rest come in the next pass at once.
 FIRES_PER_PASS = 500
-#: How often a beat deletes spent fire rows.
-PRUNE_EVERY_SECONDS = 600.0
+#: How often a beat deletes spent fire rows, in batches, for at most a second each time.
+PRUNE_EVERY_SECONDS = 60.0
 PRUNE_BATCH = 1000
+PRUNE_BUDGET_SECONDS = 1.0
 
 #: Options a schedule cannot take: a fire's key, start and secrecy are its own.
 REFUSED_OPTIONS = ("idempotency_key", "start_after", "secret_payload")
@@ -93,7 +94,7 @@ class Schedules:
         self._publisher = publisher
         self._definition_of = definition_of
         self.retention = retention
-        self._unknown_warned: set[str] = set()
+        self._skipped: set[str] = set()  # jobs this beat cannot fire; another beat may
         self._last_prune = float("-inf")
 
     # --- changing schedules ----------------------------------------------------------------
@@ -107,11 +108,20 @@ class Schedules:
         options: Mapping[str, Any],
     ) -> None:
         """Validate everything, then store the job's schedule (replacing the one before)."""
-        refused = [name for name in REFUSED_OPTIONS if options.get(name) not in (None, False)]
+        refused = [
+            name
+            for name in REFUSED_OPTIONS
+            if options.get(name) is not None and options.get(name) is not False
+        ]
         if refused:
             raise PublishOptionsError(
                 f"schedule() does not take {refused[0]}: each fire is its own dispatch, keyed "
                 "by its tick, starting at its tick, with a plain payload"
+            )
+        if definition.has_secret_fields:
+            raise PublishOptionsError(
+                f"job {definition.name!r} has secret fields, and a schedule's payload is "
+                "stored in the ledger as it is: publish with secret_payload instead"
             )
         parsed = Cron.parse(cron, tz)
         body = definition.to_json(payload)
@@ -178,9 +188,9 @@ class Schedules:
         return self._ledger.claim_beat_tick(entry, tick)
 
     def fire_due(self) -> float:
-        """Fire every tick that has come; return seconds until the next one is due (or
-        None-like infinity when no schedule exists)."""
-        now, due = self._ledger.due_schedules(FIRES_PER_PASS)
+        """Fire every tick that has come; return seconds until the next one is due
+        (infinity when no schedule exists that this beat can fire)."""
+        now, due = self._ledger.due_schedules(FIRES_PER_PASS, sorted(self._skipped))
         for row in due:
             assert now is not None
             try:
@@ -190,10 +200,19 @@ class Schedules:
                 # the tick's key keeps it to one dispatch when it succeeds.
                 log.warning("schedule of job %s could not fire yet (%s)", row.job_name, exc)
                 return 1.0
+            except Exception:
+                # One bad row (a zone this host's tzdata lacks, say) must not stop the
+                # others, nor kill beat: leave it to a beat that can fire it.
+                log.exception(
+                    "schedule of job %s cannot be fired by this beat; its other schedules "
+                    "and every other job's go on",
+                    row.job_name,
+                )
+                self._skipped.add(row.job_name)
         if len(due) == FIRES_PER_PASS:
             return 0.0
         self._prune_now_and_then()
-        upcoming = self._ledger.next_schedule_due()
+        upcoming = self._ledger.next_schedule_due(sorted(self._skipped))
         if upcoming is None:
             return float("inf")
         return max((upcoming - (now or self._ledger.now())).total_seconds(), 0.0)
@@ -201,16 +220,21 @@ class Schedules:
     def _fire(self, row: ScheduleRow, now: datetime) -> None:
         definition = self._definition_of(row.job_name)
         if definition is None:
-            # Another beat may know the job: leave the tick to it.
-            if row.job_name not in self._unknown_warned:
-                self._unknown_warned.add(row.job_name)
-                log.warning(
-                    "job %s has a schedule but is not registered in this beat; another beat "
-                    "that has it fires its ticks",
-                    row.job_name,
-                )
+            # Another beat may know the job: leave its ticks to it, and stop looking at
+            # them here (a job deleted from the code would otherwise be looked at always).
+            self._skipped.add(row.job_name)
+            log.warning(
+                "job %s has a schedule but is not registered in this beat, so another beat "
+                "must fire it; if the job is gone, remove the schedule with "
+                "`questpie-celery unschedule %s`",
+                row.job_name,
+                row.job_name,
+            )
             return
+        # Work out the next tick before firing this one: a row this host cannot read
+        # (an unknown zone) is then refused before it dispatches anything.
         cron = Cron(row.cron, row.tz)
+        next_fire_at = cron.next_after(max(now, row.next_fire_at))
         options = DispatchOptions(
             run=row.options.run,
             idempotency_key=fire_key(row),
@@ -225,7 +249,6 @@ class Schedules:
             log.warning("schedule of job %s skipped its tick: %s", row.job_name, exc)
             dispatch_id = None
         # Missed ticks (every beat was down) fire once: the next tick is after now.
-        next_fire_at = cron.next_after(max(now, row.next_fire_at))
         if self._ledger.advance_schedule(row, next_fire_at, dispatch_id):
             log.info(
                 "schedule of job %s fired its %s tick: dispatch %s",
@@ -240,13 +263,19 @@ class Schedules:
         if started - self._last_prune < PRUNE_EVERY_SECONDS:
             return
         self._last_prune = started
+        pruned = 0
         try:
-            pruned = self._ledger.prune_schedule_history(
-                key_prefix=FIRE_KEY_PREFIX, older_than=self.retention, limit=PRUNE_BATCH
-            )
+            # Batch after batch while they come back full, within a time budget: enough to
+            # keep up with many frequent schedules without stalling the beat.
+            while time.monotonic() - started < PRUNE_BUDGET_SECONDS:
+                batch = self._ledger.prune_schedule_history(
+                    key_prefix=FIRE_KEY_PREFIX, older_than=self.retention, limit=PRUNE_BATCH
+                )
+                pruned += batch
+                if batch < PRUNE_BATCH:
+                    break
         except QuestpieError as exc:
             log.warning("could not prune ended schedule fires (%s); trying again later", exc)
-            return
         if pruned:
             log.info("pruned %d ended schedule fire(s) older than %.0f s", pruned, self.retention)
 

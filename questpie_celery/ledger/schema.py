@@ -231,6 +231,9 @@ beat_tick_table = Table(
     metadata,
     Column("entry", String(200), primary_key=True),
     Column("tick", String(40), primary_key=True),
+    # Who claimed it: a beat whose claim was retried after a dropped connection reads
+    # this back to learn whether the first try was its own.
+    Column("claimer", String(36), nullable=False),
     Column("claimed_at", UTCDateTime, nullable=False),
     Index("questpie_beat_tick_claimed", "claimed_at"),
 )

@@ -273,13 +273,16 @@ class Statements:
 
         sc = schedule_table.c
         self.now: Select[Any] = select(now.label("now"))
+        # `skip`: the jobs this beat cannot fire (not registered here); another beat may.
         self.due_schedules: Select[Any] = (
             select(schedule_table, now.label("now"))
-            .where(sc.next_fire_at <= now)
+            .where(sc.next_fire_at <= now, sc.job_name.not_in(bindparam("skip", expanding=True)))
             .order_by(sc.next_fire_at)
             .limit(bindparam("limit"))
         )
-        self.next_schedule_due: Select[Any] = select(func.min(sc.next_fire_at).label("at"))
+        self.next_schedule_due: Select[Any] = select(func.min(sc.next_fire_at).label("at")).where(
+            sc.job_name.not_in(bindparam("skip", expanding=True))
+        )
         # Moving a schedule on is conditional on the tick we read: of several beats that
         # fired the same tick (one dispatch, thanks to its key), one moves it on.
         self.advance_schedule: Update = (
@@ -298,8 +301,17 @@ class Statements:
         # RETURNING says who won: an INSERT's row count is not reported on every driver.
         self.claim_beat_tick: Insert = (
             insert_or_nothing(dialect, beat_tick_table)
-            .values(entry=bindparam("entry"), tick=bindparam("tick"), claimed_at=now)
+            .values(
+                entry=bindparam("entry"),
+                tick=bindparam("tick"),
+                claimer=bindparam("claimer"),
+                claimed_at=now,
+            )
             .returning(beat_tick_table.c.entry)
+        )
+        self.beat_tick_claimer: Select[Any] = select(beat_tick_table.c.claimer).where(
+            beat_tick_table.c.entry == bindparam("entry"),
+            beat_tick_table.c.tick == bindparam("tick"),
         )
 
         # Taking a row for a send is conditional on the exact next_send_at we read, so of

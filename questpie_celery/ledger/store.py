@@ -448,14 +448,17 @@ class Ledger:
         """Remove the job's schedules (from one source, or all); returns how many."""
         return int(self._execute(statements.delete_schedules(job_name, source), {}))
 
-    def due_schedules(self, limit: int = 500) -> tuple[datetime | None, list[ScheduleRow]]:
-        """(the database's now, schedules whose next tick has come), oldest tick first."""
-        rows = self._execute(self._sql.due_schedules, {"limit": limit})
+    def due_schedules(
+        self, limit: int = 500, skip: Sequence[str] = ()
+    ) -> tuple[datetime | None, list[ScheduleRow]]:
+        """(the database's now, schedules whose next tick has come), oldest tick first,
+        leaving out the jobs in `skip`."""
+        rows = self._execute(self._sql.due_schedules, {"limit": limit, "skip": list(skip)})
         now = rows[0]["now"] if rows else None
         return now, [ScheduleRow.from_mapping(row) for row in rows]
 
-    def next_schedule_due(self) -> datetime | None:
-        row = self._first(self._sql.next_schedule_due, {})
+    def next_schedule_due(self, skip: Sequence[str] = ()) -> datetime | None:
+        row = self._first(self._sql.next_schedule_due, {"skip": list(skip)})
         return row["at"] if row is not None else None
 
     def advance_schedule(
@@ -482,9 +485,14 @@ class Ledger:
 
     def claim_beat_tick(self, entry: str, tick: str) -> bool:
         """Take the tick of a `beat_schedule` entry; True for exactly one claimer."""
-        rows, retried = self._run(self._sql.claim_beat_tick, {"entry": entry, "tick": tick})
-        # A retried insert that now conflicts may have been our own: send rather than lose.
-        return bool(rows) or retried
+        claimer = str(uuid.uuid4())
+        params = {"entry": entry, "tick": tick, "claimer": claimer}
+        rows, retried = self._run(self._sql.claim_beat_tick, params)
+        if rows or not retried:
+            return bool(rows)
+        # The connection dropped and the insert ran again: was the first try ours?
+        found = self._first(self._sql.beat_tick_claimer, {"entry": entry, "tick": tick})
+        return found is not None and found["claimer"] == claimer
 
     def prune_schedule_history(self, *, key_prefix: str, older_than: float, limit: int) -> int:
         """Delete spent fire rows and beat tick claims older than `older_than` seconds."""

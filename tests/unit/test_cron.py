@@ -115,6 +115,28 @@ def test_fall_back_overlap_fires_once() -> None:
 
 
 @pytest.mark.parametrize(
+    ("tz", "expression", "inside"),
+    [
+        # Prague, 2026-10-25: 02:00-02:59 happens twice; 01:00:30Z is 02:00:30 the second time.
+        ("Europe/Prague", "30 2 * * *", datetime(2026, 10, 25, 1, 0, 30, tzinfo=UTC)),
+        ("Europe/Prague", "30 2 * * *", datetime(2026, 10, 25, 1, 10, tzinfo=UTC)),
+        # New York, 2026-11-01: 06:10Z is 01:10 the second time.
+        ("America/New_York", "30 1 * * *", datetime(2026, 11, 1, 6, 10, tzinfo=UTC)),
+        ("America/New_York", "*/20 * * * *", datetime(2026, 11, 1, 6, 10, tzinfo=UTC)),
+    ],
+)
+def test_asked_from_inside_an_overlap_the_next_tick_is_never_in_the_past(
+    tz: str, expression: str, inside: datetime
+) -> None:
+    cron = Cron.parse(expression, tz)
+    at = inside
+    for _ in range(5):
+        following = cron.next_after(at)
+        assert following > at
+        at = following
+
+
+@pytest.mark.parametrize(
     "expression",
     ["", "* * * *", "* * * * * *", "61 * * * *", "0 0 L * *", "0 0 * * 5#2", "@daily",
      "0 0 ? * *", "0 0 15W * *", "0 25 * * *", "0 0 * 13 *", "0 0 * * 8", "a b c d e"],

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -18,7 +19,7 @@ from celery.beat import ScheduleEntry
 from celery.schedules import crontab
 from celery.schedules import schedule as every
 from click.testing import CliRunner
-from pydantic import BaseModel
+from pydantic import BaseModel, SecretStr
 from sqlalchemy import insert, select, update
 
 from questpie_celery import (
@@ -302,13 +303,119 @@ def test_of_two_beats_one_sends_each_tick_of_a_beat_schedule_entry(idle: IdleApp
 
 def test_tick_names_are_the_same_in_every_beat() -> None:
     app = Celery("t")
-    at = datetime(2026, 11, 30, 12, 5, 42, tzinfo=UTC)
-    minute = ScheduleEntry(name="m", task="t", schedule=crontab(), app=app)
-    assert tick_name(minute, at) == "2026-11-30T12:05Z"
+    at = datetime(2026, 11, 30, 12, 6, 42, tzinfo=UTC)
+    # A */5 entry last run at 12:00: its 12:05 tick, whether a beat gets to it on time or
+    # a minute late (named by when it fell due, not by when it is applied).
+    five = ScheduleEntry(
+        name="m", task="t", schedule=crontab(minute="*/5"), app=app,
+        last_run_at=datetime(2026, 11, 30, 12, 0, 0, tzinfo=UTC),
+    )  # fmt: skip
+    assert tick_name(five, at) == "2026-11-30T12:05Z"
     ten = ScheduleEntry(name="i", task="t", schedule=every(timedelta(seconds=10)), app=app)
     slot = int(at.timestamp() // 10)
     assert tick_name(ten, at) == f"every 10s #{slot}"
-    assert tick_name(ten, at + timedelta(seconds=9)) != tick_name(ten, at)  # 12:05:51: next
+    assert tick_name(ten, at + timedelta(seconds=9)) != tick_name(ten, at)  # 12:06:51: next
+
+
+def test_interval_entries_fall_due_at_their_multiples_in_every_beat(idle: IdleApp) -> None:
+    beat = LedgerScheduler(idle.celery_app, lazy=True)
+    if datetime.now(UTC).timestamp() % 30 > 28:
+        time.sleep(2.5)  # stay clear of a slot edge while the test looks
+    now = datetime.now(UTC)
+    slot_start = datetime.fromtimestamp(now.timestamp() // 30 * 30, UTC)
+    entry = ScheduleEntry(
+        name="i", task="record", schedule=every(timedelta(seconds=30)), app=idle.celery_app,
+        last_run_at=slot_start + timedelta(seconds=1),
+    )  # fmt: skip
+    due, wait = beat.is_due(entry)
+    assert not due and 0 < wait <= 30  # this slot ran: wait for the next multiple of 30 s
+    earlier = ScheduleEntry(
+        name="i", task="record", schedule=every(timedelta(seconds=30)), app=idle.celery_app,
+        last_run_at=slot_start - timedelta(seconds=1),
+    )  # fmt: skip
+    assert beat.is_due(earlier)[0]  # the previous slot ran: due, whenever this beat began
+
+
+def test_a_schedule_no_beat_can_fire_does_not_spin_the_beat_nor_block_others(
+    idle: IdleApp, tmp_path: Path
+) -> None:
+    idle.questpie.queue.record.schedule({"tag": "alive"}, "* * * * *")
+    past = datetime.now(UTC) - timedelta(minutes=5)
+    with idle.ledger.engine.begin() as conn:  # 600 schedules of jobs deleted from the code
+        conn.execute(
+            insert(schedule_table),
+            [
+                {
+                    "job_name": f"gone-{n}", "source": "call", "cron": "* * * * *", "tz": "UTC",
+                    "payload": {}, "options": StoredOptions(), "next_fire_at": past,
+                    "updated_at": past,
+                }
+                for n in range(600)
+            ],
+        )  # fmt: skip
+    make_due(idle, "record", past + timedelta(seconds=1))
+    # The first passes learn which jobs this beat cannot fire (500 rows a pass); after
+    # that a pass finds nothing to do and beat sleeps instead of looping.
+    delays = [idle.questpie.schedules.fire_due() for _ in range(4)]
+    assert delays[-2] > 0 and delays[-1] > 0
+    assert idle.written() == (1, 1)  # the registered job's tick fired despite the 600
+    result = CliRunner().invoke(
+        main, ["unschedule", "gone-7", "--ledger-url", sqlite_url(tmp_path)]
+    )
+    assert result.exit_code == 0 and "1 schedule(s) removed" in result.output
+
+
+def test_a_row_this_beat_cannot_read_is_skipped_and_the_others_fire(
+    idle: IdleApp, caplog: pytest.LogCaptureFixture
+) -> None:
+    idle.questpie.queue.record.schedule({"tag": "fine"}, "* * * * *")
+    past = datetime.now(UTC) - timedelta(minutes=5)
+    with idle.ledger.engine.begin() as conn:  # a zone this host's tzdata lacks
+        conn.execute(
+            insert(schedule_table).values(
+                job_name="send-welcome-email", source="call", cron="* * * * *",
+                tz="Atlantis/Capital", payload={"tag": "x"}, options=StoredOptions(),
+                next_fire_at=past, updated_at=past,
+            )
+        )  # fmt: skip
+    make_due(idle, "record", past + timedelta(seconds=1))
+    with caplog.at_level(logging.ERROR):
+        idle.questpie.schedules.fire_due()
+    assert idle.written() == (1, 1)  # record fired; the unreadable one dispatched nothing
+    assert any("send-welcome-email" in r.getMessage() for r in caplog.records)
+
+
+def test_schedule_refuses_a_zero_start_and_secret_fields(idle: IdleApp) -> None:
+    class WithSecret(BaseModel):
+        token: SecretStr
+
+    for refused in ({"start_after": 0}, {"start_after": 0.0}, {"idempotency_key": ""}):
+        with pytest.raises(PublishOptionsError):
+            idle.questpie.queue.record.schedule({"tag": "x"}, "0 6 * * *", **refused)
+    secretive = JobDefinition(name="secretive", schema=WithSecret, handler=nothing)
+    idle.questpie.register(secretive)
+    with pytest.raises(PublishOptionsError, match="secret"):
+        idle.questpie.queue.secretive.schedule({"token": "t"}, "0 6 * * *")
+    assert stored(idle) == []
+
+
+def test_pruning_keeps_up_with_many_spent_fires(idle: IdleApp) -> None:
+    long_ago = datetime.now(UTC) - timedelta(days=8)
+    with idle.ledger.engine.begin() as conn:
+        conn.execute(
+            insert(dispatch_table),
+            [
+                {
+                    "id": f"spent-{n}", "job_name": "record", "status": "completed",
+                    "idempotency_key": f"{FIRE_KEY_PREFIX}call:{n}", "options": StoredOptions(),
+                    "attempt": 1, "send_count": 0, "secret": False, "run_after": long_ago,
+                    "created_at": long_ago, "finished_at": long_ago,
+                }
+                for n in range(2500)
+            ],
+        )  # fmt: skip
+    idle.questpie.schedules.fire_due()
+    assert row_count(idle.ledger) == 0
 
 
 def test_the_schedules_command_lists_every_schedule(idle: IdleApp, tmp_path: Path) -> None:
