@@ -32,6 +32,7 @@ from typing import Any
 from celery import Celery
 from celery.beat import ScheduleEntry, Scheduler
 from celery.schedules import schedule as interval_schedule
+from celery.schedules import solar
 
 from .app import Questpie, questpie_of
 from .errors import ConfigurationError, QuestpieError
@@ -59,6 +60,7 @@ class LedgerScheduler(Scheduler):  # type: ignore[misc]  # Celery ships no type 
             )
         self._questpie: Questpie = questpie
         self._synced = False
+        self._failing = False
         self._last_sync_try = float("-inf")
         super().__init__(app, *args, **kwargs)
         # Celery's default loop sleeps up to 300 s; schedules changed elsewhere and ticks
@@ -68,7 +70,16 @@ class LedgerScheduler(Scheduler):  # type: ignore[misc]  # Celery ships no type 
 
     def setup_schedule(self) -> None:
         super().setup_schedule()
+        # Celery's heap asks each entry itself when it is due first: give interval entries
+        # the last run their current multiple implies, so the first run is at the next.
+        for entry in self.schedule.values():
+            _align(entry)
         self._sync_job_schedules()
+
+    def reserve(self, entry: ScheduleEntry) -> ScheduleEntry:
+        new_entry: ScheduleEntry = super().reserve(entry)
+        _align(new_entry)
+        return new_entry
 
     def _sync_job_schedules(self) -> None:
         self._last_sync_try = time.monotonic()
@@ -84,9 +95,14 @@ class LedgerScheduler(Scheduler):  # type: ignore[misc]  # Celery ships no type 
             log.warning("questpie schedules could not be read (%s); trying again", exc)
             until_next = LOOK_EVERY_SECONDS
         except Exception:
-            # Whatever went wrong, beat must live on: its other entries depend on it.
-            log.exception("questpie schedules failed unexpectedly; trying again")
+            # Whatever went wrong, beat must live on: its other entries depend on it. One
+            # traceback, not one a second, until a pass succeeds again.
+            if not self._failing:
+                log.exception("questpie schedules failed unexpectedly; trying again each second")
+            self._failing = True
             until_next = LOOK_EVERY_SECONDS
+        else:
+            self._failing = False
         return min(delay, until_next, LOOK_EVERY_SECONDS)
 
     def is_due(self, entry: ScheduleEntry) -> tuple[bool, float]:
@@ -97,7 +113,9 @@ class LedgerScheduler(Scheduler):  # type: ignore[misc]  # Celery ships no type 
             return due
         now = datetime.now(UTC).timestamp()
         last = entry.last_run_at.timestamp() if entry.last_run_at else now
-        until_next = seconds - now % seconds
+        # A little past the multiple: Celery wakes 10 ms early, and a check that lands
+        # just before the multiple must not come back at once, again and again.
+        until_next = seconds - now % seconds + 0.02
         return math.floor(now / seconds) > math.floor(last / seconds), until_next
 
     def apply_entry(self, entry: ScheduleEntry, producer: Any = None) -> None:
@@ -131,19 +149,33 @@ def _interval_seconds(entry: ScheduleEntry) -> float | None:
     return None
 
 
+def _align(entry: ScheduleEntry) -> None:
+    """Set an interval entry's last run to the start of its current multiple."""
+    seconds = _interval_seconds(entry)
+    if seconds is not None:
+        now = datetime.now(UTC).timestamp()
+        entry.last_run_at = datetime.fromtimestamp(math.floor(now / seconds) * seconds, UTC)
+
+
 def tick_name(entry: ScheduleEntry, now: datetime) -> str:
     """What names one tick of an entry, the same in every beat: its interval's multiple,
-    or the minute it fell due in."""
+    the day of a solar event, or the minute a crontab tick fell due in."""
     seconds = _interval_seconds(entry)
     if seconds is not None:
         return f"every {seconds:g}s #{math.floor(now.timestamp() / seconds)}"
-    due = now
     schedule = entry.schedule
+    due = now
     if entry.last_run_at is not None and hasattr(schedule, "remaining_estimate"):
         try:
-            # When it fell due: from its last run, not from when this beat got to it.
-            due = (schedule.now() + schedule.remaining_estimate(entry.last_run_at)).astimezone(UTC)
+            # When it fell due, from its last run, not when this beat got to it; in UTC,
+            # since adding to a local time near a daylight-saving change is wall-clock
+            # arithmetic.
+            started = schedule.maybe_make_aware(schedule.now()).astimezone(UTC)
+            due = started + schedule.remaining_estimate(entry.last_run_at)
         except Exception:  # a schedule of the user's own: fall back to now
             log.debug("no due time for %s; naming its tick by now", entry.name, exc_info=True)
+    if type(schedule) is solar:
+        # One event a day: its moment moves by a fraction of a second with the last run.
+        return f"{schedule.event} {due:%Y-%m-%d}"
     due = (due + timedelta(seconds=30)).replace(second=0, microsecond=0)
     return f"{due:%Y-%m-%dT%H:%M}Z"

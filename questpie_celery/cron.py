@@ -82,7 +82,9 @@ class Cron:
 
     def _ticks(self, instant: datetime) -> Iterator[datetime]:
         zone = ZoneInfo(self.tz)
-        local = instant.astimezone(zone)
+        # Compared in UTC: two datetimes in one zone compare by wall clock, blind to fold.
+        after = instant.astimezone(UTC)
+        local = after.astimezone(zone)
         for tick in CronSim(self.expression, local):
             # The second occurrence of a wall-clock time repeated by a fall-back overlap
             # is the same tick again: skip it.
@@ -90,6 +92,6 @@ class Cron:
                 continue
             # Asked from inside an overlap, cronsim may answer with the first occurrence
             # of a wall-clock time that is already past: never go back in time.
-            if tick <= instant:
+            if tick.astimezone(UTC) <= after:
                 continue
             yield tick.astimezone(UTC)

@@ -59,6 +59,11 @@ class JobDefinition(Generic[P]):
             validated = validate_job_options(options)
         except PublishOptionsError as exc:
             raise JobDefinitionError(f"job {name!r}: {exc}") from None
+        if "cron" in validated and _has_secret_fields(schema):
+            raise JobDefinitionError(
+                f"job {name!r}: options.cron stores its payload in the ledger as it is, and "
+                "the schema has secret fields"
+            )
         if "cron" in validated:
             # A fixed schedule fires with the payload {}: refuse it now, not at 6 a.m.
             try:

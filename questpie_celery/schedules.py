@@ -41,6 +41,9 @@ PRUNE_EVERY_SECONDS = 60.0
 PRUNE_BATCH = 1000
 PRUNE_BUDGET_SECONDS = 1.0
 
+#: How long a beat leaves alone a schedule that failed to fire with an unexpected error.
+RETRY_FAILED_ROW_SECONDS = 300.0
+
 #: Options a schedule cannot take: a fire's key, start and secrecy are its own.
 REFUSED_OPTIONS = ("idempotency_key", "start_after", "secret_payload")
 
@@ -94,7 +97,9 @@ class Schedules:
         self._publisher = publisher
         self._definition_of = definition_of
         self.retention = retention
-        self._skipped: set[str] = set()  # jobs this beat cannot fire; another beat may
+        #: (job, source) this beat cannot fire, until when (monotonic): for ever for a job
+        #: not registered here (another beat may know it), a while for a row that failed.
+        self._skipped: dict[tuple[str, str], float] = {}
         self._last_prune = float("-inf")
 
     # --- changing schedules ----------------------------------------------------------------
@@ -190,7 +195,7 @@ class Schedules:
     def fire_due(self) -> float:
         """Fire every tick that has come; return seconds until the next one is due
         (infinity when no schedule exists that this beat can fire)."""
-        now, due = self._ledger.due_schedules(FIRES_PER_PASS, sorted(self._skipped))
+        now, due = self._ledger.due_schedules(FIRES_PER_PASS, self._skipping())
         for row in due:
             assert now is not None
             try:
@@ -204,15 +209,19 @@ class Schedules:
                 # One bad row (a zone this host's tzdata lacks, say) must not stop the
                 # others, nor kill beat: leave it to a beat that can fire it.
                 log.exception(
-                    "schedule of job %s cannot be fired by this beat; its other schedules "
-                    "and every other job's go on",
+                    "schedule of job %s (from %s) failed to fire in this beat; it is tried "
+                    "again in %.0f s, and every other schedule goes on",
                     row.job_name,
+                    row.source,
+                    RETRY_FAILED_ROW_SECONDS,
                 )
-                self._skipped.add(row.job_name)
+                self._skipped[(row.job_name, row.source)] = (
+                    time.monotonic() + RETRY_FAILED_ROW_SECONDS
+                )
         if len(due) == FIRES_PER_PASS:
             return 0.0
         self._prune_now_and_then()
-        upcoming = self._ledger.next_schedule_due(sorted(self._skipped))
+        upcoming = self._ledger.next_schedule_due(self._skipping())
         if upcoming is None:
             return float("inf")
         return max((upcoming - (now or self._ledger.now())).total_seconds(), 0.0)
@@ -222,7 +231,8 @@ class Schedules:
         if definition is None:
             # Another beat may know the job: leave its ticks to it, and stop looking at
             # them here (a job deleted from the code would otherwise be looked at always).
-            self._skipped.add(row.job_name)
+            for source in ("call", "option"):
+                self._skipped[(row.job_name, source)] = float("inf")
             log.warning(
                 "job %s has a schedule but is not registered in this beat, so another beat "
                 "must fire it; if the job is gone, remove the schedule with "
@@ -257,6 +267,13 @@ class Schedules:
                 dispatch_id or "(suppressed by its queue policy)",
                 extra={"job_name": row.job_name, "dispatch_id": dispatch_id},
             )
+
+    def _skipping(self) -> tuple[tuple[str, str], ...]:
+        """The (job, source) pairs to leave out of this pass; expired ones are tried again."""
+        now = time.monotonic()
+        for pair in [pair for pair, until in self._skipped.items() if until <= now]:
+            del self._skipped[pair]
+        return tuple(sorted(self._skipped))
 
     def _prune_now_and_then(self) -> None:
         started = time.monotonic()

@@ -31,6 +31,7 @@ from sqlalchemy import (
     literal,
     or_,
     select,
+    tuple_,
     update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
@@ -273,15 +274,18 @@ class Statements:
 
         sc = schedule_table.c
         self.now: Select[Any] = select(now.label("now"))
-        # `skip`: the jobs this beat cannot fire (not registered here); another beat may.
+        # `skip`: the (job, source) pairs this beat cannot fire just now; another beat may.
         self.due_schedules: Select[Any] = (
             select(schedule_table, now.label("now"))
-            .where(sc.next_fire_at <= now, sc.job_name.not_in(bindparam("skip", expanding=True)))
+            .where(
+                sc.next_fire_at <= now,
+                tuple_(sc.job_name, sc.source).not_in(bindparam("skip", expanding=True)),
+            )
             .order_by(sc.next_fire_at)
             .limit(bindparam("limit"))
         )
         self.next_schedule_due: Select[Any] = select(func.min(sc.next_fire_at).label("at")).where(
-            sc.job_name.not_in(bindparam("skip", expanding=True))
+            tuple_(sc.job_name, sc.source).not_in(bindparam("skip", expanding=True))
         )
         # Moving a schedule on is conditional on the tick we read: of several beats that
         # fired the same tick (one dispatch, thanks to its key), one moves it on.

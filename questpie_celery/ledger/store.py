@@ -449,15 +449,15 @@ class Ledger:
         return int(self._execute(statements.delete_schedules(job_name, source), {}))
 
     def due_schedules(
-        self, limit: int = 500, skip: Sequence[str] = ()
+        self, limit: int = 500, skip: Sequence[tuple[str, str]] = ()
     ) -> tuple[datetime | None, list[ScheduleRow]]:
         """(the database's now, schedules whose next tick has come), oldest tick first,
-        leaving out the jobs in `skip`."""
+        leaving out the (job, source) pairs in `skip`."""
         rows = self._execute(self._sql.due_schedules, {"limit": limit, "skip": list(skip)})
         now = rows[0]["now"] if rows else None
         return now, [ScheduleRow.from_mapping(row) for row in rows]
 
-    def next_schedule_due(self, skip: Sequence[str] = ()) -> datetime | None:
+    def next_schedule_due(self, skip: Sequence[tuple[str, str]] = ()) -> datetime | None:
         row = self._first(self._sql.next_schedule_due, {"skip": list(skip)})
         return row["at"] if row is not None else None
 

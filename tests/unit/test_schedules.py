@@ -336,6 +336,39 @@ def test_interval_entries_fall_due_at_their_multiples_in_every_beat(idle: IdleAp
     assert beat.is_due(earlier)[0]  # the previous slot ran: due, whenever this beat began
 
 
+def test_an_interval_entrys_first_run_is_at_the_next_multiple(idle: IdleApp) -> None:
+    idle.celery_app.conf.beat_schedule = {
+        "every-30s": {"task": "record", "schedule": 30.0, "args": ({"tag": "i"},)}
+    }
+    try:
+        beat = LedgerScheduler(idle.celery_app)
+        entry = beat.schedule["every-30s"]
+        now = datetime.now(UTC).timestamp()
+        assert entry.last_run_at.timestamp() == now // 30 * 30
+        # Celery's own first look (its heap) agrees: due at the next multiple of 30 s.
+        due, wait = entry.is_due()
+        assert not due and abs(now + wait - (now // 30 + 1) * 30) < 1
+    finally:
+        idle.celery_app.conf.beat_schedule = {}
+
+
+def test_a_crontab_tick_is_named_alike_across_a_fall_back_night() -> None:
+    app = Celery("dst")
+    app.conf.timezone = "Europe/Prague"
+    prague = ZoneInfo("Europe/Prague")
+    # 2026-10-25: the daily 02:30 tick fell due at 00:30Z (02:30 CEST). A beat that gets
+    # there at 01:10Z (02:10 CET, the repeated hour) names it as the punctual one did.
+    late_now = datetime(2026, 10, 25, 1, 10, tzinfo=UTC).astimezone(prague)
+    punctual_now = datetime(2026, 10, 25, 0, 30, 1, tzinfo=UTC).astimezone(prague)
+    yesterday = datetime(2026, 10, 24, 0, 30, tzinfo=UTC)
+    names = set()
+    for now in (late_now, punctual_now):
+        daily = crontab(hour=2, minute=30, app=app, nowfun=lambda now=now: now)
+        entry = ScheduleEntry(name="d", task="t", schedule=daily, app=app, last_run_at=yesterday)
+        names.add(tick_name(entry, now.astimezone(UTC)))
+    assert names == {"2026-10-25T00:30Z"}
+
+
 def test_a_schedule_no_beat_can_fire_does_not_spin_the_beat_nor_block_others(
     idle: IdleApp, tmp_path: Path
 ) -> None:
@@ -370,18 +403,25 @@ def test_a_row_this_beat_cannot_read_is_skipped_and_the_others_fire(
 ) -> None:
     idle.questpie.queue.record.schedule({"tag": "fine"}, "* * * * *")
     past = datetime.now(UTC) - timedelta(minutes=5)
-    with idle.ledger.engine.begin() as conn:  # a zone this host's tzdata lacks
-        conn.execute(
-            insert(schedule_table).values(
-                job_name="send-welcome-email", source="call", cron="* * * * *",
-                tz="Atlantis/Capital", payload={"tag": "x"}, options=StoredOptions(),
-                next_fire_at=past, updated_at=past,
-            )
-        )  # fmt: skip
+    rows = [  # a zone this host's tzdata lacks, and the same job's other, sound schedule
+        ("call", "Atlantis/Capital", past),
+        ("option", "UTC", past + timedelta(seconds=2)),
+    ]
+    with idle.ledger.engine.begin() as conn:
+        for source, tz, at in rows:
+            conn.execute(
+                insert(schedule_table).values(
+                    job_name="send-welcome-email", source=source, cron="* * * * *", tz=tz,
+                    payload={"tag": "x"}, options=StoredOptions(), next_fire_at=at,
+                    updated_at=past,
+                )
+            )  # fmt: skip
     make_due(idle, "record", past + timedelta(seconds=1))
     with caplog.at_level(logging.ERROR):
         idle.questpie.schedules.fire_due()
-    assert idle.written() == (1, 1)  # record fired; the unreadable one dispatched nothing
+        idle.questpie.schedules.fire_due()
+    # record fired, and so did the job's sound schedule; the unreadable one sent nothing.
+    assert idle.written() == (2, 2)
     assert any("send-welcome-email" in r.getMessage() for r in caplog.records)
 
 
