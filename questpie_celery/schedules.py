@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 from .cron import Cron
 from .errors import PayloadValidationError, PublishOptionsError, QuestpieError
@@ -163,7 +163,7 @@ class Schedules:
     def _put(
         self,
         job_name: str,
-        source: str,
+        source: Literal["call", "option"],
         cron: Cron,
         body: dict[str, Any],
         options: DispatchOptions,
@@ -171,7 +171,7 @@ class Schedules:
         self._ledger.put_schedule(
             ScheduleRow(
                 job_name=job_name,
-                source="call" if source == "call" else "option",
+                source=source,
                 cron=cron.expression,
                 tz=cron.tz,
                 payload=body,

@@ -253,8 +253,54 @@ class RabbitServer:
         shutil.rmtree(self.base, ignore_errors=True)
 
 
+class CeleryProcess:
+    """What a `celery worker` and a `celery beat` process share: starting one in a
+    session of its own (so signals reach its children), its log, stopping and killing."""
+
+    env: dict[str, str]
+    cwd: Path
+    pythonpath: str
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None
+
+    def _launch(self, cmd: list[str], *, ready: str, what: str, timeout: float) -> None:
+        env = {**os.environ, **self.env, "PYTHONPATH": self.pythonpath}
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                cmd, cwd=self.cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if ready in self.log():
+                return
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{what} exited early:\n{self.log()}")
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"{what} not ready after {timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group: no goodbye, and pool children die mid-run."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+
 @dataclass
-class Worker:
+class Worker(CeleryProcess):
     """A real `celery worker` process running tests/support/jobapp.py."""
 
     env: dict[str, str]
@@ -278,24 +324,8 @@ class Worker:
         ]  # fmt: skip
         if self.queues:
             cmd += ["-Q", self.queues]
-        env = {**os.environ, **self.env, "PYTHONPATH": self.pythonpath}
-        with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(
-                cmd, cwd=self.cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )  # fmt: skip
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if " ready." in self.log():
-                return self
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"celery worker exited early:\n{self.log()}")
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"celery worker not ready after {timeout}s:\n{self.log()}")
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        self._launch(cmd, ready=" ready.", what="celery worker", timeout=timeout)
+        return self
 
     def log_about(self, dispatch_id: str) -> list[str]:
         """The worker's log lines that name one dispatch."""
@@ -304,25 +334,9 @@ class Worker:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-
-    def kill(self) -> None:
-        """SIGKILL the whole process group: the pool children die mid-run."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-
 
 @dataclass
-class Beat:
+class Beat(CeleryProcess):
     """A real `celery beat` process."""
 
     env: dict[str, str]
@@ -337,35 +351,5 @@ class Beat:
             sys.executable, "-m", "celery", "-A", self.app, "beat", "-l", "info",
             "--pidfile=", "-s", str(self.log_path) + ".schedule",
         ]  # fmt: skip
-        env = {**os.environ, **self.env, "PYTHONPATH": self.pythonpath}
-        with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(
-                cmd, cwd=self.cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )  # fmt: skip
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if "beat: Starting..." in self.log():
-                return self
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"celery beat exited early:\n{self.log()}")
-            time.sleep(0.1)
-        self.kill()
-        raise RuntimeError(f"celery beat not started after {timeout}s:\n{self.log()}")
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-    def kill(self) -> None:
-        """SIGKILL: no goodbye, no cleanup, as when a machine dies."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        self._launch(cmd, ready="beat: Starting...", what="celery beat", timeout=timeout)
+        return self
