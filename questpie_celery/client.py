@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any, Generic, Never
 
+from pydantic import BaseModel
 from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
-from .errors import JobDefinitionError, UnknownJobError
+from .errors import JobDefinitionError, PublishOptionsError, UnknownJobError
 from .jobs import JobDefinition, P
-from .options import resolve_options, unknown_option_message
+from .options import resolve_many_options, resolve_options, unknown_option_message
 from .policies import QueuePolicy, QueuePolicyName
 from .publish import Publisher
 from .receipts import DispatchStatus, Receipt
@@ -84,6 +85,70 @@ class JobClient(Generic[P]):
         )
         return self._publisher.publish(
             self.definition, payload, options, session=session, connection=connection
+        )
+
+    def publish_many(
+        self,
+        payloads: Iterable[P | Mapping[str, Any]],
+        *,
+        idempotency_keys: Sequence[str | None] | None = None,
+        singleton_keys: Sequence[str | None] | None = None,
+        queue_policy: QueuePolicy | QueuePolicyName | None = None,
+        secret_payload: bool = False,
+        priority: int | None = None,
+        start_after: float | str | datetime | None = None,
+        retry_limit: int | None = None,
+        retry_delay: float | None = None,
+        retry_backoff: bool | None = None,
+        expire_in_seconds: int | None = None,
+        queue: str | None = None,
+        session: Session | None = None,
+        connection: Connection | None = None,
+        **unknown: Never,
+    ) -> list[str | None]:
+        """Enqueue one run per payload, as that many `publish()` calls would; return
+        their dispatch ids in order, None where the queue policy suppressed one.
+
+        `idempotency_keys` and `singleton_keys`, when given, hold one entry (or None) per
+        payload; every other option applies to all. Every payload and key is validated
+        before anything is written, and an error names the item's index. Items go to the
+        ledger a chunk at a time, one statement each, and their messages leave in one
+        pipelined batch per chunk.
+        """
+        if unknown:
+            singular = {"idempotency_key", "singleton_key"} & set(unknown)
+            if singular:
+                name = sorted(singular)[0]
+                raise TypeError(
+                    f"publish_many() takes {name}s=[...], one entry per payload, not {name}"
+                )
+            raise TypeError(unknown_option_message("publish_many", unknown))
+        if isinstance(payloads, Mapping | BaseModel | str | bytes) or not isinstance(
+            payloads, Iterable
+        ):
+            raise PublishOptionsError(
+                "publish_many takes a list of payloads; for one payload, use publish()"
+            )
+        items = list(payloads)
+        options = resolve_many_options(
+            self.definition.options,
+            {
+                "queue_policy": queue_policy,
+                "secret_payload": secret_payload,
+                "priority": priority,
+                "start_after": start_after,
+                "retry_limit": retry_limit,
+                "retry_delay": retry_delay,
+                "retry_backoff": retry_backoff,
+                "expire_in_seconds": expire_in_seconds,
+                "queue": queue,
+            },
+            idempotency_keys,
+            singleton_keys,
+            len(items),
+        )
+        return self._publisher.publish_many(
+            self.definition, items, options, session=session, connection=connection
         )
 
     def schedule(

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import difflib
 import math
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypedDict, cast
 
@@ -213,19 +213,62 @@ def resolve_options(
 ) -> DispatchOptions:
     """Merge call-time options (which win; `None` means "not given") over the job's,
     leaving out the job's options named in `ignore`."""
+    merged = _merge(job_options, call_options, ignore)
+    _check_keys(merged)
+    return merged
+
+
+def resolve_many_options(
+    job_options: JobOptions,
+    call_options: Mapping[str, Any],
+    idempotency_keys: Sequence[str | None] | None,
+    singleton_keys: Sequence[str | None] | None,
+    count: int,
+) -> list[DispatchOptions]:
+    """The options of each item of a bulk publish: the shared options merged once, then
+    each item's keys, validated exactly as `resolve_options` validates one call's. An
+    error names the item's index (never the key: a key may be sensitive)."""
+    keys = _per_item(idempotency_keys, "idempotency_keys", count)
+    singles = _per_item(singleton_keys, "singleton_keys", count)
+    shared = _merge(job_options, call_options, ())
+    resolved: list[DispatchOptions] = []
+    for index, (key, single) in enumerate(zip(keys, singles, strict=True)):
+        try:
+            item = shared
+            if key is not None or single is not None:
+                item = replace(
+                    shared,
+                    idempotency_key=None if key is None else _key(key, "idempotency_key"),
+                    singleton_key=(
+                        shared.singleton_key if single is None else _key(single, "singleton_key")
+                    ),
+                )
+            _check_keys(item)
+        except PublishOptionsError as exc:
+            raise PublishOptionsError(f"item {index}: {exc}") from None
+        resolved.append(item)
+    return resolved
+
+
+def _per_item(values: object, name: str, count: int) -> list[Any]:
+    if values is None:
+        return [None] * count
+    if isinstance(values, str | bytes) or not isinstance(values, Sequence):
+        raise PublishOptionsError(f"{name} must be a list with one entry (or None) per payload")
+    if len(values) != count:
+        raise PublishOptionsError(f"{name} has {len(values)} entries for {count} payloads")
+    return list(values)
+
+
+def _merge(
+    job_options: JobOptions, call_options: Mapping[str, Any], ignore: tuple[str, ...]
+) -> DispatchOptions:
     given = {k: v for k, v in call_options.items() if v is not None}
     # A job's cron is its schedule, not an option of each dispatch.
     inherited = {k: v for k, v in job_options.items() if k != "cron" and k not in ignore}
     merged: dict[str, Any] = {**inherited, **given}
     now = datetime.now(UTC)
     values = {name: _VALIDATORS[name](value, now) for name, value in merged.items()}
-
-    key = values.get("idempotency_key")
-    if key is not None and values.get("singleton_key") is not None:
-        raise PublishOptionsError("idempotency_key and singleton_key cannot both be set")
-    if values.get("secret_payload") and key is None:
-        raise PublishOptionsError("secret_payload needs an idempotency_key")
-
     run = RunOptions(
         retry_limit=values.get("retry_limit", DEFAULT_RETRY_LIMIT),
         retry_delay=values.get("retry_delay", DEFAULT_RETRY_DELAY),
@@ -234,7 +277,7 @@ def resolve_options(
     )
     return DispatchOptions(
         run=run,
-        idempotency_key=key,
+        idempotency_key=values.get("idempotency_key"),
         singleton_key=values.get("singleton_key"),
         queue_policy=values.get("queue_policy"),
         secret_payload=values.get("secret_payload", False),
@@ -242,6 +285,14 @@ def resolve_options(
         start_after=values.get("start_after"),
         queue=values.get("queue"),
     )
+
+
+def _check_keys(options: DispatchOptions) -> None:
+    """The rules that tie the keys to each other and to a secret payload."""
+    if options.idempotency_key is not None and options.singleton_key is not None:
+        raise PublishOptionsError("idempotency_key and singleton_key cannot both be set")
+    if options.secret_payload and options.idempotency_key is None:
+        raise PublishOptionsError("secret_payload needs an idempotency_key")
 
 
 # --- single-value validators -------------------------------------------------------------

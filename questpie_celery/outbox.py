@@ -142,23 +142,8 @@ class Outbox:
         `carry` overrides the Celery options stored with the row (the delivery being
         retried has the newest).
         """
-        options = row.options
-        run_after = row.run_after
-        if run_after is not None and run_after <= datetime.now(UTC):
-            run_after = None
         try:
-            self._sender.send(
-                job_name=row.job_name,
-                dispatch_id=row.id,
-                payload=row.payload,
-                header=MessageHeader(ledgered=True, attempt=attempt, run=options.run),
-                priority=options.priority,
-                queue=options.queue,
-                countdown=countdown,
-                # An ETA only within the horizon: further out, rows wait in the ledger.
-                eta=run_after if countdown is None else None,
-                carry=options.carry if carry is None else carry,
-            )
+            self._send(row, attempt=attempt, countdown=countdown, carry=carry)
         except BrokerError as exc:
             log.warning(
                 "dispatch %s of job %s: the broker refused attempt %d (%s); it stays in "
@@ -169,22 +154,47 @@ class Outbox:
                 type(exc.__cause__).__name__,
                 extra={"dispatch_id": row.id, "job_name": row.job_name},
             )
-            self._due_soon(row.id, attempt, refused_retry_in)
+            self._due_soon([row.id], attempt, refused_retry_in)
             return False
         if attempt == 1:
             self._acceptance.record(row.id)
         return True
 
-    def _due_soon(self, dispatch_id: str, attempt: int, send_in: float) -> None:
+    def _send(
+        self,
+        row: Sendable,
+        *,
+        attempt: int,
+        countdown: float | None,
+        carry: Mapping[str, Any] | None,
+    ) -> None:
+        options = row.options
+        run_after = row.run_after
+        if run_after is not None and run_after <= datetime.now(UTC):
+            run_after = None
+        self._sender.send(
+            job_name=row.job_name,
+            dispatch_id=row.id,
+            payload=row.payload,
+            header=MessageHeader(ledgered=True, attempt=attempt, run=options.run),
+            priority=options.priority,
+            queue=options.queue,
+            countdown=countdown,
+            # An ETA only within the horizon: further out, rows wait in the ledger.
+            eta=run_after if countdown is None else None,
+            carry=options.carry if carry is None else carry,
+        )
+
+    def _due_soon(self, dispatch_ids: Sequence[str], attempt: int, send_in: float) -> None:
         try:
-            self._ledger.send_soon(dispatch_id, attempt - 1, send_in)
+            self._ledger.send_soon(dispatch_ids, attempt - 1, send_in)
         except QuestpieError as exc:
             log.warning(
-                "dispatch %s: could not mark it due for the relay (%s); the relay sends it "
-                "at its fallback time",
-                dispatch_id,
+                "%d dispatch(es) (first %s): could not mark them due for the relay (%s); "
+                "the relay sends them at their fallback time",
+                len(dispatch_ids),
+                dispatch_ids[0],
                 type(exc).__name__,
-                extra={"dispatch_id": dispatch_id},
             )
 
     def send_committed(self, dispatch_ids: Sequence[str]) -> None:
@@ -199,18 +209,48 @@ class Outbox:
                 type(exc).__name__,
             )
             return
+        self.send_many([row for row in rows if row.status == "pending"])
+
+    def send_many(self, rows: Sequence[Sendable]) -> list[bool]:
+        """Send the first attempt of many ledgered dispatches over one producer connection,
+        pipelined where the broker allows; return, per row, whether the broker took it.
+
+        When the broker refuses, the rest are not tried; every row not known to be taken
+        is left due for the relay soon. With pipelining, which sends arrived is unknown
+        after a failure: those count as refused, and a second copy the relay sends is one
+        the worker's fence drops.
+        """
+        taken = [False] * len(rows)
         first_error: BaseException | None = None
-        for row in rows:
-            if row.status != "pending":
-                continue
-            try:
-                self.send(row, attempt=1)
-            except Exception as exc:
-                # Only eager mode raises here (a handler's error, with task_eager_propagates):
-                # run the commit's other dispatches before passing it on.
-                first_error = first_error or exc
+        try:
+            with self._sender.batch(len(rows)):
+                for index, row in enumerate(rows):
+                    try:
+                        self._send(row, attempt=1, countdown=None, carry=None)
+                        taken[index] = True
+                    except BrokerError:
+                        break
+                    except Exception as exc:
+                        # Only eager mode raises here (a handler's error, with
+                        # task_eager_propagates): run the others before passing it on.
+                        first_error = first_error or exc
+                        taken[index] = True
+        except BrokerError as exc:
+            log.warning(
+                "a batch of %d sends failed (%s); the relay sends its dispatches",
+                len(rows),
+                type(exc.__cause__).__name__,
+            )
+            taken = [False] * len(rows)
+        for row, was_taken in zip(rows, taken, strict=True):
+            if was_taken:
+                self._acceptance.record(row.id)
+        refused = [row.id for row, was_taken in zip(rows, taken, strict=True) if not was_taken]
+        if refused:
+            self._due_soon(refused, 1, REFUSED_SEND_RETRY_SECONDS)
         if first_error is not None:
             raise first_error
+        return taken
 
     def resend(self, row: DispatchRow) -> SendResult:
         """The relay's send of a due row: counted, backed off, and only by one relay."""

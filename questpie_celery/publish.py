@@ -9,7 +9,7 @@ failure after that point leaves a row that a retry or the relay can finish.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -19,16 +19,20 @@ from sqlalchemy.orm import Session
 from . import telemetry
 from .broker import MessageHeader, Sender
 from .crypto import Keyring
+from .errors import PayloadValidationError
 from .ids import derive_dispatch_id, random_dispatch_id
 from .jobs import JobDefinition
 from .ledger import Ledger, NewDispatch, caller_connection, send_after_commit
 from .options import DispatchOptions
-from .outbox import Outbox
+from .outbox import FirstSend, Outbox
 from .policies import QueuePolicy
 from .recorded_policy import PolicyBook
 from .signals import publish_suppressed
 
 log = logging.getLogger(__name__)
+
+#: Items of a bulk publish per ledger statement and per pipelined batch of sends.
+BATCH_SIZE = 1000
 
 
 class Publisher:
@@ -61,6 +65,169 @@ class Publisher:
             dispatch_id = self._publish(definition, payload, options, session, connection, span)
             span.set(dispatch_id=dispatch_id, outcome="accepted" if dispatch_id else "suppressed")
             return dispatch_id
+
+    def publish_many(
+        self,
+        definition: JobDefinition[Any],
+        payloads: Sequence[Any],
+        options: Sequence[DispatchOptions],
+        *,
+        session: Session | None = None,
+        connection: Connection | None = None,
+    ) -> list[str | None]:
+        """Validate every payload, then publish them in order, as that many `publish`
+        calls would, a chunk at a time: one insert and one pipelined send per chunk."""
+        with telemetry.span(
+            "questpie.publish_many", job=definition.name, count=len(payloads)
+        ) as span:
+            ids = self._publish_many(definition, payloads, options, session, connection, span)
+            span.set(accepted=sum(dispatch_id is not None for dispatch_id in ids))
+            return ids
+
+    def _publish_many(
+        self,
+        definition: JobDefinition[Any],
+        payloads: Sequence[Any],
+        options: Sequence[DispatchOptions],
+        session: Session | None,
+        connection: Connection | None,
+        span: telemetry.Span,
+    ) -> list[str | None]:
+        if not options:
+            return []
+        shared = options[0]  # the items differ in their keys only
+        keyring = self._keyring() if shared.secret_payload else None
+        bodies: list[dict[str, Any]] = []
+        for index, payload in enumerate(payloads):
+            try:
+                bodies.append(definition.to_json(payload))
+            except PayloadValidationError as exc:
+                raise PayloadValidationError(f"item {index}: {exc}") from None
+        caller = caller_connection(self._ledger, session, connection)
+        policy = self._policies.effective(definition, shared.queue_policy)
+        span.set(policy=str(policy))
+        if not policy.ledgered and any(item.singleton_key is not None for item in options):
+            self._policies.warn_ignored_singleton_key(definition.name)
+        now = datetime.now(UTC)
+        first = self._outbox.first_send(
+            shared.start_after, now, after_commit_hook=caller is None or session is not None
+        )
+        plain_ok = (
+            caller is None
+            and not policy.ledgered
+            and not shared.secret_payload
+            and not self._outbox.is_far_off(shared.start_after, now)
+        )
+        ids: list[str | None] = []
+        for start in range(0, len(bodies), BATCH_SIZE):
+            chunk = range(start, min(start + BATCH_SIZE, len(bodies)))
+            ids += self._publish_chunk(
+                definition.name,
+                [bodies[i] for i in chunk],
+                [options[i] for i in chunk],
+                policy,
+                keyring,
+                first,
+                plain_ok,
+                caller,
+                session,
+            )
+        return ids
+
+    def _publish_chunk(
+        self,
+        job_name: str,
+        bodies: list[dict[str, Any]],
+        options: list[DispatchOptions],
+        policy: QueuePolicy,
+        keyring: Keyring | None,
+        first: FirstSend,
+        plain_ok: bool,
+        caller: Connection | None,
+        session: Session | None,
+    ) -> list[str | None]:
+        """One chunk: its ledgered items in one insert, then every message in one batch."""
+        ids: list[str | None] = []
+        news: dict[int, NewDispatch] = {}
+        plain: list[tuple[str, dict[str, Any], DispatchOptions]] = []
+        for index, (body, item) in enumerate(zip(bodies, options, strict=True)):
+            if plain_ok and item.idempotency_key is None:
+                plain.append((random_dispatch_id(), body, item))
+                ids.append(plain[-1][0])
+            else:
+                new = self._new_dispatch(job_name, body, item, policy, keyring, first)
+                news[index] = new
+                ids.append(new.id)
+        inserted = self._ledger.insert_many(list(news.values()), caller)
+        # Not inserted: a key already in the ledger (or earlier in the chunk), or a taken
+        # policy slot, which a known key still answers with its id, as `publish` does.
+        contested = [
+            new.id
+            for new in news.values()
+            if new.id not in inserted and new.slot is not None and new.idempotency_key
+        ]
+        known = self._ledger.existing(contested, caller) if contested else set()
+        to_send: dict[str, NewDispatch] = {}  # by id: a key twice in a chunk is sent once
+        for index, row in news.items():
+            if row.id in inserted:
+                to_send.setdefault(row.id, row)
+            elif row.slot is not None and row.id not in known:
+                ids[index] = None
+                self._suppressed(row)
+        if first.publisher_sends and to_send:
+            if session is not None:
+                send_after_commit(session, list(to_send), self._outbox.send_committed)
+            elif caller is None:
+                self._outbox.send_many(list(to_send.values()))
+        if plain:
+            self._send_plain(job_name, plain)
+        return ids
+
+    def _send_plain(
+        self, job_name: str, items: list[tuple[str, dict[str, Any], DispatchOptions]]
+    ) -> None:
+        """Send dispatches that need no ledger row, as `apply_async` would: a refusal
+        raises `BrokerError` (the ledgered items of the call are safe by then)."""
+        with self._sender.batch(len(items)):
+            for dispatch_id, body, item in items:
+                self._sender.send(
+                    job_name=job_name,
+                    dispatch_id=dispatch_id,
+                    payload=body,
+                    header=MessageHeader(ledgered=False, run=item.run),
+                    priority=item.priority,
+                    queue=item.queue,
+                    eta=item.start_after,
+                )
+
+    def _new_dispatch(
+        self,
+        job_name: str,
+        body: dict[str, Any],
+        options: DispatchOptions,
+        policy: QueuePolicy,
+        keyring: Keyring | None,
+        first: FirstSend,
+    ) -> NewDispatch:
+        key = options.idempotency_key
+        dispatch_id = derive_dispatch_id(job_name, key) if key is not None else random_dispatch_id()
+        sealed = keyring.seal(body, job_name=job_name, dispatch_id=dispatch_id) if keyring else None
+        return NewDispatch(
+            id=dispatch_id,
+            job_name=job_name,
+            idempotency_key=key,
+            singleton_key=options.singleton_key,
+            # A secret dispatch stores only ciphertext, and its message carries no payload.
+            payload=None if sealed else body,
+            secret_ciphertext=sealed.ciphertext if sealed else None,
+            secret_wrapped_key=sealed.wrapped_key if sealed else None,
+            secret_key_id=sealed.key_id if sealed else None,
+            options=options.stored(),
+            run_after=options.start_after,
+            next_send_at=first.next_send_at,
+            send_in=first.send_in,
+            policy=policy if policy.ledgered else None,
+        )
 
     def _publish(
         self,
@@ -112,33 +279,16 @@ class Publisher:
         caller: Connection | None,
         session: Session | None,
     ) -> str | None:
-        key = options.idempotency_key
-        dispatch_id = derive_dispatch_id(job_name, key) if key is not None else random_dispatch_id()
-        sealed = keyring.seal(body, job_name=job_name, dispatch_id=dispatch_id) if keyring else None
         first = self._outbox.first_send(
             options.start_after, now, after_commit_hook=caller is None or session is not None
         )
-        new = NewDispatch(
-            id=dispatch_id,
-            job_name=job_name,
-            idempotency_key=key,
-            singleton_key=options.singleton_key,
-            # A secret dispatch stores only ciphertext, and its message carries no payload.
-            payload=None if sealed else body,
-            secret_ciphertext=sealed.ciphertext if sealed else None,
-            secret_wrapped_key=sealed.wrapped_key if sealed else None,
-            secret_key_id=sealed.key_id if sealed else None,
-            options=options.stored(),
-            run_after=options.start_after,
-            next_send_at=first.next_send_at,
-            send_in=first.send_in,
-            policy=policy if policy.ledgered else None,
-        )
+        new = self._new_dispatch(job_name, body, options, policy, keyring, first)
+        dispatch_id = new.id
         if not self._ledger.insert(new, caller):
             return self._not_inserted(new, caller)
         if session is not None:
             if first.publisher_sends:
-                send_after_commit(session, dispatch_id, self._outbox.send_committed)
+                send_after_commit(session, [dispatch_id], self._outbox.send_committed)
         elif first.publisher_sends:
             self._outbox.send(new, attempt=1)
         return dispatch_id
@@ -149,6 +299,10 @@ class Publisher:
             return new.id  # no slot index applies, so only the key's own row can conflict
         if new.idempotency_key is not None and self._ledger.exists(new.id, conn):
             return new.id  # a known key is answered before any policy
+        self._suppressed(new)
+        return None
+
+    def _suppressed(self, new: NewDispatch) -> None:
         log.info(
             "publish of job %s suppressed by its %s queue policy (slot %r is taken)",
             new.job_name,
@@ -162,4 +316,3 @@ class Publisher:
             singleton_key=new.singleton_key,
             policy=str(new.policy),
         )
-        return None

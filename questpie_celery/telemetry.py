@@ -52,7 +52,7 @@ def span(
         yield Span()
         return
     kind = trace.SpanKind.CONSUMER if consumer else trace.SpanKind.PRODUCER
-    if name not in ("questpie.publish", "questpie.deliver"):
+    if name not in ("questpie.publish", "questpie.publish_many", "questpie.deliver"):
         kind = trace.SpanKind.INTERNAL
     tracer = trace.get_tracer("questpie_celery")
     # Celery's Ignore and Retry pass through here as control flow, and an exception's

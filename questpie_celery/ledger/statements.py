@@ -18,12 +18,16 @@ from sqlalchemy import (
     ColumnElement,
     Float,
     Insert,
+    LargeBinary,
     Select,
+    String,
     Table,
+    Text,
     Update,
     and_,
     bindparam,
     case,
+    column,
     delete,
     exists,
     func,
@@ -111,6 +115,64 @@ def upsert(dialect: str, table: Table, keys: list[str], values: dict[str, Any]) 
     return stmt.on_conflict_do_update(index_elements=keys, set_=changed)
 
 
+def insert_batch(dialect: str) -> Insert:
+    """Many new rows in one statement, each inserted or skipped as `insert` would, in order.
+
+    The values a batch shares (job, status, policy, options, times) are single
+    parameters; the per-row values travel as one array per column. On PostgreSQL that
+    keeps the statement's text the same for every batch size (unnest, in order), so
+    neither the driver nor the server parses thousands of placeholders; SQLite runs the
+    one-row `insert` for each parameter set instead (SQLAlchemy batches it).
+    """
+    if dialect != "postgresql":
+        raise LedgerError("insert_batch is PostgreSQL's; SQLite executes `insert` per row")
+    t = dispatch_table.c
+    per_row = {
+        "id": String,
+        "idempotency_key": Text,
+        "singleton_key": Text,
+        "slot": Text,
+        "payload": postgresql.JSON,
+        "secret_ciphertext": LargeBinary,
+        "secret_wrapped_key": LargeBinary,
+        "secret_key_id": String,
+    }
+    rows = (
+        func.unnest(
+            *(bindparam(f"{name}s", type_=postgresql.ARRAY(kind)) for name, kind in per_row.items())
+        )
+        .table_valued(
+            *(column(name, kind) for name, kind in per_row.items()), with_ordinality="ord"
+        )
+        .render_derived()
+    )
+    now = db_time()
+    shared = {
+        "job_name": bindparam("job_name", type_=String),
+        "status": bindparam("status", type_=String),
+        "policy": bindparam("policy", type_=t.policy.type),
+        "secret": bindparam("secret", type_=t.secret.type),
+        "options": bindparam("options", type_=t.options.type),
+        "attempt": literal(0),
+        "send_count": literal(0),
+        "created_at": now,
+        "run_after": func.coalesce(bindparam("run_after", type_=UTCDateTime), now),
+        "next_send_at": func.coalesce(
+            bindparam("next_send_at", type_=UTCDateTime), db_time(seconds("send_in"))
+        ),
+    }
+    values = {**{name: rows.c[name] for name in per_row}, **shared}
+    # In the order given: a later row conflicts with an earlier one, as it would if
+    # published after it.
+    chosen = select(*values.values()).order_by(rows.c.ord)
+    return (
+        postgresql.insert(dispatch_table)
+        .from_select(list(values), chosen)
+        .on_conflict_do_nothing()
+        .returning(t.id)
+    )
+
+
 class Statements:
     """The ledger's statements for one dialect."""
 
@@ -150,6 +212,12 @@ class Statements:
                 queued_at=case((bindparam("status") == "queued", now), else_=None),
             )
             .returning(t.id)
+        )
+        self.insert_batch: Insert | None = (
+            insert_batch(dialect) if dialect == "postgresql" else None
+        )
+        self.existing: Select[Any] = select(t.id).where(
+            t.id.in_(bindparam("dispatch_ids", expanding=True))
         )
         self.get: Select[Any] = select(dispatch_table).where(by_id)
         self.get_many: Select[Any] = select(dispatch_table).where(
@@ -338,7 +406,11 @@ class Statements:
         # safety-net time the row was given in the hope that the send would succeed.
         self.send_soon: Update = (
             update(dispatch_table)
-            .where(by_id, t.status.in_(RESENDABLE), t.attempt == bindparam("seen_attempt"))
+            .where(
+                t.id.in_(bindparam("dispatch_ids", expanding=True)),
+                t.status.in_(RESENDABLE),
+                t.attempt == bindparam("seen_attempt"),
+            )
             .values(next_send_at=db_time(seconds("send_in")))
         )
 

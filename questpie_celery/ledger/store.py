@@ -160,24 +160,7 @@ class Ledger:
         One statement, so concurrent publishers of one key race inside the database:
         exactly one of them gets True. With `conn`, it runs in the caller's transaction.
         """
-        params = {
-            "id": new.id,
-            "job_name": new.job_name,
-            "idempotency_key": new.idempotency_key,
-            "singleton_key": new.singleton_key,
-            "status": new.status,
-            "policy": new.policy if new.slot is not None else None,
-            "slot": new.slot,
-            "payload": new.payload,
-            "secret": new.secret_ciphertext is not None,
-            "secret_ciphertext": new.secret_ciphertext,
-            "secret_wrapped_key": new.secret_wrapped_key,
-            "secret_key_id": new.secret_key_id,
-            "options": new.options,
-            "run_after": new.run_after,
-            "next_send_at": new.next_send_at,
-            "send_in": new.send_in,
-        }
+        params = _row_params(new)
         if conn is None:
             rows, retried = self._run(self._sql.insert, params)
             # A retried insert that now conflicts may have been our own first try. A row
@@ -188,6 +171,41 @@ class Ledger:
         # transactions.caller_connection), so the ledger's statements fit its dialect.
         with translate_errors():
             return conn.execute(self._sql.insert, params).first() is not None
+
+    def insert_many(self, batch: Sequence[NewDispatch], conn: Connection | None = None) -> set[str]:
+        """Insert the rows in order, each unless its id or policy slot is taken (by an
+        existing row or an earlier one of the batch); return the ids inserted.
+
+        One statement on PostgreSQL. The rows must share everything but their ids, keys,
+        slots and payloads: the publish of one call's items does.
+        """
+        if not batch:
+            return set()
+        stmt: Executable
+        params: Any
+        if self._sql.insert_batch is not None:
+            stmt, params = self._sql.insert_batch, _batch_params(batch)
+        else:
+            stmt, params = self._sql.insert, [_row_params(new) for new in batch]
+        if conn is not None:
+            with translate_errors():
+                return {row.id for row in conn.execute(stmt, params)}
+        rows, retried = self._run(stmt, params)
+        inserted = {row["id"] for row in rows}
+        if retried:
+            # As in `insert`: a row found now may be our first try's, which nobody sent.
+            inserted |= self.existing([new.id for new in batch if new.id not in inserted])
+        return inserted
+
+    def existing(self, dispatch_ids: Sequence[str], conn: Connection | None = None) -> set[str]:
+        """Which of these rows exist (with `conn`: as the caller's transaction sees them)."""
+        if not dispatch_ids:
+            return set()
+        params = {"dispatch_ids": list(dispatch_ids)}
+        if conn is not None:
+            with translate_errors():
+                return {row.id for row in conn.execute(self._sql.existing, params)}
+        return {row["id"] for row in self._execute(self._sql.existing, params)}
 
     def exists(self, dispatch_id: str, conn: Connection | None = None) -> bool:
         """Whether the row exists (with `conn`: as the caller's transaction sees it)."""
@@ -212,10 +230,16 @@ class Ledger:
             params = [{"dispatch_id": i, "redeliver_in": redeliver_in} for i in dispatch_ids]
             self._execute(self._sql.mark_queued, params)
 
-    def send_soon(self, dispatch_id: str, attempt: int, send_in: float) -> None:
-        """After a refused send: let the relay send attempt `attempt + 1` in `send_in` s."""
-        params = {"dispatch_id": dispatch_id, "seen_attempt": attempt, "send_in": send_in}
-        self._execute(self._sql.send_soon, params)
+    def send_soon(self, dispatch_ids: Sequence[str], attempt: int, send_in: float) -> None:
+        """After refused sends: let the relay send attempt `attempt + 1` of these
+        dispatches in `send_in` s."""
+        if dispatch_ids:
+            params = {
+                "dispatch_ids": list(dispatch_ids),
+                "seen_attempt": attempt,
+                "send_in": send_in,
+            }
+            self._execute(self._sql.send_soon, params)
 
     # --- the fence ---------------------------------------------------------------------
 
@@ -568,3 +592,48 @@ class Ledger:
 def open_ledger(url: str) -> Ledger:
     """A `Ledger` on an engine of its own, for tools that have a URL and no `Questpie`."""
     return Ledger(create_ledger_engine(url))
+
+
+def _row_params(new: NewDispatch) -> dict[str, Any]:
+    return {
+        "id": new.id,
+        "job_name": new.job_name,
+        "idempotency_key": new.idempotency_key,
+        "singleton_key": new.singleton_key,
+        "status": new.status,
+        "policy": new.policy if new.slot is not None else None,
+        "slot": new.slot,
+        "payload": new.payload,
+        "secret": new.secret_ciphertext is not None,
+        "secret_ciphertext": new.secret_ciphertext,
+        "secret_wrapped_key": new.secret_wrapped_key,
+        "secret_key_id": new.secret_key_id,
+        "options": new.options,
+        "run_after": new.run_after,
+        "next_send_at": new.next_send_at,
+        "send_in": new.send_in,
+    }
+
+
+def _batch_params(batch: Sequence[NewDispatch]) -> dict[str, Any]:
+    """`insert_batch`'s parameters: the values the rows share once, the others as arrays."""
+    first = batch[0]
+    shared = (first.job_name, first.status, first.options, first.run_after, first.next_send_at)
+    if any(
+        (new.job_name, new.status, new.options, new.run_after, new.next_send_at) != shared
+        for new in batch
+    ):
+        # Storing one row's options under another's id would be a silent corruption.
+        raise ValueError("the rows of a batch must share job, status, options and times")
+    params = {name: value for name, value in _row_params(first).items() if name in _SHARED}
+    params["policy"] = next((new.policy for new in batch if new.slot is not None), None)
+    for name in _PER_ROW:
+        params[f"{name}s"] = [getattr(new, name) for new in batch]
+    return params
+
+
+_SHARED = ("job_name", "status", "secret", "options", "run_after", "next_send_at", "send_in")
+_PER_ROW = (
+    "id", "idempotency_key", "singleton_key", "slot", "payload",
+    "secret_ciphertext", "secret_wrapped_key", "secret_key_id",
+)  # fmt: skip

@@ -80,7 +80,7 @@ def check_same_database(ledger: Ledger, conn: Connection, kind: str) -> None:
 Sender = Callable[[Sequence[str]], None]
 
 
-def send_after_commit(session: Session, dispatch_id: str, send: Sender) -> None:
+def send_after_commit(session: Session, dispatch_ids: Sequence[str], send: Sender) -> None:
     """Call `send(ids)` with the ids published in `session` once its outermost
     transaction commits; forget them if it rolls back."""
     root = session.get_transaction()
@@ -88,7 +88,7 @@ def send_after_commit(session: Session, dispatch_id: str, send: Sender) -> None:
         raise RuntimeError("the session has no transaction")
     pending: dict[SessionTransaction, list[tuple[Sender, str]]]
     pending = session.info.setdefault(_PENDING, {})
-    pending.setdefault(root, []).append((send, dispatch_id))
+    pending.setdefault(root, []).extend((send, dispatch_id) for dispatch_id in dispatch_ids)
     if not session.info.get(_LISTENING):
         session.info[_LISTENING] = True
         event.listen(session, "after_commit", _after_commit)
