@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypedDict, cast
 
@@ -66,7 +66,13 @@ class RunOptions:
         return float(min(base * 2 ** (retry_number - 1), MAX_RETRY_BACKOFF_SECONDS))
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        # Spelled out: dataclasses.asdict costs more than the rest of a message header.
+        return {
+            "retry_limit": self.retry_limit,
+            "retry_delay": self.retry_delay,
+            "retry_backoff": self.retry_backoff,
+            "expire_in_seconds": self.expire_in_seconds,
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> RunOptions:
