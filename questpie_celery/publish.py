@@ -104,6 +104,13 @@ class Publisher:
             except PayloadValidationError as exc:
                 raise PayloadValidationError(f"item {index}: {exc}") from None
         caller = caller_connection(self._ledger, session, connection)
+        if self._sender.eager:
+            # Eager mode runs each dispatch as it is published, so a later item can see
+            # an earlier one finished (its policy slot free again): one by one, then.
+            return [
+                self._publish(definition, payload, item, session, connection, span)
+                for payload, item in zip(payloads, options, strict=True)
+            ]
         policy = self._policies.effective(definition, shared.queue_policy)
         span.set(policy=str(policy))
         if not policy.ledgered and any(item.singleton_key is not None for item in options):

@@ -146,3 +146,24 @@ def test_secret_payload_runs_inline_and_its_key_is_erased(
     ledger.close()
     assert row is not None
     assert (row.payload, row.secret_ciphertext, row.secret_wrapped_key) == (None, None, None)
+
+
+def test_publish_many_runs_each_new_key_inline_once(questpie: Questpie) -> None:
+    charge_client = questpie.queue.eager_charge
+    ids = charge_client.publish_many(
+        [{"order_id": "m1"}, {"order_id": "m2"}, {"order_id": "m1"}, {"order_id": "m3"}],
+        idempotency_keys=["m1", "m2", "m1", None],
+    )
+    assert ids[0] == ids[2] == derive_dispatch_id("eager.charge", "m1")
+    assert ids[1] == derive_dispatch_id("eager.charge", "m2")
+    assert [r[1] for r in runs] == [ids[0], ids[1], ids[3]]
+    again = charge_client.publish_many([{"order_id": "m1"}], idempotency_keys=["m1"])
+    assert again == [ids[0]] and len(runs) == 3
+
+
+def test_publish_many_decides_each_item_after_the_one_before_ran(questpie: Questpie) -> None:
+    # Inline, each accepted run ends before the next item is published, as with a loop of
+    # publish(): the exclusive slot is free again for the second item.
+    ids = questpie.queue.eager_sync.publish_many([{"order_id": "a"}, {"order_id": "b"}])
+    assert None not in ids
+    assert [r[1] for r in runs] == ids
