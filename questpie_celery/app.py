@@ -12,7 +12,7 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Literal
 
 from celery import Celery
 from celery.signals import worker_init
@@ -57,6 +57,10 @@ def questpie_of(app: Celery) -> Questpie | None:
 _REGISTERED: weakref.WeakSet[JobDefinition[Any]] = weakref.WeakSet()
 
 
+#: How the ledger commits: on disk before each write returns, or a moment later.
+Durability = Literal["durable", "relaxed"]
+
+
 class Questpie:
     """The questpie side of one Celery app.
 
@@ -78,6 +82,7 @@ class Questpie:
         relay_interval: float = DEFAULT_RELAY_INTERVAL_SECONDS,
         redeliver_after: float = DEFAULT_REDELIVER_AFTER_SECONDS,
         fire_retention: float = DEFAULT_FIRE_RETENTION_SECONDS,
+        durability: Durability = "durable",
     ) -> None:
         if not isinstance(celery_app, Celery):
             raise ConfigurationError("celery_app must be a celery.Celery application")
@@ -87,6 +92,13 @@ class Questpie:
             raise ConfigurationError("engine must be a sqlalchemy.Engine")
         if ledger_url is not None and not isinstance(ledger_url, str):
             raise ConfigurationError("ledger_url must be a str")
+        if durability not in ("durable", "relaxed"):
+            raise ConfigurationError("durability must be 'durable' or 'relaxed'")
+        if durability == "relaxed" and engine is not None:
+            raise ConfigurationError(
+                "durability='relaxed' sets how the ledger's own connections commit, so it "
+                "needs ledger_url=; with engine=, set synchronous_commit on your engine"
+            )
         lease_seconds = _positive_seconds(lease_seconds, "lease_seconds")
         relay_interval = _positive_seconds(relay_interval, "relay_interval")
         self._redeliver_after = _positive_seconds(redeliver_after, "redeliver_after")
@@ -103,8 +115,12 @@ class Questpie:
         )
 
         self._celery_app = celery_app
+        relaxed = durability == "relaxed"
         self._ledger = Ledger(
-            engine if engine is not None else create_ledger_engine(ledger_url or "")
+            engine
+            if engine is not None
+            else create_ledger_engine(ledger_url or "", relaxed=relaxed),
+            relaxed=relaxed,
         )
         sender = Sender(celery_app)
         self._outbox = Outbox(self._ledger, sender, self._redeliver_after)

@@ -42,7 +42,7 @@ from .errors import (
 )
 from .jobs import JobContext, JobDefinition, call_handler
 from .leases import LeaseKeeper
-from .ledger import DispatchRow, Ledger, NewDispatch
+from .ledger import Claim, DispatchRow, Ledger, NewDispatch
 from .options import StoredOptions, resolve_options
 from .outcomes import Outcomes
 from .policies import QueuePolicy
@@ -150,9 +150,18 @@ class Fence:
         return self._run(task, definition, attempt=1, payload=body, back=back)
 
     def run(
-        self, task: Task, definition: JobDefinition[Any], header: MessageHeader, payload: Any
+        self,
+        task: Task,
+        definition: JobDefinition[Any],
+        header: MessageHeader,
+        payload: Any,
+        policy: Callable[[], QueuePolicy] | None = None,
     ) -> Any:
-        """Claim the delivery, run the handler under a renewed lease, record the end."""
+        """Claim the delivery, run the handler under a renewed lease, record the end.
+
+        `policy` reads the job's policy in force, asked only when a relaxed ledger lost
+        the delivery's row.
+        """
         # One token for every try of this delivery, also across a trip back to the broker
         # while the ledger was unreachable: a try whose reply was lost is recognised.
         back = MessageHeader(
@@ -161,7 +170,9 @@ class Fence:
             run=header.run,
             token=header.token or str(uuid.uuid4()),
         )
-        return self._run(task, definition, attempt=header.attempt, payload=payload, back=back)
+        return self._run(
+            task, definition, attempt=header.attempt, payload=payload, back=back, policy=policy
+        )
 
     def _run(
         self,
@@ -171,19 +182,32 @@ class Fence:
         attempt: int,
         payload: Any,
         back: MessageHeader,
+        policy: Callable[[], QueuePolicy] | None = None,
     ) -> Any:
         dispatch_id: str = task.request.id
         token = back.token or ""
         delivery = telemetry.current()
         delivery.set(attempt=attempt)
         with telemetry.span("questpie.claim", attempt=attempt) as claiming:
-            claim = self._patiently(
-                task,
-                lambda: self._ledger.claim(
+
+            def claim_it() -> Claim:
+                return self._ledger.claim(
                     dispatch_id, definition.name, attempt, self._leases.lease_seconds, token
-                ),
-                back,
-            )
+                )
+
+            claim = self._patiently(task, claim_it, back)
+            read_policy = policy
+            if (
+                claim.outcome == "unknown"
+                and self._ledger.relaxed
+                and read_policy is not None
+                and self._patiently(
+                    task,
+                    lambda: self._take_back(task, definition, attempt, payload, back, read_policy),
+                    back,
+                )
+            ):
+                claim = self._patiently(task, claim_it, back)
             claiming.set(outcome=claim.outcome)
         if claim.outcome == "blocked":
             # Another run holds the slot: set this one aside, acknowledged and uncounted.
@@ -236,6 +260,57 @@ class Fence:
         if result == "retrying":
             raise Retry(exc=ending.visible, when=row.options.run.delay_before_retry(row.attempt))
         raise Ignore()
+
+    def _take_back(
+        self,
+        task: Task,
+        definition: JobDefinition[Any],
+        attempt: int,
+        payload: Any,
+        back: MessageHeader,
+        policy: Callable[[], QueuePolicy],
+    ) -> bool:
+        """On a relaxed ledger, write again the row of a delivery whose row a database
+        crash lost (its commit had not reached the disk), so the delivery still runs,
+        once: two copies of it race for the one row like any two deliveries.
+
+        Only a dispatch the message can rebuild is taken back: a standard job's, with its
+        payload in the message. A secret payload lives only in its row (and is committed
+        durably for that reason); a policy job's singleton key is not in the message.
+        """
+        dispatch_id: str = task.request.id
+        if self._ledger.get(dispatch_id) is not None:
+            return False  # a row of another job under this id: not ours to take
+        if payload is None or policy().ledgered:
+            log.warning(
+                "dispatch %s of job %s: its ledger row is missing (lost in a database crash "
+                "on a relaxed ledger?) and the message cannot rebuild it; skipped",
+                dispatch_id,
+                definition.name,
+                extra={"dispatch_id": dispatch_id, "job_name": definition.name},
+            )
+            return False
+        try:
+            body = definition.to_json(payload)
+        except PayloadValidationError:
+            return False  # not a message we sent; the claim's "unknown" stands
+        new = NewDispatch(
+            id=dispatch_id,
+            job_name=definition.name,
+            payload=body,
+            options=StoredOptions(run=back.run, carry=carry_from_request(task.request)),
+            status="queued",  # this delivery is its message
+            attempt=attempt - 1,
+            send_in=self._redeliver_after(),
+        )
+        log.warning(
+            "dispatch %s of job %s: its ledger row is missing (lost in a database crash on "
+            "a relaxed ledger); written again from its message",
+            dispatch_id,
+            definition.name,
+            extra={"dispatch_id": dispatch_id, "job_name": definition.name},
+        )
+        return self._ledger.insert(new) or self._ledger.exists(dispatch_id)
 
     def _call(self, definition: JobDefinition[Any], row: DispatchRow, payload: Any) -> _Ending:
         """Run the handler. The payload, the context and the handler's exception live only

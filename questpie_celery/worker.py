@@ -74,7 +74,9 @@ class Runner:
     def _execute(self, task: JobTask, definition: JobDefinition[Any], payload: Any) -> Any:
         header = MessageHeader.from_request(task.request)
         if header is not None and header.ledgered:
-            return self._fence.run(task, definition, header, payload)
+            return self._fence.run(
+                task, definition, header, payload, lambda: self._policies.in_force(definition)
+            )
         # A policy this process never read, with the ledger down, is waited for like a
         # claim: guessing `standard` could run a policy job unfenced.
         policy = self._fence.patiently(

@@ -66,6 +66,9 @@ class NewDispatch:
     policy: QueuePolicy | None = None
     #: "queued" for a delivery the worker takes into the ledger: the broker already has it.
     status: Literal["pending", "queued"] = "pending"
+    #: Claims already made: 0 for a new dispatch; more for a row written again from the
+    #: delivery of a later attempt.
+    attempt: int = 0
     run_after: datetime | None = None
     #: When the relay first looks at the row: this time, or `send_in` seconds from now.
     next_send_at: datetime | None = None

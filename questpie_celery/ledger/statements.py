@@ -35,12 +35,14 @@ from sqlalchemy import (
     literal,
     or_,
     select,
+    text,
     tuple_,
     update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.sql.elements import TextClause
 from sqlalchemy.sql.expression import FunctionElement
 
 from ..errors import LedgerError
@@ -200,7 +202,7 @@ class Statements:
                 secret_wrapped_key=bindparam("secret_wrapped_key", type_=t.secret_wrapped_key.type),
                 secret_key_id=bindparam("secret_key_id"),
                 options=bindparam("options", type_=t.options.type),
-                attempt=0,
+                attempt=bindparam("attempt"),
                 send_count=0,
                 created_at=now,
                 # An absolute start (start_after) or now; the relay's first look: an
@@ -212,6 +214,10 @@ class Statements:
                 queued_at=case((bindparam("status") == "queued", now), else_=None),
             )
             .returning(t.id)
+        )
+        # On a relaxed ledger, what one transaction runs first to commit durably anyway.
+        self.commit_durably: TextClause | None = (
+            text("SET LOCAL synchronous_commit TO on") if dialect == "postgresql" else None
         )
         self.insert_batch: Insert | None = (
             insert_batch(dialect) if dialect == "postgresql" else None

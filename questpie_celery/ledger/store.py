@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
 
@@ -47,8 +48,11 @@ log = logging.getLogger(__name__)
 class Ledger:
     """The dispatch ledger in one database."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, *, relaxed: bool = False) -> None:
         self.engine = engine
+        #: Commits may not be on disk when they return (see `create_ledger_engine`): the
+        #: fence then takes back a delivery whose row a database crash lost.
+        self.relaxed = relaxed
         self._autocommit: Engine
         self._transactional: Engine
         if runs_in_autocommit(engine):
@@ -72,16 +76,17 @@ class Ledger:
 
     # --- running statements ------------------------------------------------------------
 
-    def _run(self, stmt: Executable, params: Any) -> tuple[Any, bool]:
+    def _run(self, stmt: Executable, params: Any, *, durable: bool = False) -> tuple[Any, bool]:
         """Run one statement in autocommit; once more if its connection was found dead.
 
         Returns its rows (or row count) and whether it ran twice: then its first run may
         have landed unseen, and a conditional write that now matches nothing is ambiguous.
+        `durable` commits it to disk before returning even on a relaxed ledger.
         """
         with translate_errors():
             for retried in (False, True):
                 try:
-                    with self._autocommit.connect() as conn:
+                    with self._connected(durable) as conn:
                         result = conn.execute(stmt, params)
                         rows = result.mappings().all() if result.returns_rows else result.rowcount
                         return rows, retried
@@ -93,6 +98,17 @@ class Ledger:
                         raise
                     log.info("ledger connection was dropped by the server; reconnecting")
         raise AssertionError("unreachable")  # pragma: no cover
+
+    @contextmanager
+    def _connected(self, durable: bool) -> Iterator[Connection]:
+        if not (durable and self.relaxed and self._sql.commit_durably is not None):
+            with self._autocommit.connect() as conn:
+                yield conn
+            return
+        # A transaction of its own, told to wait for the disk at its commit.
+        with self._transactional.begin() as conn:
+            conn.execute(self._sql.commit_durably)
+            yield conn
 
     def _execute(self, stmt: Executable, params: Any) -> Any:
         return self._run(stmt, params)[0]
@@ -162,7 +178,10 @@ class Ledger:
         """
         params = _row_params(new)
         if conn is None:
-            rows, retried = self._run(self._sql.insert, params)
+            # A secret's ciphertext exists nowhere else: a relaxed ledger still waits for
+            # the disk before the publisher is told it is accepted.
+            secret = new.secret_ciphertext is not None
+            rows, retried = self._run(self._sql.insert, params, durable=secret)
             # A retried insert that now conflicts may have been our own first try. A row
             # under a random id can only be ours; for a key's derived id, a second send of
             # another publisher's row is harmless (the fence drops the duplicate).
@@ -190,7 +209,8 @@ class Ledger:
         if conn is not None:
             with translate_errors():
                 return {row.id for row in conn.execute(stmt, params)}
-        rows, retried = self._run(stmt, params)
+        secret = batch[0].secret_ciphertext is not None  # as in `insert`
+        rows, retried = self._run(stmt, params, durable=secret)
         inserted = {row["id"] for row in rows}
         if retried:
             # As in `insert`: a row found now may be our first try's, which nobody sent.
@@ -589,9 +609,9 @@ class Ledger:
             ) from None
 
 
-def open_ledger(url: str) -> Ledger:
+def open_ledger(url: str, *, relaxed: bool = False) -> Ledger:
     """A `Ledger` on an engine of its own, for tools that have a URL and no `Questpie`."""
-    return Ledger(create_ledger_engine(url))
+    return Ledger(create_ledger_engine(url, relaxed=relaxed), relaxed=relaxed)
 
 
 def _row_params(new: NewDispatch) -> dict[str, Any]:
@@ -601,6 +621,7 @@ def _row_params(new: NewDispatch) -> dict[str, Any]:
         "idempotency_key": new.idempotency_key,
         "singleton_key": new.singleton_key,
         "status": new.status,
+        "attempt": new.attempt,
         "policy": new.policy if new.slot is not None else None,
         "slot": new.slot,
         "payload": new.payload,

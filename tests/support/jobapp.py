@@ -263,6 +263,7 @@ def build(
     redeliver_after: float = 3600.0,
     visibility_timeout: float | None = None,
     priority_queue: str | None = None,
+    durability: str = "durable",
 ) -> tuple[Celery, Questpie]:
     app = make_celery(broker, backend, fs_dir, queue, extended, priority_queue)
     if visibility_timeout is not None:
@@ -279,6 +280,7 @@ def build(
         secret=secret,
         previous_secrets=previous_secrets,
         redeliver_after=redeliver_after,
+        durability="relaxed" if durability == "relaxed" else "durable",
     )
     return app, questpie
 
@@ -298,6 +300,7 @@ def build_from_env() -> tuple[Celery, Questpie]:
         redeliver_after=float(os.environ.get("QP_TEST_REDELIVER", "3600")),
         visibility_timeout=_optional_float(os.environ.get("QP_TEST_VISIBILITY")),
         priority_queue=os.environ.get("QP_TEST_PRIORITY_QUEUE") or None,
+        durability=os.environ.get("QP_TEST_DURABILITY", "durable"),
     )
 
 

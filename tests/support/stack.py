@@ -149,6 +149,7 @@ def build_stack(
         extended=bool(env.get("QP_TEST_EXTENDED")),
         redeliver_after=float(env.get("QP_TEST_REDELIVER", "3600")),
         priority_queue=env.get("QP_TEST_PRIORITY_QUEUE") or None,
+        durability=env.get("QP_TEST_DURABILITY", "durable"),
         visibility_timeout=float(env["QP_TEST_VISIBILITY"])
         if env.get("QP_TEST_VISIBILITY")
         else None,
