@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import psycopg
 import redis
 from celery import Celery
 from pydantic import BaseModel
@@ -53,9 +54,36 @@ def secret(payload: Payload, ctx: JobContext) -> None:
     bump("bench:secret")
 
 
+_driver: list[Any] = []
+
+
+@celery_app.task(name="bench.raw_two_writes")
+def raw_two_writes(dispatch_id: str) -> None:
+    """A raw task that makes the two durable writes a fenced run makes (its claim and its
+    outcome) through the bare driver: the floor of a fenced run."""
+    if not _driver:
+        url = os.environ["BENCH_LEDGER"].replace("postgresql+psycopg://", "postgresql://")
+        _driver.append(psycopg.connect(url, autocommit=True))
+    conn = _driver[0]
+    conn.execute(CLAIM, (dispatch_id,))
+    conn.execute(FINISH, (dispatch_id,))
+    bump("bench:raw_two_writes")
+
+
+CLAIM = (
+    "UPDATE questpie_queue_dispatch SET status = 'active', attempt = attempt + 1, "
+    "lease_expires_at = now() + interval '60 s', started_at = now() WHERE id = %s "
+    "RETURNING *"
+)
+FINISH = (
+    "UPDATE questpie_queue_dispatch SET status = 'completed', finished_at = now(), "
+    "lease_expires_at = NULL WHERE id = %s"
+)
+
 questpie = Questpie(
     celery_app,
     ledger_url=os.environ.get("BENCH_LEDGER", "sqlite://"),
+    durability="relaxed" if os.environ.get("BENCH_DURABILITY") == "relaxed" else "durable",
     jobs=[noop, exclusive, secret],
     secret="bench-secret-" + "0" * 32,  # a benchmark's throwaway key
 )
