@@ -127,6 +127,7 @@ class Questpie:
         self._policies = PolicyBook(self._ledger)
         slots = Slots(self._ledger, self._outbox)
         outcomes = Outcomes(self._ledger, self._outbox, slots)
+        fire_retention = _positive_seconds(fire_retention, "fire_retention")
         fence = Fence(
             self._ledger,
             LeaseKeeper(self._ledger, lease_seconds),
@@ -134,6 +135,8 @@ class Questpie:
             outcomes,
             self._keyring,
             redeliver_after=lambda: self._outbox.redeliver_after,
+            # Half the shortest time the ledger keeps a finished row: a margin for clocks.
+            take_back_within=lambda: fire_retention / 2,
         )
         self._runner = Runner(fence, self._policies)
         self._publisher = Publisher(
@@ -145,7 +148,7 @@ class Questpie:
             self._ledger,
             self._publisher,
             self._registered_definition,
-            _positive_seconds(fire_retention, "fire_retention"),
+            fire_retention,
         )
         self._tasks: dict[str, Any] = {}
         self.queue = QueueClient(self._registry, self._receipt, self._status, self._discover)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -52,6 +53,8 @@ class MessageHeader:
     token: str | None = None
     """The fencing token of an earlier try of this very delivery, sent back to the broker
     while the ledger was unreachable: its claim may have landed unseen."""
+    sent_at: float | None = None
+    """When the message was sent (Unix time, the sender's clock)."""
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -62,6 +65,8 @@ class MessageHeader:
         }
         if self.token is not None:
             data["token"] = self.token
+        if self.sent_at is not None:
+            data["sent"] = self.sent_at
         return data
 
     @classmethod
@@ -74,11 +79,13 @@ class MessageHeader:
             return None
         attempt = raw.get("attempt", 1)
         token = raw.get("token")
+        sent = raw.get("sent")
         return cls(
             ledgered=raw.get("ledgered") is True,
             attempt=attempt if isinstance(attempt, int) and attempt >= 1 else 1,
             run=RunOptions.from_dict(raw.get("run")),
             token=token if isinstance(token, str) and len(token) == 36 else None,
+            sent_at=float(sent) if isinstance(sent, int | float) and sent > 0 else None,
         )
 
 
@@ -290,7 +297,9 @@ class Sender:
     ) -> None:
         """Publish one message; raise `BrokerError` if the broker does not take it."""
         carried = dict(carry or {})
-        headers = {**carried.pop("headers", {}), HEADER: header.to_dict()}
+        # Stamped at each send: how old the message is, for a fence that meets no row.
+        stamped = {**header.to_dict(), "sent": round(time.time(), 3)}
+        headers = {**carried.pop("headers", {}), HEADER: stamped}
         telemetry.inject(headers)  # the consumer's span continues the sender's trace
         if self.eager:
             # Celery's eager mode ignores ETAs as well; what the handler raises propagates
@@ -325,11 +334,15 @@ class Sender:
             options["producer"] = producer
             # Within a batch, the first send on a route declares its queue (and, on Redis,
             # its binding); declaring it again for every message would only cost time.
+            # Only where the route is known here: a `task_routes` router may route each
+            # message by its arguments, to a queue no earlier send declared.
             route = (job_name, *(options.get(name) for name in ROUTING_OPTIONS))
-            if route in self._batch.declared:
-                options["declare"] = []
-            else:
-                self._batch.declared.add(route)
+            known = any(options.get(name) for name in ROUTING_OPTIONS)
+            if known or not self.app.conf.task_routes:
+                if route in self._batch.declared:
+                    options["declare"] = []
+                else:
+                    self._batch.declared.add(route)
         if countdown is not None and countdown > 0:
             options["countdown"] = countdown
         elif eta is not None:

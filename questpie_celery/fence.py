@@ -85,6 +85,7 @@ class Fence:
         keyring: Keyring | None,
         *,
         redeliver_after: Callable[[], float],
+        take_back_within: Callable[[], float] = lambda: float("inf"),
     ) -> None:
         self._ledger = ledger
         self._leases = leases
@@ -92,6 +93,9 @@ class Fence:
         self._outcomes = outcomes
         self._keyring = keyring
         self._redeliver_after = redeliver_after
+        # A row can have been pruned only once older than this: a younger message whose
+        # row is missing lost it in a crash.
+        self._take_back_within = take_back_within
 
     def adopt_and_run(
         self,
@@ -169,6 +173,7 @@ class Fence:
             attempt=header.attempt,
             run=header.run,
             token=header.token or str(uuid.uuid4()),
+            sent_at=header.sent_at,
         )
         return self._run(
             task, definition, attempt=header.attempt, payload=payload, back=back, policy=policy
@@ -281,6 +286,17 @@ class Fence:
         dispatch_id: str = task.request.id
         if self._ledger.get(dispatch_id) is not None:
             return False  # a row of another job under this id: not ours to take
+        age = time.time() - back.sent_at if back.sent_at is not None else float("inf")
+        if age >= self._take_back_within():
+            log.warning(
+                "dispatch %s of job %s: its ledger row is missing and its message is older "
+                "than the ledger keeps finished rows (it may have run and been pruned); "
+                "skipped",
+                dispatch_id,
+                definition.name,
+                extra={"dispatch_id": dispatch_id, "job_name": definition.name},
+            )
+            return False
         if payload is None or policy().ledgered:
             log.warning(
                 "dispatch %s of job %s: its ledger row is missing (lost in a database crash "

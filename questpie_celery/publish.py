@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 from . import telemetry
 from .broker import MessageHeader, Sender
 from .crypto import Keyring
-from .errors import PayloadValidationError
+from .errors import BrokerError, PayloadValidationError
 from .ids import derive_dispatch_id, random_dispatch_id
 from .jobs import JobDefinition
 from .ledger import Ledger, NewDispatch, caller_connection, send_after_commit
@@ -195,17 +195,25 @@ class Publisher:
     ) -> None:
         """Send dispatches that need no ledger row, as `apply_async` would: a refusal
         raises `BrokerError` (the ledgered items of the call are safe by then)."""
-        with self._sender.batch(len(items)):
-            for dispatch_id, body, item in items:
-                self._sender.send(
-                    job_name=job_name,
-                    dispatch_id=dispatch_id,
-                    payload=body,
-                    header=MessageHeader(ledgered=False, run=item.run),
-                    priority=item.priority,
-                    queue=item.queue,
-                    eta=item.start_after,
-                )
+        try:
+            with self._sender.batch(len(items)):
+                for dispatch_id, body, item in items:
+                    self._sender.send(
+                        job_name=job_name,
+                        dispatch_id=dispatch_id,
+                        payload=body,
+                        header=MessageHeader(ledgered=False, run=item.run),
+                        priority=item.priority,
+                        queue=item.queue,
+                        eta=item.start_after,
+                    )
+        except BrokerError as exc:
+            raise BrokerError(
+                f"the broker refused a batch of {len(items)} unkeyed dispatches of job "
+                f"{job_name!r} ({type(exc.__cause__).__name__}); sent in one pipeline, some "
+                "may have arrived and will run. Items with idempotency keys are ledgered "
+                "and can be published again safely"
+            ) from exc.__cause__
 
     def _new_dispatch(
         self,

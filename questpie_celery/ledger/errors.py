@@ -10,6 +10,9 @@ from sqlalchemy import exc
 from ..errors import LedgerBusyError, LedgerError, LedgerSchemaError, LedgerUnavailableError
 
 _PG_LOCK_NOT_AVAILABLE = "55P03"
+#: The server rolled the whole statement back to break a deadlock (or a serialization
+#: conflict): running it again is safe.
+_PG_ROLLED_BACK = ("40P01", "40001")
 _PG_UNDEFINED_TABLE = "42P01"
 #: A server that only reads: a standby, or a primary being demoted mid-failover.
 _PG_READ_ONLY = "25006"
@@ -17,6 +20,11 @@ _PG_READ_ONLY = "25006"
 
 class SlotTaken(Exception):
     """A statement met a queue-policy slot index (internal to the ledger)."""
+
+
+def was_rolled_back(error: BaseException) -> bool:
+    """The server undid the statement to let a concurrent one finish."""
+    return getattr(getattr(error, "orig", None), "sqlstate", None) in _PG_ROLLED_BACK
 
 
 def is_disconnect(error: BaseException) -> bool:
@@ -43,6 +51,11 @@ def _translate(error: exc.DBAPIError) -> LedgerError:
         return LedgerBusyError(
             "a ledger row is held by another open transaction (lock_timeout reached); "
             "try again once it ends"
+        )
+    if sqlstate in _PG_ROLLED_BACK:
+        return LedgerBusyError(
+            "concurrent publishes of the same keys or slots met head-on (the database "
+            "rolled this statement back); try again"
         )
     if sqlstate == _PG_READ_ONLY:
         return LedgerUnavailableError(

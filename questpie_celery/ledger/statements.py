@@ -215,9 +215,15 @@ class Statements:
             )
             .returning(t.id)
         )
-        # On a relaxed ledger, what one transaction runs first to commit durably anyway.
-        self.commit_durably: TextClause | None = (
-            text("SET LOCAL synchronous_commit TO on") if dialect == "postgresql" else None
+        # On a relaxed ledger, what makes one write durable anyway: on PostgreSQL, run
+        # first in its own transaction; on SQLite, around it on its connection.
+        self.commit_durably: TextClause = (
+            text("SET LOCAL synchronous_commit TO on")
+            if dialect == "postgresql"
+            else text("PRAGMA synchronous=FULL")
+        )
+        self.commit_relaxed: TextClause | None = (
+            None if dialect == "postgresql" else text("PRAGMA synchronous=NORMAL")
         )
         self.insert_batch: Insert | None = (
             insert_batch(dialect) if dialect == "postgresql" else None

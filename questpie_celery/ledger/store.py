@@ -26,7 +26,7 @@ from ..errors import LedgerBusyError, LedgerSchemaError
 from ..policies import QueuePolicy
 from . import statements
 from .engine import create_ledger_engine, dispose_in_children, runs_in_autocommit
-from .errors import SlotTaken, is_disconnect, translate_errors
+from .errors import SlotTaken, is_disconnect, translate_errors, was_rolled_back
 from .rows import Claim, DispatchRow, NewDispatch, ScheduleRow
 from .schema import (
     LEASE_EXPIRED,
@@ -76,39 +76,62 @@ class Ledger:
 
     # --- running statements ------------------------------------------------------------
 
-    def _run(self, stmt: Executable, params: Any, *, durable: bool = False) -> tuple[Any, bool]:
+    def _run(
+        self,
+        stmt: Executable,
+        params: Any,
+        *,
+        durable: bool = False,
+        rerun_if_rolled_back: bool = False,
+    ) -> tuple[Any, bool]:
         """Run one statement in autocommit; once more if its connection was found dead.
 
         Returns its rows (or row count) and whether it ran twice: then its first run may
         have landed unseen, and a conditional write that now matches nothing is ambiguous.
         `durable` commits it to disk before returning even on a relaxed ledger.
+        `rerun_if_rolled_back` runs it again when the server undid it to break a
+        deadlock: a multi-row insert meeting another in the opposite order can.
         """
+        reconnected, deadlocks = False, 0
         with translate_errors():
-            for retried in (False, True):
+            while True:
                 try:
                     with self._connected(durable) as conn:
                         result = conn.execute(stmt, params)
                         rows = result.mappings().all() if result.returns_rows else result.rowcount
-                        return rows, retried
+                        return rows, reconnected
                 except exc.IntegrityError:
                     # Only the queue-policy slot indexes can refuse these statements.
                     raise SlotTaken() from None
                 except exc.DBAPIError as error:
-                    if retried or not is_disconnect(error):
+                    if rerun_if_rolled_back and was_rolled_back(error) and deadlocks < 3:
+                        deadlocks += 1  # nothing of it was written: run it again
+                        continue
+                    if reconnected or not is_disconnect(error):
                         raise
+                    reconnected = True
                     log.info("ledger connection was dropped by the server; reconnecting")
-        raise AssertionError("unreachable")  # pragma: no cover
 
     @contextmanager
     def _connected(self, durable: bool) -> Iterator[Connection]:
-        if not (durable and self.relaxed and self._sql.commit_durably is not None):
+        if not (durable and self.relaxed):
             with self._autocommit.connect() as conn:
                 yield conn
             return
-        # A transaction of its own, told to wait for the disk at its commit.
-        with self._transactional.begin() as conn:
+        relax_again = self._sql.commit_relaxed
+        if relax_again is None:
+            # PostgreSQL: a transaction of its own, told to wait for the disk at commit.
+            with self._transactional.begin() as conn:
+                conn.execute(self._sql.commit_durably)
+                yield conn
+            return
+        # SQLite: this connection syncs every commit until the write is done.
+        with self._autocommit.connect() as conn:
             conn.execute(self._sql.commit_durably)
-            yield conn
+            try:
+                yield conn
+            finally:
+                conn.execute(relax_again)
 
     def _execute(self, stmt: Executable, params: Any) -> Any:
         return self._run(stmt, params)[0]
@@ -210,7 +233,7 @@ class Ledger:
             with translate_errors():
                 return {row.id for row in conn.execute(stmt, params)}
         secret = batch[0].secret_ciphertext is not None  # as in `insert`
-        rows, retried = self._run(stmt, params, durable=secret)
+        rows, retried = self._run(stmt, params, durable=secret, rerun_if_rolled_back=True)
         inserted = {row["id"] for row in rows}
         if retried:
             # As in `insert`: a row found now may be our first try's, which nobody sent.

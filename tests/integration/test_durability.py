@@ -3,7 +3,9 @@ delivery whose row a database crash lost. Real PostgreSQL, Redis and workers."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,6 +14,8 @@ from sqlalchemy import Engine, delete, event, text
 
 from questpie_celery import ConfigurationError, Questpie
 from questpie_celery.ledger import create_ledger_engine, dispatch_table
+from questpie_celery.schedules import FIRE_KEY_PREFIX
+from tests.support import jobapp
 from tests.support.brokers import capture, deliver
 from tests.support.stack import Stack, tag
 
@@ -135,3 +139,48 @@ def test_a_lost_row_of_a_policy_job_is_not_rebuilt(make_stack: StackFactory) -> 
             text("SELECT count(*) FROM questpie_queue_dispatch WHERE id = :i"), {"i": dispatch_id}
         ).scalar()
     assert count == 0
+
+
+def test_a_stale_copy_of_a_pruned_dispatch_is_not_taken_back(make_stack: StackFactory) -> None:
+    # Fire rows are kept 4 s here, so a message older than 2 s may be a pruned row's.
+    stack = make_stack("redis", start_worker=False, env={**RELAXED, "QP_TEST_FIRE_RETENTION": "4"})
+    t = tag()
+    key = f"{FIRE_KEY_PREFIX}call:{t}"
+    dispatch_id = stack.questpie.queue.record.publish({"tag": t}, idempotency_key=key)
+    assert dispatch_id is not None
+    message = capture(stack, stack.queue_name)
+    deliver(stack, message)  # the copy that runs
+    stack.worker.start()
+    stack.wait_status(dispatch_id, "completed")
+    time.sleep(4.5)
+    assert stack.ledger.prune_schedule_history(key_prefix=FIRE_KEY_PREFIX, older_than=4, limit=10)
+    deliver(stack, message)  # a stale duplicate: a redelivery, a copy the relay sent
+    stack.wait_log(dispatch_id, "older than the ledger keeps finished rows")
+    assert len(stack.runs(t)) == 1
+
+
+def test_on_sqlite_a_secret_row_syncs_its_commit_even_when_relaxed(tmp_path: Path) -> None:
+    app, questpie = jobapp.build(
+        broker="memory://",
+        ledger=f"sqlite:///{tmp_path / 'l.db'}",
+        secret=SECRET,
+        durability="relaxed",
+    )
+    questpie.migrate()
+    seen: list[str] = []
+    engine = questpie._ledger.engine
+
+    def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        seen.append(" ".join(statement.split()[:2]))
+
+    event.listen(engine, "before_cursor_execute", record)
+    try:
+        questpie.queue["secret.link"].publish(
+            {"tag": "t", "link": "l"}, idempotency_key="k", secret_payload=True, queue="idle"
+        )
+    finally:
+        event.remove(engine, "before_cursor_execute", record)
+        questpie.close()
+    first, insert = seen.index("PRAGMA synchronous=FULL"), seen.index("INSERT INTO")
+    assert first < insert < seen.index("PRAGMA synchronous=NORMAL")
+    del app

@@ -4,11 +4,13 @@ sequence of `publish` calls would, with real ledgers, brokers and workers."""
 from __future__ import annotations
 
 import hashlib
+import threading
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 import pytest
+import redis as redis_lib
 from sqlalchemy import create_engine, select
 from sqlalchemy.orm import Session
 
@@ -17,6 +19,7 @@ from questpie_celery.ledger import dispatch_table
 from questpie_celery.signals import publish_suppressed
 from tests.support.brokers import queue_depth
 from tests.support.stack import Stack, tag
+from tests.unit.helpers import wait_until
 
 StackFactory = Callable[..., Stack]
 
@@ -222,3 +225,73 @@ def test_with_the_broker_down_keyed_items_wait_for_the_relay_and_plain_ones_rais
     with pytest.raises(BrokerError):
         record.publish_many([{"tag": t}] * 3)
     assert down.dispatch_count() == 10
+
+
+@pytest.mark.parametrize("job_name", ["record", "policy.short"])
+def test_concurrent_calls_in_opposite_orders_both_finish(
+    make_stack: StackFactory, job_name: str
+) -> None:
+    # Each chunk is one statement holding many rows' locks: two calls taking the same
+    # keys (or slots) in opposite orders can deadlock, and the loser is run again.
+    stack = make_stack("redis", start_worker=False)
+    queue = idle()
+    t = tag()
+    keys = [f"{t}-{i}" for i in range(1000)]
+    barrier = threading.Barrier(2)
+    results: list[list[str | None]] = []
+    errors: list[BaseException] = []
+
+    def publish(order: list[str]) -> None:
+        barrier.wait()
+        try:
+            per_item = {"idempotency_keys" if job_name == "record" else "singleton_keys": order}
+            results.append(
+                stack.questpie.queue[job_name].publish_many(
+                    [{"tag": t}] * len(order), queue=queue, **per_item
+                )
+            )
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=publish, args=(o,)) for o in (keys, keys[::-1])]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert stack.dispatch_count() == 1000  # each key (or slot) once
+    accepted = [i for result in results for i in result if i is not None]
+    assert len(set(accepted)) == 1000
+
+
+def test_a_router_that_routes_by_payload_gets_every_queue_declared(
+    make_stack: StackFactory,
+) -> None:
+    stack = make_stack("rabbitmq", start_worker=False)
+    base = f"routed-{uuid.uuid4().hex[:6]}"
+
+    def route(name: str, args: Any, kwargs: Any, options: Any, **rest: Any) -> Any:
+        if name == "record" and args and isinstance(args[0], dict):
+            return {"queue": f"{base}-{'a' if args[0].get('sleep', 0) % 2 == 0 else 'b'}"}
+        return None
+
+    stack.celery_app.conf.task_routes = (route,)
+    t = tag()
+    stack.questpie.queue.record.publish_many([{"tag": t, "sleep": float(i)} for i in range(4)])
+    wait_until(lambda: queue_depth(stack, f"{base}-b") == 2, "both queues get their messages")
+    assert queue_depth(stack, f"{base}-a") == 2
+
+
+def test_a_pipeline_the_broker_refuses_says_some_may_have_arrived(
+    make_stack: StackFactory, redis_server: Any
+) -> None:
+    stack = make_stack("redis", start_worker=False)
+    admin = redis_lib.Redis(port=redis_server.port)
+    used = int(admin.info("memory")["used_memory"])
+    admin.config_set("maxmemory-policy", "noeviction")
+    admin.config_set("maxmemory", used + 1_000_000)
+    try:
+        with pytest.raises(BrokerError, match="some may have arrived"):
+            stack.questpie.queue.record.publish_many([{"tag": "x" * 10_000}] * 300)
+    finally:
+        admin.config_set("maxmemory", 0)

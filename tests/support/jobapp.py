@@ -264,6 +264,7 @@ def build(
     visibility_timeout: float | None = None,
     priority_queue: str | None = None,
     durability: str = "durable",
+    fire_retention: float | None = None,
 ) -> tuple[Celery, Questpie]:
     app = make_celery(broker, backend, fs_dir, queue, extended, priority_queue)
     if visibility_timeout is not None:
@@ -281,6 +282,7 @@ def build(
         previous_secrets=previous_secrets,
         redeliver_after=redeliver_after,
         durability="relaxed" if durability == "relaxed" else "durable",
+        **({"fire_retention": fire_retention} if fire_retention is not None else {}),
     )
     return app, questpie
 
@@ -301,6 +303,7 @@ def build_from_env() -> tuple[Celery, Questpie]:
         visibility_timeout=_optional_float(os.environ.get("QP_TEST_VISIBILITY")),
         priority_queue=os.environ.get("QP_TEST_PRIORITY_QUEUE") or None,
         durability=os.environ.get("QP_TEST_DURABILITY", "durable"),
+        fire_retention=_optional_float(os.environ.get("QP_TEST_FIRE_RETENTION")),
     )
 
 

@@ -150,6 +150,9 @@ def build_stack(
         redeliver_after=float(env.get("QP_TEST_REDELIVER", "3600")),
         priority_queue=env.get("QP_TEST_PRIORITY_QUEUE") or None,
         durability=env.get("QP_TEST_DURABILITY", "durable"),
+        fire_retention=float(env["QP_TEST_FIRE_RETENTION"])
+        if env.get("QP_TEST_FIRE_RETENTION")
+        else None,
         visibility_timeout=float(env["QP_TEST_VISIBILITY"])
         if env.get("QP_TEST_VISIBILITY")
         else None,
