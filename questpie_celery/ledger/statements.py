@@ -239,9 +239,14 @@ class Statements:
         # A fast worker may already have claimed the row: keep its status then, and only a
         # row still waiting for its first claim gets a redelivery time.
         still_pending = t.status == "pending"
+        # One statement (one commit) for a whole batch of acceptances.
         self.mark_queued: Update = (
             update(dispatch_table)
-            .where(by_id)
+            .where(
+                t.id.in_(bindparam("dispatch_ids", expanding=True)),
+                # Rows already marked (or claimed and marked) are left alone: no write.
+                or_(still_pending, t.queued_at.is_(None)),
+            )
             .values(
                 queued_at=func.coalesce(t.queued_at, now),
                 status=case((still_pending, "queued"), else_=t.status),

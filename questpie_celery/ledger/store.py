@@ -270,7 +270,7 @@ class Ledger:
     def mark_queued(self, dispatch_ids: Sequence[str], redeliver_in: float) -> None:
         """Record that the broker accepted these dispatches, in one batch."""
         if dispatch_ids:
-            params = [{"dispatch_id": i, "redeliver_in": redeliver_in} for i in dispatch_ids]
+            params = {"dispatch_ids": list(dispatch_ids), "redeliver_in": redeliver_in}
             self._execute(self._sql.mark_queued, params)
 
     def send_soon(self, dispatch_ids: Sequence[str], attempt: int, send_in: float) -> None:
