@@ -96,6 +96,7 @@ def drain(bench_app: Any, kind: str, redis_url: str, pg_url: str) -> float:
     counter.delete(key)
     queue = f"bench-drain-{uuid.uuid4().hex[:6]}"
     fill(bench_app, kind, queue)
+    time.sleep(1.0)  # the publisher's batched acceptance marks land before the drain starts
     env = {"BENCH_BROKER": redis_url, "BENCH_LEDGER": pg_url}
     if kind == "fenced, relaxed":
         env["BENCH_DURABILITY"] = "relaxed"
