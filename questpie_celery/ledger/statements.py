@@ -256,8 +256,15 @@ class Statements:
             )
         )
         # Bound to its job: a message for another job that carries this id claims nothing.
+        # `job_name || ''` keeps the job out of the index conditions: the row is found by
+        # its id. PostgreSQL, for a job its statistics have not seen yet (a new job on a
+        # big ledger, until the next ANALYZE), would otherwise rate the per-job index as
+        # good as the primary key and read every row of the job on each claim.
         deliverable = and_(
-            by_id, t.job_name == bindparam("job"), claimable, t.attempt == bindparam("previous")
+            by_id,
+            t.job_name.concat("") == bindparam("job"),
+            claimable,
+            t.attempt == bindparam("previous"),
         )
         self.claim: Update = (
             update(dispatch_table)
