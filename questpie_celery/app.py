@@ -12,6 +12,7 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable, Iterable
+from datetime import timedelta
 from typing import Any, Literal
 
 from celery import Celery
@@ -36,6 +37,7 @@ from .publish import Publisher
 from .receipts import DispatchStatus, Receipt, receipt_status
 from .recorded_policy import PolicyBook
 from .relay import DEFAULT_RELAY_INTERVAL_SECONDS, Relay
+from .retention import DEFAULT_RETENTION_SECONDS, Pruned, Retention
 from .schedules import DEFAULT_FIRE_RETENTION_SECONDS, Schedules
 from .slots import Slots
 from .worker import Runner
@@ -83,6 +85,7 @@ class Questpie:
         redeliver_after: float = DEFAULT_REDELIVER_AFTER_SECONDS,
         fire_retention: float = DEFAULT_FIRE_RETENTION_SECONDS,
         durability: Durability = "durable",
+        retention: float | timedelta | None = DEFAULT_RETENTION_SECONDS,
     ) -> None:
         if not isinstance(celery_app, Celery):
             raise ConfigurationError("celery_app must be a celery.Celery application")
@@ -102,6 +105,7 @@ class Questpie:
         lease_seconds = _positive_seconds(lease_seconds, "lease_seconds")
         relay_interval = _positive_seconds(relay_interval, "relay_interval")
         self._redeliver_after = _positive_seconds(redeliver_after, "redeliver_after")
+        period = None if retention is None else _period(retention, "retention", allow_zero=False)
         current = _as_secret(secret, "secret")
         previous = tuple(
             s for s in (_as_secret(p, "previous_secrets") for p in previous_secrets) if s
@@ -128,6 +132,9 @@ class Questpie:
         slots = Slots(self._ledger, self._outbox)
         outcomes = Outcomes(self._ledger, self._outbox, slots)
         fire_retention = _positive_seconds(fire_retention, "fire_retention")
+        # The shortest time the ledger keeps a finished row: spent schedule fires, and the
+        # unkeyed rows retention deletes (a keyed row is pruned, never deleted).
+        kept = fire_retention if period is None else min(fire_retention, period)
         fence = Fence(
             self._ledger,
             LeaseKeeper(self._ledger, lease_seconds),
@@ -136,13 +143,16 @@ class Questpie:
             self._keyring,
             redeliver_after=lambda: self._outbox.redeliver_after,
             # Half the shortest time the ledger keeps a finished row: a margin for clocks.
-            take_back_within=lambda: fire_retention / 2,
+            take_back_within=lambda: kept / 2,
         )
         self._runner = Runner(fence, self._policies)
         self._publisher = Publisher(
             self._ledger, self._outbox, sender, self._policies, self._keyring_for_publish
         )
-        self._relay = Relay(self._ledger, self._outbox, outcomes, slots, relay_interval)
+        self._retention = Retention(self._ledger, period)
+        self._relay = Relay(
+            self._ledger, self._outbox, outcomes, slots, relay_interval, self._retention
+        )
         self._registry = JobRegistry()
         self._schedules = Schedules(
             self._ledger,
@@ -311,6 +321,25 @@ class Questpie:
         return 0
 
     @property
+    def retention(self) -> float | None:
+        """Seconds after which ended dispatches are deleted (unkeyed) or pruned (keyed);
+        None when they are kept for ever."""
+        return self._retention.period
+
+    def prune(self, older_than: float | timedelta | None = None) -> Pruned:
+        """Apply retention now, until nothing is left: delete the unkeyed dispatches and
+        prune the keyed ones that ended over `older_than` seconds ago (default: this
+        app's `retention`). Running relays do the same a little at a time."""
+        if older_than is None:
+            if self._retention.period is None:
+                raise ConfigurationError(
+                    "this app keeps ended dispatches for ever (retention=None); "
+                    "pass older_than to prune anyway"
+                )
+            return self._retention.prune(self._retention.period)
+        return self._retention.prune(_period(older_than, "older_than", allow_zero=True))
+
+    @property
     def operator(self) -> Operator:
         """An operator's view of the ledger: dispatches, show, stuck, failed, counts, requeue."""
         return Operator(self._ledger, redeliver_after=self._outbox.redeliver_after)
@@ -398,6 +427,24 @@ class Questpie:
         # Redelivering sooner than the broker's own visibility timeout would only race it.
         visibility = visibility_timeout(self._celery_app)
         self._outbox.redeliver_after = max(self._redeliver_after, visibility)
+
+
+#: The longest retention period: a database's interval arithmetic overflows not far beyond.
+MAX_RETENTION_SECONDS = 100 * 365 * 86400.0
+
+
+def _period(value: object, name: str, *, allow_zero: bool) -> float:
+    """A retention period: seconds or a timedelta, finite and within bounds."""
+    if isinstance(value, timedelta):
+        value = value.total_seconds()
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigurationError(f"{name} must be a number of seconds or a timedelta")
+    low = "0" if allow_zero else "above 0"
+    if not (value >= 0 if allow_zero else value > 0) or not value <= MAX_RETENTION_SECONDS:
+        raise ConfigurationError(
+            f"{name} must be {low} and at most {MAX_RETENTION_SECONDS:.0f} seconds (100 years)"
+        )
+    return float(value)
 
 
 def _positive_seconds(value: object, name: str) -> float:

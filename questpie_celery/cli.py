@@ -19,6 +19,7 @@ from .errors import QuestpieError
 from .ledger import Status, open_ledger
 from .operations import DispatchDetail, Operator
 from .policies import QueuePolicy
+from .retention import DEFAULT_RETENTION_SECONDS, Pruned, Retention
 from .schedules import ScheduleInfo
 
 
@@ -289,6 +290,46 @@ def unschedule(job_name: str, app: str | None, ledger_url: str | None) -> None:
     with _clear_errors():
         removed = _operator(app, ledger_url).unschedule(job_name)
     click.echo(f"{job_name}: {removed} schedule(s) removed")
+
+
+@main.command()
+@click.option("-A", "--app", help="module:attribute of your Questpie instance")
+@click.option("--ledger-url", envvar="QUESTPIE_LEDGER_URL", help="SQLAlchemy URL of the ledger")
+@click.option(
+    "--older-than",
+    type=click.FloatRange(min=0),
+    help="seconds since a dispatch ended (default: the app's retention, or 7 days)",
+)
+def prune(app: str | None, ledger_url: str | None, older_than: float | None) -> None:
+    """Apply retention now: delete ended unkeyed dispatches and drop the payload and
+    options of ended keyed ones (their key keeps its id). Dispatches that have not ended,
+    and schedule fires (the beat's), are left alone."""
+    if (app is None) == (ledger_url is None):
+        raise click.UsageError("pass exactly one of --app and --ledger-url")
+    with _clear_errors():
+        if app is not None:
+            questpie = load_questpie(app)
+            click.get_current_context().call_on_close(questpie.close)
+            period = older_than if older_than is not None else questpie.retention
+            if period is None:
+                raise click.UsageError(
+                    "this app keeps ended dispatches for ever (retention=None); "
+                    "pass --older-than to prune anyway"
+                )
+            result = questpie.prune(period)
+        else:
+            ledger = open_ledger(str(ledger_url))
+            click.get_current_context().call_on_close(ledger.close)
+            period = older_than if older_than is not None else DEFAULT_RETENTION_SECONDS
+            result = Retention(ledger, period).prune(period)
+    click.echo(_pruned_line(result, period))
+
+
+def _pruned_line(result: Pruned, period: float) -> str:
+    return (
+        f"deleted {result.deleted} ended unkeyed dispatch(es) and pruned {result.pruned} "
+        f"ended keyed one(s) (payload and options dropped) that ended over {period:g} s ago"
+    )
 
 
 def _schedule_json(info: ScheduleInfo) -> dict[str, object]:

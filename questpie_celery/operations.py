@@ -37,13 +37,16 @@ class DispatchDetail:
     last_error: str | None
     secret: bool
     key_erased: bool | None  # for a secret dispatch: its key and ciphertext are gone
+    #: Retention dropped the payload and options of this ended keyed dispatch: the payload
+    #: and the option fields below are None, not the defaults.
+    pruned: bool
     payload: dict[str, Any] | None  # never for a secret dispatch
     priority: int | None
     queue: str | None
-    retry_limit: int
-    retry_delay: float
-    retry_backoff: bool
-    expire_in_seconds: int
+    retry_limit: int | None
+    retry_delay: float | None
+    retry_backoff: bool | None
+    expire_in_seconds: int | None
     send_count: int
     created_at: datetime
     queued_at: datetime | None
@@ -55,7 +58,7 @@ class DispatchDetail:
 
     @classmethod
     def of(cls, row: DispatchRow) -> DispatchDetail:
-        run = row.options.run
+        run = None if row.pruned else row.options.run
         return cls(
             dispatch_id=row.id,
             job_name=row.job_name,
@@ -67,13 +70,14 @@ class DispatchDetail:
             last_error=row.last_error,
             secret=row.secret,
             key_erased=row.secret_wrapped_key is None if row.secret else None,
+            pruned=row.pruned,
             payload=None if row.secret else row.payload,
             priority=row.options.priority,
             queue=row.options.queue,
-            retry_limit=run.retry_limit,
-            retry_delay=run.retry_delay,
-            retry_backoff=run.retry_backoff,
-            expire_in_seconds=run.expire_in_seconds,
+            retry_limit=run.retry_limit if run else None,
+            retry_delay=run.retry_delay if run else None,
+            retry_backoff=run.retry_backoff if run else None,
+            expire_in_seconds=run.expire_in_seconds if run else None,
             send_count=row.send_count,
             created_at=row.created_at,
             queued_at=row.queued_at,
@@ -251,9 +255,9 @@ class Operator:
     def requeue(self, dispatch_id: str) -> DispatchDetail:
         """Send a failed dispatch again: a new attempt under the same id and key.
 
-        Refused (with `PublishOptionsError`) for a dispatch that is not failed and for a
-        failed secret one, whose key was erased when it failed: publish that again under
-        a new key. Every requeue is logged.
+        Refused (with `PublishOptionsError`) for a dispatch that is not failed, for a
+        failed secret one, whose key was erased when it failed, and for one retention
+        pruned: publish those again under a new key. Every requeue is logged.
         """
         row = self._ledger.get(dispatch_id)
         if row is None:
@@ -264,6 +268,11 @@ class Operator:
             raise PublishOptionsError(
                 f"dispatch {dispatch_id} is secret and its key was erased when it failed; "
                 "publish it again under a new idempotency key"
+            )
+        if row.pruned:
+            raise PublishOptionsError(
+                f"dispatch {dispatch_id} ended long enough ago that retention dropped its "
+                "payload and options; publish it again under a new idempotency key"
             )
         if not self._ledger.requeue(dispatch_id):
             raise PublishOptionsError(f"dispatch {dispatch_id} changed meanwhile; look again")

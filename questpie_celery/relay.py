@@ -16,6 +16,9 @@ Each pass, in this order:
    sends is recorded `failed`;
 3. sends parked runs whose slot is free.
 
+Now and then (a minute apart, for half a second at most) a running relay also
+applies retention to ended dispatches: see `retention.py`.
+
 After the broker refuses one send, the pass sends nothing more: with the broker
 down each send would only wait out its connection timeout.
 
@@ -37,6 +40,7 @@ from .errors import LedgerSchemaError, QuestpieError
 from .ledger import Ledger
 from .outbox import Outbox
 from .outcomes import Outcomes
+from .retention import Retention
 from .slots import Slots
 
 log = logging.getLogger(__name__)
@@ -61,12 +65,14 @@ class Relay:
         outcomes: Outcomes,
         slots: Slots,
         interval: float = DEFAULT_RELAY_INTERVAL_SECONDS,
+        retention: Retention | None = None,
     ) -> None:
         self._ledger = ledger
         self._outbox = outbox
         self._outcomes = outcomes
         self._slots = slots
         self.interval = interval
+        self._retention = retention
 
     def run_once(self, *, end_lapsed_leases: bool = True) -> int:
         """One pass; returns how many dispatches it moved on."""
@@ -128,6 +134,8 @@ class Relay:
                 if started - last_sample >= wait:
                     last_sample = started
                     sampling = self._sample_backlog(warn=sampling)
+                if self._retention is not None:
+                    self._retention.now_and_then()  # rate-limited; never raises
             except QuestpieError as exc:
                 reachable_since = None
                 if not failing:

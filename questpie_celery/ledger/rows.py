@@ -14,7 +14,12 @@ from .schema import Status
 
 @dataclass(frozen=True)
 class DispatchRow:
-    """One ledger row."""
+    """One ledger row.
+
+    `pruned`: retention dropped the payload and options of this ended keyed dispatch.
+    Its `payload` is then None and its `options` are the defaults, standing in for what
+    is gone; only an ended row is ever pruned, and nothing sends an ended row again.
+    """
 
     id: str
     job_name: str
@@ -40,10 +45,14 @@ class DispatchRow:
     started_at: datetime | None
     finished_at: datetime | None
     last_error: str | None
+    pruned: bool = False
 
     @classmethod
     def from_mapping(cls, row: Mapping[Any, Any]) -> DispatchRow:
-        return cls(**{name: row[name] for name in cls.__dataclass_fields__})
+        values = {name: row[name] for name in cls.__dataclass_fields__ if name != "pruned"}
+        if values["options"] is None:
+            return cls(**{**values, "options": StoredOptions()}, pruned=True)
+        return cls(**values)
 
     @property
     def limited_slot(self) -> tuple[str, str] | None:

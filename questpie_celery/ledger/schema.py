@@ -15,6 +15,11 @@ row `active` can record an outcome, so a worker whose lease was taken over can
 never overwrite its successor's result. The token stays on the row after the
 holder records an outcome, so a holder whose connection died mid-write can read
 back whether its write landed; recovering a lapsed lease clears it.
+
+An ended row does not stay whole for ever: retention deletes an ended unkeyed row,
+and prunes an ended keyed one to what answers its key (id, job, key, status, times),
+dropping its payload and its options (`options` NULL). Nothing sends an ended row
+again, so nothing needs them.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from sqlalchemy.types import DateTime, TypeDecorator
 from ..options import StoredOptions
 from ..policies import QueuePolicy
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 Status = Literal["pending", "queued", "parked", "active", "retry", "completed", "failed"]
 #: States from which a delivery may take the execution claim.
@@ -77,7 +82,8 @@ class UTCDateTime(TypeDecorator[datetime]):
 
 
 class StoredOptionsType(TypeDecorator[StoredOptions]):
-    """The `options` column: JSON in the database, `StoredOptions` in Python."""
+    """The `options` column: JSON in the database, `StoredOptions` in Python; None for a
+    dispatch row retention pruned."""
 
     impl = JSON
     cache_ok = True
@@ -87,8 +93,9 @@ class StoredOptionsType(TypeDecorator[StoredOptions]):
     ) -> dict[str, Any] | None:
         return None if value is None else value.to_json()
 
-    def process_result_value(self, value: Any, dialect: Dialect) -> StoredOptions:
-        return StoredOptions.from_json(value)
+    def process_result_value(self, value: Any, dialect: Dialect) -> StoredOptions | None:
+        # SQL NULL is a pruned row's: not the defaults, which would misstate its options.
+        return None if value is None else StoredOptions.from_json(value)
 
 
 class PolicyType(TypeDecorator[QueuePolicy]):
@@ -129,7 +136,8 @@ dispatch_table = Table(
     Column("secret_wrapped_key", LargeBinary, nullable=True),
     Column("secret_key_id", String(64), nullable=True),
     # What sending the message again needs: run options, priority, queue, Celery options.
-    Column("options", StoredOptionsType, nullable=False),
+    # NULL once retention pruned the ended row (nullable since schema version 4).
+    Column("options", StoredOptionsType, nullable=True),
     Column("attempt", Integer, nullable=False, default=0),
     Column("claim_token", String(36), nullable=True),
     Column("lease_expires_at", UTCDateTime, nullable=True),
@@ -165,6 +173,27 @@ def _slot_index(name: str, rule: str, statuses: tuple[Status, ...]) -> None:
 _slot_index("questpie_slot_waiting", "one_waiting", WAITING)
 _slot_index("questpie_slot_running", "one_running", RUNNING)
 _slot_index("questpie_slot_exclusive", "one_overall", WAITING + RUNNING)
+
+
+def _retention_index() -> None:
+    """Retention's scan: ended rows it has yet to delete or prune, oldest end first.
+
+    Partial, so it costs a write only when a dispatch ends (a publish adds no entry, and
+    `finished_at` is set by exactly the terminal writes), and a row leaves it once pruned
+    (`options` NULL) or deleted: its size is what ended within the retention period, not
+    the ledger's history. Added in schema version 4.
+    """
+    t = dispatch_table.c
+    where = and_(t.finished_at.is_not(None), t.options.is_not(None))
+    Index(
+        "questpie_queue_dispatch_ended",
+        t.finished_at,
+        postgresql_where=where,
+        sqlite_where=where,
+    )
+
+
+_retention_index()
 
 policy_table = Table(
     "questpie_queue_policy",

@@ -25,6 +25,7 @@ from sqlalchemy import (
     Text,
     Update,
     and_,
+    any_,
     bindparam,
     case,
     column,
@@ -33,6 +34,7 @@ from sqlalchemy import (
     func,
     insert,
     literal,
+    null,
     or_,
     select,
     text,
@@ -596,20 +598,89 @@ def delete_schedules(job_name: str, source: str | None) -> Any:
     return stmt if source is None else stmt.where(sc.source == source)
 
 
-def prune_fires(*, key_prefix: str, older_than: float, limit: int) -> Any:
+def prune_fires(dialect: str, *, key_prefix: str, older_than: float, limit: int) -> Any:
     """Delete up to `limit` ended dispatches that schedule fires made, `older_than`
-    seconds after they ended: a past tick never fires again, so its key is spent."""
+    seconds after they ended: a past tick never fires again, so its key is spent.
+
+    Retention never prunes a fire row (it leaves them to the beat), so `options IS NOT
+    NULL` holds for all of them; it is there to let the scan use retention's partial
+    index on `finished_at`, oldest first, instead of reading the whole table.
+    """
     t = dispatch_table.c
     spent = (
         select(t.id)
         .where(
-            t.status.in_(TERMINAL),
+            _ended_status(),
             t.idempotency_key.startswith(key_prefix, autoescape=True),
             t.finished_at < db_time(-older_than),
+            t.options.is_not(None),
         )
+        .order_by(t.finished_at)
         .limit(limit)
     )
-    return delete(dispatch_table).where(t.id.in_(spent.scalar_subquery()))
+    return delete(dispatch_table).where(_one_of(dialect, spent))
+
+
+def _ended_status() -> ColumnElement[bool]:
+    """The row has ended, as a filter only: `status || ''` keeps SQLite (which, without
+    statistics, takes an equality for the most selective condition) from walking every
+    ended row through the `(status, next_send_at)` index and sorting them, where the
+    partial index on `finished_at` gives the oldest first."""
+    return dispatch_table.c.status.concat("").in_(TERMINAL)
+
+
+def _one_of(dialect: str, ids: Select[Any]) -> ColumnElement[bool]:
+    """`id` is one of those `ids` selects (a batch of at most a few thousand).
+
+    On PostgreSQL as `id = ANY(ARRAY(...))`: the batch is read first and each row found
+    through the primary key. As `id IN (...)`, the planner may hash the batch and read
+    the whole table to join it, which on a big ledger costs a full scan per batch.
+    """
+    t = dispatch_table.c
+    if dialect == "postgresql":
+        return t.id == any_(func.array(ids.scalar_subquery()))
+    return t.id.in_(ids.scalar_subquery())
+
+
+def prune_ended(
+    dialect: str, *, keyed: bool, older_than: float, limit: int, spare_key_prefix: str
+) -> Any:
+    """One batch of retention: up to `limit` dispatches that ended over `older_than`
+    seconds ago, oldest first. Unkeyed ones are deleted. Keyed ones keep what answers their
+    key (id, job, key, status, times) and lose their payload and options; those whose key
+    starts with `spare_key_prefix` are left alone.
+
+    The rows are chosen through the partial index on `finished_at` (`options IS NOT NULL`
+    is there to match it) and, on PostgreSQL, locked with SKIP LOCKED: a row another
+    statement holds (a requeue, another relay's batch) is left for a later batch, so
+    retention never waits on a lock, and a row requeued meanwhile is seen no longer ended.
+    """
+    t = dispatch_table.c
+    ended = and_(
+        _ended_status(),
+        t.finished_at < db_time(-older_than),
+        t.options.is_not(None),
+        (
+            and_(
+                t.idempotency_key.is_not(None),
+                ~t.idempotency_key.startswith(spare_key_prefix, autoescape=True),
+            )
+            if keyed
+            else t.idempotency_key.is_(None)
+        ),
+    )
+    batch = _one_of(
+        dialect,
+        select(t.id)
+        .where(ended)
+        .order_by(t.finished_at)
+        .limit(limit)
+        .with_for_update(skip_locked=True),  # SQLite has one writer, and ignores it
+    )
+    if not keyed:
+        return delete(dispatch_table).where(batch)
+    # null(), not None: SQL NULL; None would be stored as the JSON value null.
+    return update(dispatch_table).where(batch).values(payload=null(), options=null())
 
 
 def prune_beat_ticks(*, older_than: float) -> Any:
@@ -619,7 +690,8 @@ def prune_beat_ticks(*, older_than: float) -> Any:
 
 def requeue() -> Update:
     """A failed dispatch back to `pending`, due for the relay at once: a new attempt under
-    the same id and key. Only while its secret (if any) still has its key."""
+    the same id and key. Only while its secret (if any) still has its key, and while
+    retention has not pruned its payload and options."""
     t = dispatch_table.c
     return (
         update(dispatch_table)
@@ -627,6 +699,7 @@ def requeue() -> Update:
             t.id == bindparam("dispatch_id"),
             t.status == "failed",
             or_(t.secret.is_(False), t.secret_wrapped_key.is_not(None)),
+            t.options.is_not(None),
         )
         .values(
             status="pending",

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, Engine, exc, func, select
+from sqlalchemy import Connection, Engine, exc, func, inspect, select
 from sqlalchemy.engine import RowMapping
 from sqlalchemy.sql import Executable
 
@@ -35,6 +35,7 @@ from .schema import (
     SCHEMA_VERSION,
     TERMINAL,
     Status,
+    dispatch_table,
     info_table,
     metadata,
     schedule_table,
@@ -43,6 +44,9 @@ from .schema import (
 from .statements import Statements, db_time, insert_or_nothing, upsert
 
 log = logging.getLogger(__name__)
+
+#: The schema retention needs: `options` nullable, and its index on `finished_at`.
+RETENTION_SCHEMA_VERSION = 4
 
 
 class Ledger:
@@ -64,6 +68,7 @@ class Ledger:
             self._transactional = engine
         self._sql = Statements(engine.dialect.name)
         self._ledger_id: str | None = None
+        self._retention_ready = False  # the schema was seen at RETENTION_SCHEMA_VERSION
         dispose_in_children(engine)
 
     @property
@@ -150,6 +155,7 @@ class Ledger:
         """Create or upgrade the schema; safe to run again. Returns the schema version."""
         with translate_errors(), self._transactional.begin() as conn:
             metadata.create_all(conn, checkfirst=True)
+            _allow_pruned_options(conn)
             # create_all adds missing tables only; indexes added by a later version too.
             for table in metadata.sorted_tables:
                 for index in table.indexes:
@@ -564,7 +570,35 @@ class Ledger:
     def prune_schedule_history(self, *, key_prefix: str, older_than: float, limit: int) -> int:
         """Delete spent fire rows and beat tick claims older than `older_than` seconds."""
         self._execute(statements.prune_beat_ticks(older_than=older_than), {})
-        stmt = statements.prune_fires(key_prefix=key_prefix, older_than=older_than, limit=limit)
+        stmt = statements.prune_fires(
+            self.dialect, key_prefix=key_prefix, older_than=older_than, limit=limit
+        )
+        return int(self._execute(stmt, {}))
+
+    # --- retention -------------------------------------------------------------------------
+
+    def prune_ended(
+        self, *, keyed: bool, older_than: float, limit: int, spare_key_prefix: str
+    ) -> int:
+        """One batch of retention: delete up to `limit` unkeyed dispatches (or, `keyed`,
+        drop the payload and options of keyed ones) that ended over `older_than` seconds
+        ago, oldest first; keys starting with `spare_key_prefix` are left alone. Returns
+        how many rows it changed. Raises `LedgerSchemaError` before schema version 4."""
+        if not self._retention_ready:
+            found = self.schema_version()
+            if found is None or found < RETENTION_SCHEMA_VERSION:
+                raise LedgerSchemaError(
+                    f"retention needs ledger schema version {RETENTION_SCHEMA_VERSION} "
+                    f"(this one is at {found}); run `questpie-celery migrate`"
+                )
+            self._retention_ready = True  # a schema never goes back
+        stmt = statements.prune_ended(
+            self.dialect,
+            keyed=keyed,
+            older_than=older_than,
+            limit=limit,
+            spare_key_prefix=spare_key_prefix,
+        )
         return int(self._execute(stmt, {}))
 
     # --- the operator's views ------------------------------------------------------------
@@ -630,6 +664,33 @@ class Ledger:
             raise LedgerBusyError(
                 "its queue policy slot is taken by another dispatch; requeue it once that ends"
             ) from None
+
+
+def _allow_pruned_options(conn: Connection) -> None:
+    """Schema version 4: `options` may be NULL (a pruned row); a dispatch table made by an
+    older version still refuses it."""
+    name = dispatch_table.name
+    options = next(c for c in inspect(conn).get_columns(name) if c["name"] == "options")
+    if options["nullable"]:
+        return
+    if conn.dialect.name != "sqlite":
+        # A change to the catalog only: no rewrite, and the lock lasts a moment.
+        conn.exec_driver_sql(f"ALTER TABLE {name} ALTER COLUMN options DROP NOT NULL")
+        return
+    # SQLite cannot drop a NOT NULL constraint in place: rebuild the table, as its ALTER
+    # TABLE documentation advises, within one transaction. An engine passed in may leave
+    # DDL outside any transaction (pysqlite opens one only before DML), so open it here:
+    # a crash half-way must not leave the table renamed.
+    if not conn.connection.driver_connection.in_transaction:  # type: ignore[union-attr]
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+    old = f"{name}_before_v4"
+    for index in dispatch_table.indexes:
+        conn.exec_driver_sql(f"DROP INDEX IF EXISTS {index.name}")
+    conn.exec_driver_sql(f"ALTER TABLE {name} RENAME TO {old}")
+    dispatch_table.create(conn)
+    columns = ", ".join(column.name for column in dispatch_table.columns)
+    conn.exec_driver_sql(f"INSERT INTO {name} ({columns}) SELECT {columns} FROM {old}")
+    conn.exec_driver_sql(f"DROP TABLE {old}")
 
 
 def open_ledger(url: str, *, relaxed: bool = False) -> Ledger:

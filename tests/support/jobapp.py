@@ -11,6 +11,7 @@ build the same app:
 - QP_TEST_LEASE: lease length in seconds; QP_TEST_RELAY: relay interval
 - QP_TEST_SECRET, QP_TEST_PREVIOUS (comma-separated): the secret and older ones
 - QP_TEST_EXTENDED: turn on result_extended, task events and track_started
+- QP_TEST_RETENTION, QP_TEST_FIRE_RETENTION: retention periods in seconds
 
 Handlers record each run in `test_runs`, so tests observe what really ran. A
 handler given a `gate` (a file path) records its start and then waits until the
@@ -265,6 +266,7 @@ def build(
     priority_queue: str | None = None,
     durability: str = "durable",
     fire_retention: float | None = None,
+    retention: float | None = None,
 ) -> tuple[Celery, Questpie]:
     app = make_celery(broker, backend, fs_dir, queue, extended, priority_queue)
     if visibility_timeout is not None:
@@ -283,6 +285,7 @@ def build(
         redeliver_after=redeliver_after,
         durability="relaxed" if durability == "relaxed" else "durable",
         **({"fire_retention": fire_retention} if fire_retention is not None else {}),
+        **({"retention": retention} if retention is not None else {}),
     )
     return app, questpie
 
@@ -304,6 +307,7 @@ def build_from_env() -> tuple[Celery, Questpie]:
         priority_queue=os.environ.get("QP_TEST_PRIORITY_QUEUE") or None,
         durability=os.environ.get("QP_TEST_DURABILITY", "durable"),
         fire_retention=_optional_float(os.environ.get("QP_TEST_FIRE_RETENTION")),
+        retention=_optional_float(os.environ.get("QP_TEST_RETENTION")),
     )
 
 

@@ -153,6 +153,7 @@ def build_stack(
         fire_retention=float(env["QP_TEST_FIRE_RETENTION"])
         if env.get("QP_TEST_FIRE_RETENTION")
         else None,
+        retention=float(env["QP_TEST_RETENTION"]) if env.get("QP_TEST_RETENTION") else None,
         visibility_timeout=float(env["QP_TEST_VISIBILITY"])
         if env.get("QP_TEST_VISIBILITY")
         else None,
