@@ -4,8 +4,9 @@
     BENCH_ROWS=200000 .venv/bin/python bench/status_page.py
 
 PostgreSQL runs with its default durability. The ledger is filled with BENCH_ROWS rows
-over 12 jobs, mostly completed, with some failed, waiting, parked and stuck ones, as a
-ledger looks after weeks of work. Each figure is the median of 7 reads (min-max), beside
+by `bench/fixture.py` (one set-based INSERT): 12 jobs over 30 days, mostly completed,
+with failed, waiting, running, parked and never-sent ones, as a ledger looks after weeks
+of work with retention turned off. Each figure is the median of 7 reads (min-max), beside
 its floor measured in the same run: a bare psycopg `count(*)` of the whole table, the
 least any per-status count of it can cost.
 """
@@ -25,6 +26,7 @@ from sqlalchemy import text
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.fixture import fill  # noqa: E402
 from questpie_celery.ledger import open_ledger  # noqa: E402
 from questpie_celery.operations import Operator  # noqa: E402
 from questpie_celery.web import render  # noqa: E402
@@ -32,23 +34,6 @@ from tests.support.services import PostgresServer  # noqa: E402
 
 ROWS = int(os.environ.get("BENCH_ROWS", "1000000"))
 READS = 7
-
-FILL = """
-INSERT INTO questpie_queue_dispatch
-  (id, job_name, status, options, attempt, run_after, send_count, created_at, secret,
-   next_send_at, finished_at, last_error, policy, slot, lease_expires_at)
-SELECT md5(i::text), 'job-' || (i % 12),
-  CASE WHEN i % 1000 = 0 THEN 'failed' WHEN i % 997 = 0 THEN 'pending'
-       WHEN i % 5003 = 0 THEN 'queued' WHEN i % 7919 = 0 THEN 'parked'
-       WHEN i % 7907 = 0 THEN 'active' ELSE 'completed' END,
-  '{}'::json, 1, now() - make_interval(secs => i), 1, now() - make_interval(secs => i), false,
-  now() - make_interval(secs => i - 30), now() - make_interval(secs => i - 1),
-  CASE WHEN i % 1000 = 0 THEN 'RuntimeError' END,
-  CASE WHEN i % 7919 = 0 OR i % 7907 = 0 THEN 'stately' END,
-  CASE WHEN i % 7919 = 0 OR i % 7907 = 0 THEN 'slot-' || (i % 50) END,
-  CASE WHEN i % 7907 = 0 THEN now() + interval '1 minute' END
-FROM generate_series(1, :rows) AS i
-"""
 
 
 def timed(read: Callable[[], object]) -> tuple[float, float, float]:
@@ -67,16 +52,14 @@ def main() -> None:
         ledger = open_ledger(url)
         ledger.migrate()
         started = time.perf_counter()
+        fill(ledger.engine, ROWS)
         with ledger.engine.begin() as conn:
-            conn.execute(text(FILL), {"rows": ROWS})
             conn.execute(
                 text(
                     "INSERT INTO questpie_relay_backlog (sampled_at, backlog) "
                     "SELECT now() - make_interval(secs => s * 30), s FROM generate_series(0, 119) s"
                 )
             )
-        with ledger.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-            conn.execute(text("VACUUM ANALYZE questpie_queue_dispatch"))
         print(f"filled {ROWS:,} rows in {time.perf_counter() - started:.0f}s")
 
         operator = Operator(ledger)
