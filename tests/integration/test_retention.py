@@ -410,3 +410,16 @@ def test_a_relaxed_fence_takes_back_no_stale_copy_of_a_row_retention_deleted(
     stack.wait_log(dispatch_id, "older than the ledger keeps finished rows")
     assert len(stack.runs(t)) == 1
     assert stack.ledger.get(dispatch_id) is None
+
+
+def test_a_row_under_a_keys_id_that_does_not_know_its_key_is_kept(ledger: Ledger) -> None:
+    # What a relaxed ledger's fence writes again from a message: the key's id, no key.
+    dispatch_id = _ended(ledger, "completed")
+    derived = derive_dispatch_id(JOB, "lost-key")
+    with ledger.engine.begin() as conn:
+        conn.execute(
+            update(dispatch_table).where(dispatch_table.c.id == dispatch_id).values(id=derived)
+        )
+    assert _prune(ledger) == (0, 1)  # pruned like a keyed row, not deleted
+    row = _row(ledger, derived)
+    assert row.pruned and row.status == "completed"
