@@ -29,14 +29,22 @@ def idle() -> str:
     return f"idle-{uuid.uuid4().hex[:8]}"
 
 
-def stored(stack: Stack, job_name: str) -> list[tuple[Any, ...]]:
+def stored(stack: Stack, job_name: str) -> list[tuple[str, ...]]:
     """What the ledger holds for a job, in a form two stacks can be compared by."""
     t = dispatch_table.c
-    query = select(t.idempotency_key, t.singleton_key, t.slot, t.status, t.payload, t.policy).where(
-        t.job_name == job_name
-    )
-    with stack.ledger.engine.connect() as conn:
-        return sorted((tuple(map(str, row)) for row in conn.execute(query)), key=repr)
+    query = select(t.idempotency_key, t.singleton_key, t.slot, t.status, t.payload, t.policy)
+
+    def read() -> list[tuple[str, ...]]:
+        with stack.ledger.engine.connect() as conn:
+            found = conn.execute(query.where(t.job_name == job_name))
+            return sorted((tuple(map(str, row)) for row in found), key=repr)
+
+    # The broker's acceptance is recorded in the background, a moment after the send.
+    def settled() -> list[tuple[str, ...]] | None:
+        rows = read()
+        return rows if all(row[3] != "pending" for row in rows) else None
+
+    return wait_until(settled, "every sent row marked queued")
 
 
 def same_shape(bulk: list[str | None], one_by_one: list[str | None], keys: list[Any]) -> None:
