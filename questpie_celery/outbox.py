@@ -15,7 +15,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 from .acceptance import AcceptanceRecorder
 from .broker import MessageHeader, Sender
@@ -35,6 +35,8 @@ PENDING_GRACE_SECONDS = 30.0
 REFUSED_SEND_RETRY_SECONDS = 5.0
 #: Relay sends per attempt before the dispatch is recorded failed.
 MAX_RELAY_SENDS = 25
+#: The relay's backoff after the first send of an attempt; it doubles with each send.
+FIRST_RELAY_BACKOFF_SECONDS = 2.0
 MAX_RELAY_BACKOFF_SECONDS = 3600.0
 #: An accepted dispatch no worker claimed within this long is sent again.
 DEFAULT_REDELIVER_AFTER_SECONDS = 3600.0
@@ -62,6 +64,7 @@ class FirstSend:
     publisher_sends: bool
     next_send_at: datetime | None = None  # an absolute relay time (a far-off start)
     send_in: float = PENDING_GRACE_SECONDS  # else: the relay's first look, from now
+    wake_relays: bool = False  # the caller's commit wakes the relays to send it
 
 
 @dataclass(frozen=True)
@@ -73,7 +76,13 @@ class RetryPlan:
     send_now: bool  # the caller sends it at once, with `retry_in` as countdown
 
 
-SendResult = Literal["sent", "refused", "taken"]
+@dataclass(frozen=True)
+class RelayBatch:
+    """What one batch of relay sends did."""
+
+    taken: int  # rows taken for sending (no other relay sends them)
+    sent: int  # of those, messages the broker took
+    refused: bool  # the broker refused one; the rest of the batch was given back
 
 
 class Outbox:
@@ -106,8 +115,9 @@ class Outbox:
                 False, next_send_at=start_after - timedelta(seconds=ETA_HORIZON_SECONDS)
             )
         if not after_commit_hook:
-            # A Connection has no after-commit hook: the relay sends it once committed.
-            return FirstSend(False, send_in=0.0)
+            # A Connection has no after-commit hook: the relay sends it once committed,
+            # woken by the commit where the database can say so.
+            return FirstSend(False, send_in=0.0, wake_relays=True)
         return FirstSend(True)
 
     def plan_retry(self, delay: float) -> RetryPlan:
@@ -116,14 +126,10 @@ class Outbox:
         # A long wait stays in the ledger, not in a worker's memory as an ETA.
         return RetryPlan(delay, delay - ETA_HORIZON_SECONDS, send_now=False)
 
-    def out_of_sends(self, row: DispatchRow) -> bool:
-        return row.send_count >= MAX_RELAY_SENDS
-
-    def _relay_backoff(self, row: DispatchRow) -> float:
-        backoff = min(2.0 ** (row.send_count + 1), MAX_RELAY_BACKOFF_SECONDS)
-        if row.status != "pending":  # the broker accepted it once: it may just be waiting
-            backoff = max(backoff, self.redeliver_after)
-        return backoff
+    def due_out_of_sends(self) -> list[DispatchRow]:
+        """Rows due for the relay that had every send of their attempt: the relay gives
+        up on them instead."""
+        return self._ledger.due_out_of_sends(MAX_RELAY_SENDS)
 
     # --- sending ------------------------------------------------------------------------
 
@@ -252,21 +258,106 @@ class Outbox:
             raise first_error
         return taken
 
-    def resend(self, row: DispatchRow) -> SendResult:
-        """The relay's send of a due row: counted, backed off, and only by one relay."""
-        taken = self._ledger.take_for_send(row, self._relay_backoff(row))
-        if taken is None:
-            return "taken"  # another relay took it
-        log.info(
-            "relay sends dispatch %s of job %s (%s, send %d)",
-            row.id,
-            row.job_name,
-            row.status,
-            taken.send_count,
-            extra={"dispatch_id": row.id, "job_name": row.job_name},
+    def relay_batch(self, limit: int) -> RelayBatch:
+        """The relay's sends: take up to `limit` due rows in one statement (each send
+        counted and backed off, none taken by another relay), then send them as one
+        broker batch (`Sender.batch`: one producer, pipelined where the transport can).
+
+        After the broker refuses one, the rest are not tried (with the broker down, each
+        would only wait out its connection timeout): the refused send counts, and the rows
+        after it are given back, uncounted and due again in `REFUSED_SEND_RETRY_SECONDS`.
+        When the batch fails as a whole (a pipeline), which of its messages arrived is
+        unknown: its first row counts as refused and the others are given back; a second
+        message of one that did arrive is dropped by the fence.
+        """
+        taken = self._ledger.take_due(
+            limit,
+            max_sends=MAX_RELAY_SENDS,
+            first_backoff=FIRST_RELAY_BACKOFF_SECONDS,
+            max_backoff=MAX_RELAY_BACKOFF_SECONDS,
+            # The broker accepted the row once: it may just be waiting in a busy queue.
+            accepted_backoff=self.redeliver_after,
         )
-        # Refused, it backs off as a pending row does, not by redeliver_after: the broker
-        # never took this send, so nothing of it can be waiting there.
-        backoff = min(2.0**taken.send_count, MAX_RELAY_BACKOFF_SECONDS)
-        sent = self.send(taken, attempt=taken.attempt + 1, refused_retry_in=backoff)
-        return "sent" if sent else "refused"
+        if not taken:
+            return RelayBatch(0, 0, refused=False)
+        sent = 0  # rows, from the first, whose sends were made before any refusal
+        refusal: BrokerError | None = None
+        try:
+            with self._sender.batch(len(taken)):
+                for row in taken:
+                    log.info(
+                        "relay sends dispatch %s of job %s (%s, send %d)",
+                        row.id,
+                        row.job_name,
+                        row.status,
+                        row.send_count,
+                        extra={"dispatch_id": row.id, "job_name": row.job_name},
+                    )
+                    try:
+                        self._send(row, attempt=row.attempt + 1, countdown=None, carry=None)
+                    except BrokerError as exc:
+                        refusal = exc  # the sends made before it go out as the batch ends
+                        break
+                    sent += 1
+        except BrokerError as exc:
+            sent, refusal = 0, exc
+        except BaseException:
+            # Not a refusal (in eager mode a handler's error propagates from its send):
+            # the rows not reached are given back before the error goes on.
+            self._give_back(taken[sent + 1 :])
+            self._accepted([row.id for row in taken[:sent] if row.attempt == 0])
+            raise
+        if refusal is not None:
+            self._relay_refused(taken, sent, refusal)
+        self._accepted([row.id for row in taken[:sent] if row.attempt == 0])
+        return RelayBatch(len(taken), sent, refused=refusal is not None)
+
+    def _relay_refused(self, taken: list[DispatchRow], sent: int, exc: BrokerError) -> None:
+        refused = taken[sent]
+        log.warning(
+            "dispatch %s of job %s: the broker refused the relay's send (%s); %d more of "
+            "its batch wait for the next pass",
+            refused.id,
+            refused.job_name,
+            type(exc.__cause__).__name__,
+            len(taken) - sent - 1,
+            extra={"dispatch_id": refused.id, "job_name": refused.job_name},
+        )
+        # It backs off as a pending row does, not by redeliver_after: the broker never took
+        # this send, so nothing of it can be waiting there.
+        backoff = min(
+            FIRST_RELAY_BACKOFF_SECONDS * 2.0 ** (refused.send_count - 1),
+            MAX_RELAY_BACKOFF_SECONDS,
+        )
+        self._due_soon([refused.id], refused.attempt + 1, backoff)
+        self._give_back(taken[sent + 1 :])
+
+    def _give_back(self, unsent: list[DispatchRow]) -> None:
+        """Rows the relay took and did not send: uncounted, due again soon."""
+        if not unsent:
+            return
+        try:
+            self._ledger.give_back(unsent, REFUSED_SEND_RETRY_SECONDS)
+        except QuestpieError as exc:
+            log.warning(
+                "%d dispatch(es) the relay took but did not send could not be made due "
+                "again (%s); the relay sends them when their backoff ends",
+                len(unsent),
+                type(exc).__name__,
+            )
+
+    def _accepted(self, dispatch_ids: list[str]) -> None:
+        """Record the broker's acceptance of first sends right after the batch, rather
+        than by the background recorder: a pending row's backoff is only seconds, and a
+        long pass must not find it still pending and due again and send it twice."""
+        if not dispatch_ids:
+            return
+        try:
+            self._ledger.mark_queued(dispatch_ids, self.redeliver_after)
+        except QuestpieError as exc:
+            log.warning(
+                "could not record broker acceptance of %d dispatch(es) (%s); they stay "
+                "pending and the relay sends them again",
+                len(dispatch_ids),
+                type(exc).__name__,
+            )

@@ -186,6 +186,8 @@ class Publisher:
                 send_after_commit(session, list(to_send), self._outbox.send_committed)
             elif caller is None:
                 self._outbox.send_many(list(to_send.values()))
+        elif first.wake_relays and caller is not None and to_send:
+            self._ledger.wake_relays(caller)
         if plain:
             self._send_plain(job_name, plain)
         return ids
@@ -306,6 +308,8 @@ class Publisher:
                 send_after_commit(session, [dispatch_id], self._outbox.send_committed)
         elif first.publisher_sends:
             self._outbox.send(new, attempt=1)
+        elif first.wake_relays and caller is not None:
+            self._ledger.wake_relays(caller)
         return dispatch_id
 
     def _not_inserted(self, new: NewDispatch, conn: Connection | None) -> str | None:

@@ -9,18 +9,28 @@ Each pass, in this order:
 1. ends claims whose lease lapsed (the worker died, or the run outlived
    `expire_in_seconds`) as failed attempts, retried or failed as the dispatch's
    options say, handing their slots on; this needs no broker, so it comes first;
-2. sends rows that are due and not yet claimed: a publisher died or the broker
+2. records `failed` the due dispatches that are out of sends (no broker either);
+3. sends rows that are due and not yet claimed: a publisher died or the broker
    refused, a `publish(connection=...)` committed, a far-off `start_after`
    nears, an accepted message no worker claimed within `redeliver_after`, a
-   retry that waited in the ledger or whose message was lost; a dispatch out of
-   sends is recorded `failed`;
-3. sends parked runs whose slot is free.
+   retry that waited in the ledger or whose message was lost;
+4. sends parked runs whose slot is free.
 
 Now and then (a minute apart, for half a second at most) a running relay also
 applies retention to ended dispatches: see `retention.py`.
 
-After the broker refuses one send, the pass sends nothing more: with the broker
-down each send would only wait out its connection timeout.
+Due rows are taken a batch at a time, in one statement that no other relay's can
+overlap, and each batch is sent over one broker connection; batches follow each other
+until nothing is due, for at most `PASS_SEND_SECONDS` (then the next pass follows at
+once, so a long backlog does not hold up steps 1, 2 and 4). After the broker refuses one
+send, the pass sends nothing more: with the broker down each send would only wait out
+its connection timeout. The rest of that batch is given back, due again soon.
+
+On PostgreSQL a running relay also listens for the notification a
+`publish(connection=...)` makes in the caller's transaction, and makes a pass as soon
+as that transaction commits instead of waiting out its interval. The notification is
+only a hint: without it (SQLite, or the listening connection lost and not yet back) the
+relay polls every interval as before.
 
 A lease that lapsed during a ledger outage may belong to a worker that is alive
 and was only cut off by the same outage. So after a pass that could not reach
@@ -37,7 +47,7 @@ import threading
 import time
 
 from .errors import LedgerSchemaError, QuestpieError
-from .ledger import Ledger
+from .ledger import Ledger, SendWakeups
 from .outbox import Outbox
 from .outcomes import Outcomes
 from .retention import Retention
@@ -55,6 +65,23 @@ BACKLOG_SAMPLE_SECONDS = 30.0
 BACKLOG_KEEP_SECONDS = 2 * 3600.0
 #: How often a relay tries again when the ledger had no backlog table (before `migrate`).
 BACKLOG_RETRY_SECONDS = 300.0
+#: Due rows a relay takes in one statement and sends over one broker connection: enough to
+#: make the statement's round trip a small part of sending, few enough that a relay dying
+#: mid-batch leaves only this many rows late (until their backoff ends).
+RELAY_BATCH_SIZE = 200
+#: How long one pass keeps sending batches; then the next pass, which follows at once,
+#: ends lapsed leases and sends parked runs before it goes on with the backlog.
+PASS_SEND_SECONDS = 10.0
+#: After its listening connection is lost, a relay polls, and tries to listen again this
+#: often.
+RELISTEN_SECONDS = 5.0
+#: The least time from the start of one pass to a pass a notification wakes: a stream of
+#: commits is served in passes this far apart, not one pass per commit in every relay.
+WAKE_GAP_SECONDS = 0.05
+# How long one wait for a notification lasts, and how often a waiting relay checks that it
+# should stop: bounds how long stopping takes.
+_LISTEN_SLICE_SECONDS = 1.0
+_STOP_CHECK_SECONDS = 0.1
 
 
 class Relay:
@@ -76,21 +103,32 @@ class Relay:
 
     def run_once(self, *, end_lapsed_leases: bool = True) -> int:
         """One pass; returns how many dispatches it moved on."""
+        return self._pass(end_lapsed_leases=end_lapsed_leases)[0]
+
+    def _pass(self, *, end_lapsed_leases: bool) -> tuple[int, bool]:
+        """One pass: (dispatches moved on, whether it stopped sending with rows still due)."""
         moved = 0
         if end_lapsed_leases:
             moved += sum(self._outcomes.lapsed(row) for row in self._ledger.expired_claims())
-        broker_up = True
-        for row in self._ledger.due_for_send():
-            if self._outbox.out_of_sends(row):
-                moved += self._outcomes.gave_up(row)
-            elif broker_up:
-                result = self._outbox.resend(row)
-                moved += result == "sent"
-                broker_up = result != "refused"
-        if broker_up:
-            for job_name, slot in self._ledger.free_parked_slots():
-                moved += self._slots.send_next(job_name, slot)
-        return moved
+        # Giving up needs no broker.
+        moved += sum(self._outcomes.gave_up(row) for row in self._outbox.due_out_of_sends())
+        deadline = time.monotonic() + PASS_SEND_SECONDS
+        while True:
+            batch = self._outbox.relay_batch(RELAY_BATCH_SIZE)
+            moved += batch.sent
+            if batch.refused:
+                return moved, False  # parked runs wait for a broker that takes sends
+            if batch.taken < RELAY_BATCH_SIZE:
+                break  # nothing more is due (or other relays hold the rest)
+            if time.monotonic() >= deadline:
+                return moved + self._send_parked(), True
+        return moved + self._send_parked(), False
+
+    def _send_parked(self) -> int:
+        return sum(
+            self._slots.send_next(job_name, slot)
+            for job_name, slot in self._ledger.free_parked_slots()
+        )
 
     def _sample_backlog(self, *, warn: bool) -> bool:
         """Record the backlog for the status page; False while the ledger lacks the table
@@ -114,16 +152,35 @@ class Relay:
         return True
 
     def run_forever(self, stop: threading.Event) -> None:
+        wake = threading.Event()  # set when a commit notified rows for the relay
+        done = threading.Event()  # tells the listener this loop ended
+        wakeups = self._ledger.send_wakeups()
+        if wakeups is not None:
+            threading.Thread(
+                target=self._listen,
+                args=(wakeups, wake, done),
+                name="questpie-relay-listen",
+                daemon=True,
+            ).start()
+        try:
+            self._loop(stop, wake if wakeups is not None else None)
+        finally:
+            done.set()
+
+    def _loop(self, stop: threading.Event, wake: threading.Event | None) -> None:
         failing = False
         reachable_since: float | None = None  # since when every pass reached the ledger
         sampling, last_sample = True, float("-inf")
         while not stop.is_set():
+            if wake is not None:
+                wake.clear()  # a notification from here on calls for another pass
             started = time.monotonic()
+            more_due = False
             try:
                 settled = (
                     reachable_since is not None and started - reachable_since >= LAPSE_GRACE_SECONDS
                 )
-                self.run_once(end_lapsed_leases=settled)
+                more_due = self._pass(end_lapsed_leases=settled)[1]
                 if reachable_since is None:
                     reachable_since = started
                 if failing:
@@ -149,4 +206,55 @@ class Relay:
             except Exception:
                 # Never let one bad pass end recovery for the life of the worker.
                 log.exception("relay pass failed unexpectedly; trying again")
-            stop.wait(self.interval)
+            if more_due:
+                continue  # a backlog: the next pass follows at once
+            if wake is None:
+                stop.wait(self.interval)
+            elif self._woken(stop, wake, self.interval):
+                stop.wait(max(0.0, started + WAKE_GAP_SECONDS - time.monotonic()))
+
+    @staticmethod
+    def _woken(stop: threading.Event, wake: threading.Event, seconds: float) -> bool:
+        """Wait up to `seconds` for a notification; False when the time ran out or the
+        relay is asked to stop."""
+        deadline = time.monotonic() + seconds
+        while not stop.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            if wake.wait(min(left, _STOP_CHECK_SECONDS)):
+                return True
+        return False
+
+    def _listen(self, wakeups: SendWakeups, wake: threading.Event, done: threading.Event) -> None:
+        """Hold the listening connection and set `wake` on every notification; reopen it
+        when it is lost (the loop polls meanwhile). Never raises: a relay that stopped
+        listening would still poll, but only every interval."""
+        lost = False
+        while not done.is_set():
+            try:
+                wakeups.open()
+                # What committed while nobody listened was announced to no one: look now.
+                wake.set()
+                if lost:
+                    log.warning("relay listens for committed dispatches again")
+                lost = False
+                while not done.is_set():
+                    if wakeups.wait(_LISTEN_SLICE_SECONDS):
+                        wake.set()
+            except QuestpieError as exc:
+                if not lost:
+                    log.warning(
+                        "relay cannot listen for committed dispatches (%s); it polls every "
+                        "%.0fs and tries to listen again every %.0fs",
+                        exc,
+                        self.interval,
+                        RELISTEN_SECONDS,
+                    )
+                lost = True
+            except Exception:
+                log.exception("relay's listener failed unexpectedly; it polls meanwhile")
+                lost = True
+            wakeups.close()
+            done.wait(RELISTEN_SECONDS)
+        wakeups.close()

@@ -5,6 +5,7 @@
 - `statements`: every statement, per dialect, on the database's clock
 - `store`: `Ledger`, the operations the rest of the package calls
 - `transactions`: rows written in a caller's Session or Connection
+- `wakeups`: relays listening for commits that wrote rows for them (PostgreSQL)
 - `errors`: SQLAlchemy's errors turned into the package's own
 """
 
@@ -21,6 +22,7 @@ from .schema import (
 )
 from .store import Ledger, open_ledger
 from .transactions import caller_connection, send_after_commit
+from .wakeups import SendWakeups
 
 __all__ = [
     "LEASE_EXPIRED",
@@ -31,6 +33,7 @@ __all__ = [
     "Ledger",
     "NewDispatch",
     "ScheduleRow",
+    "SendWakeups",
     "Status",
     "caller_connection",
     "create_ledger_engine",

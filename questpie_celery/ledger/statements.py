@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from sqlalchemy import (
+    BigInteger,
     ColumnElement,
     Float,
     Insert,
@@ -28,6 +29,7 @@ from sqlalchemy import (
     any_,
     bindparam,
     case,
+    cast,
     column,
     delete,
     exists,
@@ -66,6 +68,11 @@ from .schema import (
 
 #: The most due rows one backlog sample counts; past it the plot shows the cap.
 BACKLOG_CAP = 100_000
+#: The PostgreSQL channel a `publish(connection=...)` notifies in the caller's transaction
+#: and every relay listens on: the notification arrives only once that transaction commits,
+#: exactly when the row becomes visible to the relay.
+RELAY_WAKE_CHANNEL = "questpie_relay"
+LISTEN_FOR_SENDS = f"LISTEN {RELAY_WAKE_CHANNEL}"
 
 
 class db_time(FunctionElement[Any]):
@@ -335,11 +342,33 @@ class Statements:
         )
         self.free_parked_slots: Select[Any] = _free_parked_slots()
 
-        self.due: Select[Any] = (
+        due = and_(t.status.in_(RESENDABLE), t.next_send_at <= now)
+        max_sends: Any = bindparam("max_sends")
+        # Rows the relay ran out of sends for: recorded failed, one by one (rare).
+        self.due_out_of_sends: Select[Any] = (
             select(dispatch_table)
-            .where(t.status.in_(RESENDABLE), t.next_send_at <= now)
+            .where(due, t.send_count >= max_sends)
             .order_by(t.next_send_at)
             .limit(bindparam("limit"))
+        )
+        # The relay takes due rows a batch per statement: each row's send counted and its
+        # next send pushed out by the relay's backoff, so it is not due again meanwhile.
+        # SKIP LOCKED lets several relays take disjoint batches at once on PostgreSQL; a row
+        # another relay just took fails `due` when re-checked under its lock. SQLite has no
+        # row locks and needs none: one statement holds the database's write lock, so two
+        # relays' takes run one after the other and the second sees the first's backoff.
+        batch = (
+            select(t.id)
+            .where(due, t.send_count < max_sends)
+            .order_by(t.next_send_at)
+            .limit(bindparam("limit"))
+            .with_for_update(skip_locked=True)
+        )
+        self.take_due: Update = (
+            update(dispatch_table)
+            .where(t.id.in_(batch.scalar_subquery()))
+            .values(send_count=t.send_count + 1, next_send_at=db_time(_relay_backoff()))
+            .returning(*dispatch_table.c)
         )
         # The relay's backlog: what is due for it to send. Counted through a capped
         # subquery, so a huge backlog costs a bounded index scan, not a count of it all.
@@ -412,16 +441,18 @@ class Statements:
             beat_tick_table.c.tick == bindparam("tick"),
         )
 
-        # Taking a row for a send is conditional on the exact next_send_at we read, so of
-        # several relays exactly one sends it.
+        # Giving up is conditional on the exact next_send_at we read, so of several relays
+        # exactly one records it.
         seen = and_(
             by_id, t.status == bindparam("seen_status"), t.next_send_at == bindparam("seen_next")
         )
-        self.take_for_send: Update = (
+        # A taken row the relay did not send (the broker refused an earlier one of its
+        # batch): its send uncounted, due again soon. Conditional on the take as it left the
+        # row, so a row another relay has taken since keeps that relay's count.
+        self.give_back: Update = (
             update(dispatch_table)
-            .where(seen)
-            .values(send_count=t.send_count + 1, next_send_at=db_time(seconds("backoff")))
-            .returning(*dispatch_table.c)
+            .where(seen, t.send_count == bindparam("seen_count"))
+            .values(send_count=t.send_count - 1, next_send_at=db_time(seconds("send_in")))
         )
         self.give_up: Update = (
             update(dispatch_table)
@@ -438,6 +469,12 @@ class Statements:
                 t.attempt == bindparam("seen_attempt"),
             )
             .values(next_send_at=db_time(seconds("send_in")))
+        )
+
+        # Wakes every listening relay once the caller's transaction commits (PostgreSQL
+        # delivers notifications at commit, and drops them on rollback); SQLite has none.
+        self.wake_relays: TextClause | None = (
+            text(f"NOTIFY {RELAY_WAKE_CHANNEL}") if dialect == "postgresql" else None
         )
 
         p = policy_table.c
@@ -460,6 +497,32 @@ class Statements:
         self.ledger_id: Select[Any] = select(info_table.c.value).where(
             info_table.c.key == LEDGER_ID_KEY
         )
+
+
+def _relay_backoff() -> ColumnElement[Any]:
+    """Seconds until the relay may send a row again after this send, per row: doubling
+    from `first_backoff` with each earlier send of the attempt, capped at `max_backoff`,
+    and never below `accepted_backoff` for a row the broker accepted once (it may just be
+    waiting in a busy queue). The outbox chooses the numbers.
+
+    A shift, not power(): SQLite lacks power() unless built with its math functions. The
+    shift is safe because only rows with fewer than `max_sends` sends are taken.
+    """
+    t = dispatch_table.c
+    doubling = cast(literal(1), BigInteger).op("<<", return_type=BigInteger)(t.send_count)
+    backoff = cast(seconds("first_backoff") * doubling, Float)
+    capped = _smaller(backoff, seconds("max_backoff"))
+    floored = _larger(capped, seconds("accepted_backoff"))
+    return case((t.status == "pending", capped), else_=floored)
+
+
+def _smaller(a: ColumnElement[Any], b: ColumnElement[Any]) -> ColumnElement[Any]:
+    # least() and greatest() are spelled min() and max() on SQLite: CASE reads the same.
+    return case((a < b, a), else_=b)
+
+
+def _larger(a: ColumnElement[Any], b: ColumnElement[Any]) -> ColumnElement[Any]:
+    return case((a > b, a), else_=b)
 
 
 def _slot_busy(job: ColumnElement[Any], slot: ColumnElement[Any]) -> ColumnElement[bool]:

@@ -42,6 +42,7 @@ from .schema import (
     schema_version_table,
 )
 from .statements import Statements, db_time, insert_or_nothing, upsert
+from .wakeups import SendWakeups
 
 log = logging.getLogger(__name__)
 
@@ -459,28 +460,66 @@ class Ledger:
 
     # --- the relay's sends -------------------------------------------------------------
 
-    def due_for_send(self, limit: int = 100) -> list[DispatchRow]:
-        rows = self._execute(self._sql.due, {"limit": limit})
+    def take_due(
+        self,
+        limit: int,
+        *,
+        max_sends: int,
+        first_backoff: float,
+        max_backoff: float,
+        accepted_backoff: float,
+    ) -> list[DispatchRow]:
+        """Take up to `limit` rows due for a relay send, oldest due first, in one statement:
+        each send counted and the row's next send pushed out by the relay's backoff (see
+        `statements._relay_backoff`). Rows with `max_sends` sends are left for `give_up`.
+
+        No two relays take the same row. If the connection drops and the statement runs
+        again, a first run that landed unseen took rows nobody sends now: they are due
+        again when their backoff ends, so they are late, never lost.
+        """
+        params = {
+            "limit": limit,
+            "max_sends": max_sends,
+            "first_backoff": first_backoff,
+            "max_backoff": max_backoff,
+            "accepted_backoff": accepted_backoff,
+        }
+        return [DispatchRow.from_mapping(row) for row in self._execute(self._sql.take_due, params)]
+
+    def give_back(self, rows: Sequence[DispatchRow], send_in: float) -> None:
+        """Taken rows the relay did not send: their sends uncounted, due in `send_in` s.
+
+        A row another relay took since keeps that relay's take.
+        """
+        if rows:
+            params = [
+                {
+                    "dispatch_id": row.id,
+                    "seen_status": row.status,
+                    "seen_next": row.next_send_at,
+                    "seen_count": row.send_count,
+                    "send_in": send_in,
+                }
+                for row in rows
+            ]
+            self._execute(self._sql.give_back, params)
+
+    def due_out_of_sends(self, max_sends: int, limit: int = 100) -> list[DispatchRow]:
+        """Rows due for a relay send that already had `max_sends` sends this attempt."""
+        rows = self._execute(self._sql.due_out_of_sends, {"max_sends": max_sends, "limit": limit})
         return [DispatchRow.from_mapping(row) for row in rows]
 
-    def take_for_send(self, row: DispatchRow, backoff: float) -> DispatchRow | None:
-        """Count one relay send of `row`, the next no sooner than `backoff` s; None if
-        another relay took it first."""
-        params = {
-            "dispatch_id": row.id,
-            "seen_status": row.status,
-            "seen_next": row.next_send_at,
-            "backoff": backoff,
-        }
-        rows, retried = self._run(self._sql.take_for_send, params)
-        if rows:
-            return DispatchRow.from_mapping(rows[0])
-        if retried:
-            # Ours or another relay's: a second send is harmless, no send at all is not.
-            now = self.get(row.id)
-            if now is not None and now.status == row.status and now.send_count > row.send_count:
-                return now
-        return None
+    def wake_relays(self, conn: Connection) -> None:
+        """In the caller's transaction: wake the listening relays once it commits
+        (PostgreSQL only; on SQLite the relays find the row on their next poll)."""
+        if self._sql.wake_relays is not None:
+            with translate_errors():
+                conn.execute(self._sql.wake_relays)
+
+    def send_wakeups(self) -> SendWakeups | None:
+        """A listener for `wake_relays`, or None where the ledger cannot listen (SQLite,
+        or a driver other than psycopg 3.2 or later)."""
+        return SendWakeups.for_engine(self.engine)
 
     def give_up(self, row: DispatchRow) -> bool:
         """Record `failed` (erasing a secret's key) after the relay ran out of sends."""

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import inspect
+from sqlalchemy import inspect, update
 
 from questpie_celery import LedgerSchemaError, LedgerUnavailableError, metadata
 from questpie_celery.ids import random_dispatch_id
@@ -19,6 +20,7 @@ from questpie_celery.ledger import (
     DispatchRow,
     Ledger,
     NewDispatch,
+    dispatch_table,
     open_ledger,
 )
 from questpie_celery.options import RunOptions, StoredOptions
@@ -237,6 +239,124 @@ def test_two_ledgers_have_different_identities(ledger: Ledger, tmp_path: Path) -
         assert other.ledger_id() != ledger.ledger_id()
     finally:
         other.close()
+
+
+# --- the relay's batches --------------------------------------------------------------------
+
+BACKOFF = {"first_backoff": 2.0, "max_backoff": 3600.0, "accepted_backoff": 100.0}
+
+
+def _due(ledger: Ledger, count: int, **values: Any) -> list[str]:
+    """`count` rows due for the relay now, with `values` written over them."""
+    ids = []
+    for _ in range(count):
+        new = _new(idempotency_key=None, send_in=0.0)
+        assert ledger.insert(new) is True
+        ids.append(new.id)
+    if values:
+        with ledger.engine.begin() as conn:
+            t = dispatch_table.c
+            conn.execute(update(dispatch_table).where(t.id.in_(ids)).values(**values))
+    return ids
+
+
+def _seconds_ahead(ledger: Ledger, row: DispatchRow) -> float:
+    assert row.next_send_at is not None
+    return (row.next_send_at - ledger.now()).total_seconds()
+
+
+def test_take_due_counts_each_send_and_backs_it_off(ledger: Ledger) -> None:
+    fresh = _due(ledger, 2)
+    resent = _due(ledger, 1, send_count=3)
+    capped = _due(ledger, 1, send_count=20)
+    accepted = _due(ledger, 1, status="queued")
+    spent = _due(ledger, 1, send_count=25)
+    _due(ledger, 1, next_send_at=datetime.now(UTC) + timedelta(hours=1))  # not due yet
+    taken = ledger.take_due(100, max_sends=25, **BACKOFF)
+    assert sorted(r.id for r in taken) == sorted(fresh + resent + capped + accepted)
+    by_id = {r.id: r for r in taken}
+    expected = {
+        fresh[0]: (1, 2.0),
+        fresh[1]: (1, 2.0),
+        resent[0]: (4, 16.0),  # 2 ** (sends so far + 1)
+        capped[0]: (21, 3600.0),  # capped
+        accepted[0]: (1, 100.0),  # never sooner than the accepted floor
+    }
+    for dispatch_id, (count, ahead) in expected.items():
+        assert by_id[dispatch_id].send_count == count
+        assert _seconds_ahead(ledger, by_id[dispatch_id]) == pytest.approx(ahead, abs=1.5)
+    # Backed off: not due again. Out of sends: left for give_up.
+    assert ledger.take_due(100, max_sends=25, **BACKOFF) == []
+    assert [r.id for r in ledger.due_out_of_sends(25)] == spent
+
+
+def test_give_back_uncounts_only_the_take_it_names(ledger: Ledger) -> None:
+    first, second = _due(ledger, 2)
+    taken = {r.id: r for r in ledger.take_due(10, max_sends=25, **BACKOFF)}
+    ledger.give_back([taken[first]], send_in=5.0)
+    row = _row(ledger, first)
+    assert row.send_count == 0 and _seconds_ahead(ledger, row) == pytest.approx(5.0, abs=1.5)
+    # Taken again since (by another relay, say): an older take's give-back changes nothing.
+    with ledger.engine.begin() as conn:
+        conn.execute(
+            update(dispatch_table)
+            .where(dispatch_table.c.id == second)
+            .values(send_count=2, next_send_at=datetime.now(UTC) + timedelta(seconds=8))
+        )
+    ledger.give_back([taken[second]], send_in=5.0)
+    assert _row(ledger, second).send_count == 2
+
+
+def test_relays_taking_at_once_never_share_a_row(ledger: Ledger) -> None:
+    ids = set(_due(ledger, 600))
+    url = ledger.engine.url.render_as_string(hide_password=False)
+    relays = [open_ledger(url) for _ in range(3)]
+    start = threading.Barrier(len(relays))
+    taken: list[list[str]] = [[] for _ in relays]
+
+    def drain(index: int) -> None:
+        start.wait()
+        while batch := relays[index].take_due(25, max_sends=25, **BACKOFF):
+            taken[index] += [row.id for row in batch]
+
+    threads = [threading.Thread(target=drain, args=(i,)) for i in range(len(relays))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    for relay in relays:
+        relay.close()
+    every = [dispatch_id for batch in taken for dispatch_id in batch]
+    assert sorted(every) == sorted(ids), "a row taken twice, or never"
+    assert all(_row(ledger, i).send_count == 1 for i in ids)
+
+
+def test_wake_relays_notifies_listeners_at_commit_only(ledger: Ledger) -> None:
+    wakeups = ledger.send_wakeups()
+    if ledger.dialect == "sqlite":
+        assert wakeups is None  # SQLite has no notifications: relays poll
+        with ledger.engine.begin() as conn:
+            ledger.wake_relays(conn)  # and waking them is a no-op
+        return
+    assert wakeups is not None
+    # The caller's transactions: not the ledger's own autocommit.
+    caller = ledger.engine.execution_options(isolation_level="READ COMMITTED")
+    wakeups.open()
+    try:
+        assert wakeups.wait(0.1) is False
+        with caller.begin() as conn:
+            ledger.wake_relays(conn)
+            ledger.wake_relays(conn)
+            assert wakeups.wait(0.3) is False, "notified before the commit"
+        assert wakeups.wait(5) is True
+        assert wakeups.wait(0.3) is False, "one commit, one wake-up"
+        with caller.connect() as conn:
+            transaction = conn.begin()
+            ledger.wake_relays(conn)
+            transaction.rollback()
+        assert wakeups.wait(0.3) is False, "a rolled-back transaction woke the relays"
+    finally:
+        wakeups.close()
 
 
 # --- a connection the server dropped (PostgreSQL) -------------------------------------------

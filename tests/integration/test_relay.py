@@ -9,6 +9,8 @@ table directly.
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import subprocess
 import sys
@@ -20,9 +22,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import update
+import redis
+from kombu import Connection, Exchange, Queue
+from kombu.transport.redis import PublishBatch
+from sqlalchemy import Engine, text, update
 
-from questpie_celery import Questpie
+from questpie_celery import BrokerError, Questpie
+from questpie_celery.broker import Sender
 from questpie_celery.ledger import dispatch_table
 from questpie_celery.outbox import MAX_RELAY_SENDS, REFUSED_SEND_RETRY_SECONDS
 from tests.integration.conftest import StackFactory
@@ -325,3 +331,230 @@ def test_a_refused_send_leaves_the_row_due_for_the_relay_soon(
     assert row.status == "retry" and row.next_send_at is not None
     # Not the redeliver_after (an hour here) the row was given for a send that succeeded.
     assert row.next_send_at - datetime.now(UTC) <= soon, "the retry waits too long"
+
+
+# --- batches, two relays, and waking on a commit (PostgreSQL, Redis) ----------------------
+
+
+def backlog(stack: Stack, count: int) -> list[str]:
+    """`count` dispatches written with publish(connection=...): due for the relay at once."""
+    ids = []
+    with stack.runs_engine.begin() as conn:  # the application's own engine on the ledger
+        for _ in range(count):
+            dispatch_id = stack.questpie.queue.record.publish({"tag": tag()}, connection=conn)
+            assert dispatch_id is not None
+            ids.append(dispatch_id)
+    return ids
+
+
+def sent_ids(stack: Stack) -> list[str]:
+    """The dispatch id of every message waiting in the stack's Redis queue (all priorities)."""
+    client = redis.Redis.from_url(stack.env["QP_TEST_BROKER"])
+    try:
+        ids = []
+        for key in client.keys(f"{stack.queue_name}*"):
+            if client.type(key) == b"list":
+                ids += [json.loads(raw)["headers"]["id"] for raw in client.lrange(key, 0, -1)]
+        return ids
+    finally:
+        client.close()
+
+
+def test_two_relays_send_every_dispatch_of_a_backlog_exactly_once(
+    make_stack: StackFactory,
+) -> None:
+    stack = relay_stack(make_stack, "redis")
+    ids = backlog(stack, 3000)
+    _, other = jobapp.build(
+        broker=stack.env["QP_TEST_BROKER"],
+        ledger=stack.env["QP_TEST_LEDGER"],
+        queue=stack.queue_name,
+    )
+    barrier = threading.Barrier(2)
+    moved: list[int] = []
+
+    def drain(questpie: Questpie) -> None:
+        barrier.wait()
+        total = 0
+        while sent := questpie.run_relay(once=True):
+            total += sent
+        moved.append(total)
+
+    try:
+        threads = [threading.Thread(target=drain, args=(q,)) for q in (stack.questpie, other)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+    finally:
+        other.close()
+    assert sum(moved) == len(ids)
+    assert all(moved), f"one relay sent everything ({moved}): they never overlapped"
+    messages = sent_ids(stack)
+    assert len(messages) == len(ids) and sorted(messages) == sorted(ids)
+    with stack.ledger.engine.connect() as conn:
+        counts = conn.execute(
+            text(
+                "SELECT status, send_count, count(*) FROM questpie_queue_dispatch "
+                "GROUP BY status, send_count"
+            )
+        ).all()
+    assert [tuple(row) for row in counts] == [("queued", 1, len(ids))]
+
+
+def take_ids(stack: Stack) -> list[str]:
+    """Take every message waiting in the stack's queue out of the broker; their ids."""
+    ids = []
+    with Connection(stack.env["QP_TEST_BROKER"]) as conn:
+        simple = conn.SimpleQueue(Queue(stack.queue_name, Exchange(stack.queue_name)))
+        try:
+            while True:
+                message = simple.get(block=True, timeout=1)
+                message.ack()
+                ids.append(message.headers["id"])
+        except simple.Empty:
+            pass
+        finally:
+            simple.close()
+    return ids
+
+
+def assert_due_again(stack: Stack, rows: list[Any], *, counted: int) -> None:
+    """Rows the broker did not take: pending, due again within seconds, and `counted` of
+    them with their refused send counted (the others given back, uncounted)."""
+    now = stack.ledger.now()
+    assert sorted(r.send_count for r in rows) == [0] * (len(rows) - counted) + [1] * counted
+    for row in rows:
+        assert row.status == "pending" and row.next_send_at is not None
+        ahead = (row.next_send_at - now).total_seconds()
+        assert 0 < ahead <= REFUSED_SEND_RETRY_SECONDS + 1
+
+
+def sent_again_once_each(stack: Stack, ids: list[str], already: list[str]) -> list[str]:
+    """Make passes until every dispatch has reached the broker; all the ids it took."""
+    taken = list(already)
+    deadline = time.monotonic() + 30
+    while set(taken) != set(ids):
+        assert time.monotonic() < deadline, "rows left due again were never sent"
+        stack.questpie.run_relay(once=True)
+        taken += take_ids(stack)
+        time.sleep(0.2)
+    return taken
+
+
+@pytest.mark.parametrize("broker", BROKERS)
+def test_a_batch_the_broker_refuses_part_way_leaves_the_rest_due_again(
+    make_stack: StackFactory, broker: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stack = relay_stack(make_stack, broker)
+    ids = backlog(stack, 50)  # one batch
+    real_send = Sender.send
+    calls = 0
+
+    def refuses_after_ten(self: Sender, **kwargs: Any) -> None:
+        nonlocal calls
+        calls += 1
+        if calls > 10:
+            raise BrokerError("the broker went away") from ConnectionRefusedError()
+        real_send(self, **kwargs)
+
+    monkeypatch.setattr(Sender, "send", refuses_after_ten)
+    sent = stack.questpie.run_relay(once=True)
+    assert calls == 11, "the pass went on sending after the broker refused"
+    monkeypatch.undo()
+    arrived = take_ids(stack)
+    # The sends made before the refusal still go out (on Redis, as the batch's pipeline).
+    assert len(arrived) == sent == 10
+    rows = [stack.row(i) for i in ids]
+    assert all((r.status, r.send_count) == ("queued", 1) for r in rows if r.id in arrived)
+    assert_due_again(stack, [r for r in rows if r.id not in arrived], counted=1)
+    # Never stuck, and nothing sent twice: the given-back rows go out once due again.
+    assert sorted(sent_again_once_each(stack, ids, arrived)) == sorted(ids)
+
+
+def test_a_batch_whose_pipeline_fails_is_sent_again(
+    make_stack: StackFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redis reports the batch's pipeline failed: which messages arrived is unknown, so
+    every row is due again (a second message of one that did arrive is dropped by the
+    fence)."""
+    stack = relay_stack(make_stack, "redis")
+    ids = backlog(stack, 50)
+    real_flush = PublishBatch.flush
+
+    def lost_reply(self: PublishBatch) -> None:
+        real_flush(self)  # the messages arrive, but the reply is lost
+        raise ConnectionError("connection reset")
+
+    monkeypatch.setattr(PublishBatch, "flush", lost_reply)
+    assert stack.questpie.run_relay(once=True) == 0
+    monkeypatch.undo()
+    assert sorted(take_ids(stack)) == sorted(ids)
+    assert_due_again(stack, [stack.row(i) for i in ids], counted=1)
+    again = sent_again_once_each(stack, ids, [])
+    assert sorted(again) == sorted(ids)
+
+
+def listening_backends(engine: Engine) -> list[int]:
+    """The PostgreSQL backends listening for relay wake-ups on this database."""
+    with engine.connect() as conn:
+        return list(
+            conn.execute(
+                text(
+                    "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+                    "AND query = 'LISTEN questpie_relay'"
+                )
+            ).scalars()
+        )
+
+
+def test_a_commit_wakes_a_relay_long_before_its_interval(
+    make_stack: StackFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A publish(connection=...) notifies the relays in the caller's transaction: with a
+    30 s interval, a relay still sends the row within seconds of the commit. And when its
+    listening connection is lost, the relay polls meanwhile and listens again."""
+    stack = relay_stack(make_stack, "redis", QP_TEST_RELAY="30")
+    stop = threading.Event()
+    relay = threading.Thread(target=lambda: stack.questpie.run_relay(stop=stop), daemon=True)
+    relay.start()
+    try:
+        deadline = time.monotonic() + 15
+        while not (listening := listening_backends(stack.ledger.engine)):
+            assert time.monotonic() < deadline, "the relay never listened"
+            time.sleep(0.1)
+        for _ in range(2):
+            time.sleep(0.5)  # the relay is idle, waiting out its interval
+            (dispatch_id,) = backlog(stack, 1)
+            message = capture(stack, stack.queue_name, timeout=5)
+            assert message.headers["id"] == dispatch_id
+        time.sleep(0.5)
+        with stack.runs_engine.begin() as conn:  # publish_many(connection=...) wakes it too
+            many = stack.questpie.queue.record.publish_many(
+                [{"tag": tag()} for _ in range(3)], connection=conn
+            )
+        deadline = time.monotonic() + 5
+        arrived: list[str] = []
+        while sorted(arrived) != sorted(many):
+            assert time.monotonic() < deadline, f"publish_many sent {arrived} of {many}"
+            arrived += take_ids(stack)
+        # The listening connection dies (a failover, an idle timeout): the relay listens
+        # again within seconds, and a commit wakes it as before.
+        with caplog.at_level(logging.WARNING, logger="questpie_celery.relay"):
+            with stack.ledger.engine.connect() as conn:
+                conn.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": listening[0]})
+            deadline = time.monotonic() + 20
+            while listening_backends(stack.ledger.engine) in ([], listening):
+                assert time.monotonic() < deadline, "the relay never listened again"
+                time.sleep(0.1)
+            (dispatch_id,) = backlog(stack, 1)
+            message = capture(stack, stack.queue_name, timeout=5)
+            assert message.headers["id"] == dispatch_id
+        said = [r.getMessage() for r in caplog.records]
+        assert any("cannot listen" in m for m in said), said
+        assert any("listens for committed dispatches again" in m for m in said), said
+        assert relay.is_alive()
+    finally:
+        stop.set()
+        relay.join(10)
+    assert not relay.is_alive(), "the relay did not stop when asked"
