@@ -33,12 +33,14 @@ from typing import Any
 
 import psycopg
 import redis
+from celery import Celery
 from celery_once import AlreadyQueued  # type: ignore[import-untyped]
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.run import BARE_INSERT, timed  # noqa: E402
+from questpie_celery import Questpie  # noqa: E402
 from questpie_celery.ids import random_dispatch_id  # noqa: E402
 from tests.support.services import PostgresServer, RedisServer, Worker  # noqa: E402
 
@@ -174,8 +176,18 @@ def publish_costs(app: Any, pg_url: str, redis_url: str) -> dict[str, list[float
         except AlreadyQueued:
             return None
 
+    # The same job on a relaxed ledger: commits that do not wait for the disk.
+    relaxed_celery = Celery("bench-relaxed", broker=redis_url)
+    relaxed_celery.conf.update(task_ignore_result=True)
+    relaxed = Questpie(
+        relaxed_celery, ledger_url=pg_url, durability="relaxed", jobs=[app.noop_job]
+    ).queue.bench_noop
+
     modes: dict[str, Callable[[int], object]] = {
         RAW: lambda i: raw_task.apply_async(args=[{"n": i}], queue=queue),
+        "publish, new key, relaxed durability": lambda i: relaxed.publish(
+            {"n": i}, idempotency_key=f"{run}-{uuid.uuid4().hex}", queue=queue
+        ),
         "celery-once, new args": lambda i: once.apply_async(args=[{"n": next(fresh)}], queue=queue),
         "celery-once, locked args (AlreadyQueued)": once_locked,
         "celery-singleton, new args": lambda i: singleton.apply_async(

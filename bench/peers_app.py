@@ -13,8 +13,9 @@ from celery_once import QueueOnce  # type: ignore[import-untyped]
 from celery_singleton import Singleton  # type: ignore[import-untyped]
 
 from bench.app import bump, celery_app, questpie, raw
+from bench.app import noop as noop_job
 
-__all__ = ["celery_app", "once", "questpie", "raw", "singleton"]
+__all__ = ["celery_app", "noop_job", "once", "questpie", "raw", "singleton"]
 
 # celery-once 3.0.1 reads its backend from `conf.ONCE`; its default lock timeout is an
 # hour. celery-singleton uses the result backend's Redis, else the broker's (there is no
