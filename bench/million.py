@@ -14,7 +14,8 @@ each, per call:
   the ledger row, the send; the broker is Celery's in-memory one, so the send costs
   the same in both);
 - a claim: `Ledger.claim` as the worker's fence calls it, of the rows just published;
-- the relay's due scan: `Ledger.due_for_send()`, with 20 rows due in both ledgers.
+- the relay's due scan: `Ledger.due_out_of_sends(0)`, with 20 rows due in both ledgers
+  (every due row: the index range the relay's batch take reads, without its writes).
 
 Each figure is the median of the round medians, with their min-max, the WAL bytes
 written per call, and the ratio of the large ledger's time to the small one's.
@@ -122,13 +123,13 @@ def one_round(ledgered: Ledgered) -> dict[str, tuple[float, float]]:
         assert ledgered.ledger.claim(ids[i], "bench.order", 1, 60.0).outcome == "claimed"
 
     def due(_: int) -> None:
-        assert len(ledgered.ledger.due_for_send()) >= 20
+        assert len(ledgered.ledger.due_out_of_sends(0)) >= 20
 
     measured = {}
     for name, action in (
         ("keyed publish, new key", publish),
         ("claim (Ledger.claim)", claim),
-        ("relay's due scan (Ledger.due_for_send)", due),
+        ("relay's due scan (Ledger.due_out_of_sends)", due),
     ):
         before = wal_position(ledgered.engine)
         median = per_call(action, OPS)
@@ -194,11 +195,14 @@ def plans(large: Ledgered) -> None:
         first = large.client.publish({"order_id": 1, "email": "p@example.com"}, idempotency_key=key)
         assert first is not None
         ledger.claim(first, "bench.order", 1, 60.0)
-        ledger.due_for_send()
+        ledger.due_out_of_sends(0)
+        # No backoff: the rows it takes stay due, for the plan of the same take below.
+        ledger.take_due(100, max_sends=25, first_backoff=0, max_backoff=0, accepted_backoff=0)
         ledger.prune_schedule_history(key_prefix=FIRE_KEY_PREFIX, older_than=WEEK, limit=0)
     insert = pick(seen, "INSERT INTO questpie_queue_dispatch")
     claim = pick(seen, "UPDATE questpie_queue_dispatch SET", "claim_token=")
     due = pick(seen, "SELECT questpie_queue_dispatch.id", "next_send_at <=")
+    take = pick(seen, "UPDATE questpie_queue_dispatch SET", "SKIP LOCKED")
     beat = pick(seen, "DELETE FROM questpie_queue_dispatch")
     # The insert and the claim again, on rows of their own: the captured ones happened.
     explain(
@@ -222,6 +226,7 @@ def plans(large: Ledgered) -> None:
         {**claim[1], "dispatch_id": known.id, "job": known.job_name},
     )
     explain(large.engine, "the relay's due scan", *due)
+    explain(large.engine, "the relay's batch take", *take)
     for keyed, title in ((False, "retention: delete unkeyed"), (True, "retention: prune keyed")):
         statement, params = retention_statement(ledger, keyed)
         explain(large.engine, f"{title}, a batch of {RETENTION_BATCH}", statement, params)
