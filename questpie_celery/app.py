@@ -132,9 +132,6 @@ class Questpie:
         slots = Slots(self._ledger, self._outbox)
         outcomes = Outcomes(self._ledger, self._outbox, slots)
         fire_retention = _positive_seconds(fire_retention, "fire_retention")
-        # The shortest time the ledger keeps a finished row: spent schedule fires, and the
-        # unkeyed rows retention deletes (a keyed row is pruned, never deleted).
-        kept = fire_retention if period is None else min(fire_retention, period)
         fence = Fence(
             self._ledger,
             LeaseKeeper(self._ledger, lease_seconds),
@@ -142,8 +139,6 @@ class Questpie:
             outcomes,
             self._keyring,
             redeliver_after=lambda: self._outbox.redeliver_after,
-            # Half the shortest time the ledger keeps a finished row: a margin for clocks.
-            take_back_within=lambda: kept / 2,
         )
         self._runner = Runner(fence, self._policies)
         self._publisher = Publisher(

@@ -59,6 +59,9 @@ CLAIM_PATIENCE_SECONDS = 30.0
 REQUEUE_DELAY_SECONDS = 5.0
 #: The longest pause between two tries while the ledger (or the broker) is unreachable.
 MAX_PAUSE_SECONDS = 5.0
+#: How far a sender's clock may run ahead of the database's before a relaxed fence could
+#: mistake a pruned row's late message for one whose row a crash lost.
+SENDER_CLOCK_MARGIN_SECONDS = 60.0
 #: How long before a run's soft time limit a delivery stops waiting for the ledger.
 SOFT_LIMIT_MARGIN_SECONDS = 2.0
 
@@ -85,7 +88,6 @@ class Fence:
         keyring: Keyring | None,
         *,
         redeliver_after: Callable[[], float],
-        take_back_within: Callable[[], float] = lambda: float("inf"),
     ) -> None:
         self._ledger = ledger
         self._leases = leases
@@ -93,9 +95,6 @@ class Fence:
         self._outcomes = outcomes
         self._keyring = keyring
         self._redeliver_after = redeliver_after
-        # A row can have been pruned only once older than this: a younger message whose
-        # row is missing lost it in a crash.
-        self._take_back_within = take_back_within
 
     def adopt_and_run(
         self,
@@ -286,12 +285,17 @@ class Fence:
         dispatch_id: str = task.request.id
         if self._ledger.get(dispatch_id) is not None:
             return False  # a row of another job under this id: not ours to take
-        age = time.time() - back.sent_at if back.sent_at is not None else float("inf")
-        if age >= self._take_back_within():
+        # Retention and the beat delete only rows that ended before the time they record
+        # first, and every send of a row comes before its end: a message sent after that
+        # time cannot be a deleted row's. (With a margin for the sender's clock.)
+        pruned_before = self._ledger.pruned_before()
+        if back.sent_at is None or (
+            pruned_before is not None
+            and back.sent_at - SENDER_CLOCK_MARGIN_SECONDS <= pruned_before.timestamp()
+        ):
             log.warning(
-                "dispatch %s of job %s: its ledger row is missing and its message is older "
-                "than the ledger keeps finished rows (it may have run and been pruned); "
-                "skipped",
+                "dispatch %s of job %s: its ledger row is missing and its message may be older "
+                "than rows the ledger has pruned (it may have run and been deleted); skipped",
                 dispatch_id,
                 definition.name,
                 extra={"dispatch_id": dispatch_id, "job_name": definition.name},

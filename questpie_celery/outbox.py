@@ -302,10 +302,11 @@ class Outbox:
         except BrokerError as exc:
             sent, refusal = 0, exc
         except BaseException:
-            # Not a refusal (in eager mode a handler's error propagates from its send):
-            # the rows not reached are given back before the error goes on.
-            self._give_back(taken[sent + 1 :])
-            self._accepted([row.id for row in taken[:sent] if row.attempt == 0])
+            # Not a refusal: an interrupt, or in eager mode a handler's error propagating
+            # from its send. A pipelined batch that ends this way is discarded unsent, so no
+            # row of it counts as taken by the broker: all are given back, due again soon
+            # (a copy that did go out is dropped by the fence).
+            self._give_back(taken)
             raise
         if refusal is not None:
             self._relay_refused(taken, sent, refusal)

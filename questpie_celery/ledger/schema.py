@@ -219,6 +219,9 @@ info_table = Table(
     Column("value", Text, nullable=False),
 )
 LEDGER_ID_KEY = "ledger_id"
+#: The newest end time (ISO 8601, UTC, the database's clock) before which retention or the
+#: beat may have deleted ended rows: a message sent later cannot be one of theirs.
+PRUNED_BEFORE_KEY = "pruned_before"
 
 #: The relay's backlog over time, for the status page: how many dispatches were due for
 #: the relay to send, sampled about twice a minute by whichever relay comes first, kept

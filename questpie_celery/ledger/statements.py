@@ -53,6 +53,7 @@ from ..errors import LedgerError
 from .schema import (
     CLAIMABLE,
     LEDGER_ID_KEY,
+    PRUNED_BEFORE_KEY,
     RELAY_GAVE_UP,
     RESENDABLE,
     RUNNING,
@@ -494,6 +495,19 @@ class Statements:
             set_={"policy": upsert.excluded.policy, "updated_at": upsert.excluded.updated_at},
         )
         self.requeue: Update = requeue()
+        i = info_table.c
+        self.pruned_before: Select[Any] = select(i.value).where(i.key == PRUNED_BEFORE_KEY)
+        raise_pruned_before = (
+            (postgresql if dialect == "postgresql" else sqlite)
+            .insert(info_table)
+            .values(key=PRUNED_BEFORE_KEY, value=bindparam("value"))
+        )
+        # Only ever forward: ISO 8601 texts in UTC compare as the times they spell.
+        self.raise_pruned_before: Insert = raise_pruned_before.on_conflict_do_update(
+            index_elements=["key"],
+            set_={"value": raise_pruned_before.excluded.value},
+            where=i.value < raise_pruned_before.excluded.value,
+        )
         self.ledger_id: Select[Any] = select(info_table.c.value).where(
             info_table.c.key == LEDGER_ID_KEY
         )

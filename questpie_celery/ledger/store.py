@@ -15,7 +15,7 @@ import logging
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import Connection, Engine, exc, func, inspect, select
@@ -156,7 +156,10 @@ class Ledger:
         """Create or upgrade the schema; safe to run again. Returns the schema version."""
         with translate_errors(), self._transactional.begin() as conn:
             metadata.create_all(conn, checkfirst=True)
+            # Committed on its own: on PostgreSQL its exclusive lock (which stops reads
+            # too) then lasts a moment, not as long as the index builds below.
             _allow_pruned_options(conn)
+        with translate_errors(), self._transactional.begin() as conn:
             # create_all adds missing tables only; indexes added by a later version too.
             for table in metadata.sorted_tables:
                 for index in table.indexes:
@@ -608,6 +611,7 @@ class Ledger:
 
     def prune_schedule_history(self, *, key_prefix: str, older_than: float, limit: int) -> int:
         """Delete spent fire rows and beat tick claims older than `older_than` seconds."""
+        self._record_pruned_before(older_than)
         self._execute(statements.prune_beat_ticks(older_than=older_than), {})
         stmt = statements.prune_fires(
             self.dialect, key_prefix=key_prefix, older_than=older_than, limit=limit
@@ -615,6 +619,16 @@ class Ledger:
         return int(self._execute(stmt, {}))
 
     # --- retention -------------------------------------------------------------------------
+
+    def _record_pruned_before(self, older_than: float) -> None:
+        """Say, before deleting any, that rows ended over `older_than` seconds ago may go."""
+        cutoff = self.now() - timedelta(seconds=older_than)
+        self._execute(self._sql.raise_pruned_before, {"value": cutoff.isoformat()})
+
+    def pruned_before(self) -> datetime | None:
+        """Rows that ended before this time may have been deleted; None: none ever was."""
+        found = self._first(self._sql.pruned_before, {})
+        return datetime.fromisoformat(found["value"]) if found is not None else None
 
     def prune_ended(
         self, *, keyed: bool, older_than: float, limit: int, spare_key_prefix: str
@@ -631,6 +645,7 @@ class Ledger:
                     f"(this one is at {found}); run `questpie-celery migrate`"
                 )
             self._retention_ready = True  # a schema never goes back
+        self._record_pruned_before(older_than)
         stmt = statements.prune_ended(
             self.dialect,
             keyed=keyed,

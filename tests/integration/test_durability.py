@@ -155,7 +155,7 @@ def test_a_stale_copy_of_a_pruned_dispatch_is_not_taken_back(make_stack: StackFa
     time.sleep(4.5)
     assert stack.ledger.prune_schedule_history(key_prefix=FIRE_KEY_PREFIX, older_than=4, limit=10)
     deliver(stack, message)  # a stale duplicate: a redelivery, a copy the relay sent
-    stack.wait_log(dispatch_id, "older than the ledger keeps finished rows")
+    stack.wait_log(dispatch_id, "older than rows the ledger has pruned")
     assert len(stack.runs(t)) == 1
 
 

@@ -437,3 +437,18 @@ def test_a_ledger_that_stays_down_raises_unavailable() -> None:
             ledger.get(random_dispatch_id())
     finally:
         ledger.close()
+
+
+def test_pruning_records_how_far_back_rows_may_be_gone_and_never_moves_it_back(
+    ledger: Ledger,
+) -> None:
+    assert ledger.pruned_before() is None  # nothing was ever pruned
+    ledger.prune_schedule_history(key_prefix="questpie-schedule:", older_than=3600, limit=10)
+    first = ledger.pruned_before()
+    assert first is not None
+    assert abs((ledger.now() - first).total_seconds() - 3600) < 60
+    ledger.prune_ended(keyed=False, older_than=7 * 86400, limit=10, spare_key_prefix="x")
+    assert ledger.pruned_before() == first  # an older cutoff does not move it back
+    ledger.prune_ended(keyed=True, older_than=60, limit=10, spare_key_prefix="x")
+    later = ledger.pruned_before()
+    assert later is not None and later > first

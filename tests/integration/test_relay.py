@@ -558,3 +558,37 @@ def test_a_commit_wakes_a_relay_long_before_its_interval(
         stop.set()
         relay.join(10)
     assert not relay.is_alive(), "the relay did not stop when asked"
+
+
+def test_an_interrupted_batch_gives_every_taken_row_back(
+    make_stack: StackFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A pipelined batch left by an exception (Ctrl-C on `questpie-celery relay`, say) is
+    # discarded unsent: none of its rows may wait an hour as if the broker had them.
+    stack = relay_stack(make_stack, "redis")
+    offline = offline_questpie(stack, "redis")
+    ids = [
+        offline.queue.record.publish({"tag": tag()}, idempotency_key=uuid.uuid4().hex)
+        for _ in range(20)
+    ]
+    offline.close()
+    for dispatch_id in ids:
+        assert dispatch_id is not None
+        make_due(stack, dispatch_id)
+    real_send, calls = Sender.send, []
+
+    def send(self: Sender, **kwargs: Any) -> None:
+        calls.append(1)
+        if len(calls) == 11:
+            raise KeyboardInterrupt
+        real_send(self, **kwargs)
+
+    monkeypatch.setattr(Sender, "send", send)
+    with pytest.raises(KeyboardInterrupt):
+        stack.questpie.run_relay(once=True)
+    for dispatch_id in ids:
+        assert dispatch_id is not None
+        row = stack.row(dispatch_id)
+        assert row.status == "pending" and row.send_count == 0
+        assert row.next_send_at is not None
+        assert row.next_send_at <= datetime.now(UTC) + timedelta(seconds=10)

@@ -407,7 +407,7 @@ def test_a_relaxed_fence_takes_back_no_stale_copy_of_a_row_retention_deleted(
     time.sleep(4.5)
     assert _prune(stack.ledger, older_than=4) == (1, 0)
     deliver(stack, message)  # a stale duplicate: a redelivery, a copy the relay sent
-    stack.wait_log(dispatch_id, "older than the ledger keeps finished rows")
+    stack.wait_log(dispatch_id, "older than rows the ledger has pruned")
     assert len(stack.runs(t)) == 1
     assert stack.ledger.get(dispatch_id) is None
 
