@@ -260,6 +260,7 @@ class Sender:
         try:
             with self.app.producer_or_acquire() as producer:
                 self._batch.producer, self._batch.declared = producer, set()
+                self._batch.routed = bool(self.app.conf.task_routes)
                 try:
                     pipelined = getattr(producer, "batch", None)  # kombu 5.7 and later
                     with pipelined(max_size=size) if pipelined else nullcontext():
@@ -338,7 +339,7 @@ class Sender:
             # message by its arguments, to a queue no earlier send declared.
             route = (job_name, *(options.get(name) for name in ROUTING_OPTIONS))
             known = any(options.get(name) for name in ROUTING_OPTIONS)
-            if known or not self.app.conf.task_routes:
+            if known or not self._batch.routed:
                 if route in self._batch.declared:
                     options["declare"] = []
                 else:

@@ -23,7 +23,7 @@ from .errors import BrokerError, PayloadValidationError
 from .ids import derive_dispatch_id, random_dispatch_id
 from .jobs import JobDefinition
 from .ledger import Ledger, NewDispatch, caller_connection, send_after_commit
-from .options import DispatchOptions
+from .options import DispatchOptions, StoredOptions
 from .outbox import FirstSend, Outbox
 from .policies import QueuePolicy
 from .recorded_policy import PolicyBook
@@ -154,6 +154,7 @@ class Publisher:
         session: Session | None,
     ) -> list[str | None]:
         """One chunk: its ledgered items in one insert, then every message in one batch."""
+        stored = options[0].stored()  # the items differ in their keys only
         ids: list[str | None] = []
         news: dict[int, NewDispatch] = {}
         plain: list[tuple[str, dict[str, Any], DispatchOptions]] = []
@@ -162,7 +163,7 @@ class Publisher:
                 plain.append((random_dispatch_id(), body, item))
                 ids.append(plain[-1][0])
             else:
-                new = self._new_dispatch(job_name, body, item, policy, keyring, first)
+                new = self._new_dispatch(job_name, body, item, policy, keyring, first, stored)
                 news[index] = new
                 ids.append(new.id)
         inserted = self._ledger.insert_many(list(news.values()), caller)
@@ -225,7 +226,10 @@ class Publisher:
         policy: QueuePolicy,
         keyring: Keyring | None,
         first: FirstSend,
+        stored: StoredOptions | None = None,
     ) -> NewDispatch:
+        """The row of one dispatch; `stored` shares one copy of the options a batch's
+        rows have in common."""
         key = options.idempotency_key
         dispatch_id = derive_dispatch_id(job_name, key) if key is not None else random_dispatch_id()
         sealed = keyring.seal(body, job_name=job_name, dispatch_id=dispatch_id) if keyring else None
@@ -239,7 +243,7 @@ class Publisher:
             secret_ciphertext=sealed.ciphertext if sealed else None,
             secret_wrapped_key=sealed.wrapped_key if sealed else None,
             secret_key_id=sealed.key_id if sealed else None,
-            options=options.stored(),
+            options=stored or options.stored(),
             run_after=options.start_after,
             next_send_at=first.next_send_at,
             send_in=first.send_in,
