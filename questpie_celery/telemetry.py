@@ -48,7 +48,9 @@ def span(
     name: str, *, consumer: bool = False, **attributes: str | int | bool | None
 ) -> Iterator[Span]:
     """A span named `name` around the block (a producer's, or with `consumer` a consumer's)."""
-    if trace is None:
+    if trace is None or isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):
+        # No tracer provider is set (yet): every span would be a no-op, and making one
+        # still costs a context switch in and out, several times per publish and run.
         yield Span()
         return
     kind = trace.SpanKind.CONSUMER if consumer else trace.SpanKind.PRODUCER

@@ -3,6 +3,8 @@ carried through the message, checked with the SDK's in-memory exporter."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -128,3 +130,22 @@ def test_spans_hold_no_payload(
         text = f"{span.name} {span.attributes} {span.events} {span.status}"
         assert canary not in text, span.name
     questpie.close()
+
+
+def test_without_a_tracer_provider_spans_are_not_made_and_with_one_they_are() -> None:
+    # In a process of its own: the global provider can be set only once per process.
+    script = """
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from questpie_celery import telemetry
+with telemetry.span("questpie.publish", job="j") as before:
+    assert before._span is None, "a span was made with no provider set"
+trace.set_tracer_provider(TracerProvider())
+with telemetry.span("questpie.publish", job="j") as after:
+    assert after._span is not None and after._span.is_recording()
+print("ok")
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.stdout.strip() == "ok", done.stderr
