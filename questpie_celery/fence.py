@@ -293,23 +293,18 @@ class Fence:
             pruned_before is not None
             and back.sent_at - SENDER_CLOCK_MARGIN_SECONDS <= pruned_before.timestamp()
         ):
-            log.warning(
-                "dispatch %s of job %s: its ledger row is missing and its message may be older "
-                "than rows the ledger has pruned (it may have run and been deleted); skipped",
+            return _not_taken_back(
                 dispatch_id,
                 definition.name,
-                extra={"dispatch_id": dispatch_id, "job_name": definition.name},
+                "its message may be older than rows the ledger has pruned (it may have run "
+                "and been deleted)",
             )
-            return False
         if payload is None or policy().ledgered:
-            log.warning(
-                "dispatch %s of job %s: its ledger row is missing (lost in a database crash "
-                "on a relaxed ledger?) and the message cannot rebuild it; skipped",
+            return _not_taken_back(
                 dispatch_id,
                 definition.name,
-                extra={"dispatch_id": dispatch_id, "job_name": definition.name},
+                "the message cannot rebuild it (a secret's payload, a policy job's slot)",
             )
-            return False
         try:
             body = definition.to_json(payload)
         except PayloadValidationError:
@@ -450,6 +445,17 @@ class Fence:
             dispatch_id=row.id,
         )
         return definition.validate(plaintext)
+
+
+def _not_taken_back(dispatch_id: str, job_name: str, why: str) -> bool:
+    log.warning(
+        "dispatch %s of job %s: its ledger row is missing and %s; skipped",
+        dispatch_id,
+        job_name,
+        why,
+        extra={"dispatch_id": dispatch_id, "job_name": job_name},
+    )
+    return False
 
 
 def _ending_of(row: DispatchRow, exc: BaseException, *, for_good: bool) -> _Ending:

@@ -119,12 +119,7 @@ class Publisher:
         first = self._outbox.first_send(
             shared.start_after, now, after_commit_hook=caller is None or session is not None
         )
-        plain_ok = (
-            caller is None
-            and not policy.ledgered
-            and not shared.secret_payload
-            and not self._outbox.is_far_off(shared.start_after, now)
-        )
+        plain_ok = self._may_skip_ledger(shared, policy, caller, now)
         ids: list[str | None] = []
         for start in range(0, len(bodies), BATCH_SIZE):
             chunk = range(start, min(start + BATCH_SIZE, len(bodies)))
@@ -193,6 +188,34 @@ class Publisher:
             self._send_plain(job_name, plain)
         return ids
 
+    def _may_skip_ledger(
+        self,
+        options: DispatchOptions,
+        policy: QueuePolicy,
+        caller: Connection | None,
+        now: datetime,
+    ) -> bool:
+        """An unkeyed dispatch with these options needs no ledger row: a plain message."""
+        return (
+            caller is None
+            and not policy.ledgered
+            and not options.secret_payload
+            and not self._outbox.is_far_off(options.start_after, now)
+        )
+
+    def _send_unledgered(
+        self, job_name: str, dispatch_id: str, body: dict[str, Any], options: DispatchOptions
+    ) -> None:
+        self._sender.send(
+            job_name=job_name,
+            dispatch_id=dispatch_id,
+            payload=body,
+            header=MessageHeader(ledgered=False, run=options.run),
+            priority=options.priority,
+            queue=options.queue,
+            eta=options.start_after,
+        )
+
     def _send_plain(
         self, job_name: str, items: list[tuple[str, dict[str, Any], DispatchOptions]]
     ) -> None:
@@ -201,15 +224,7 @@ class Publisher:
         try:
             with self._sender.batch(len(items)):
                 for dispatch_id, body, item in items:
-                    self._sender.send(
-                        job_name=job_name,
-                        dispatch_id=dispatch_id,
-                        payload=body,
-                        header=MessageHeader(ledgered=False, run=item.run),
-                        priority=item.priority,
-                        queue=item.queue,
-                        eta=item.start_after,
-                    )
+                    self._send_unledgered(job_name, dispatch_id, body, item)
         except BrokerError as exc:
             raise BrokerError(
                 f"the broker refused a batch of {len(items)} unkeyed dispatches of job "
@@ -267,23 +282,9 @@ class Publisher:
         if not policy.ledgered and options.singleton_key is not None:
             self._policies.warn_ignored_singleton_key(definition.name)
         now = datetime.now(UTC)
-        if (
-            options.idempotency_key is None
-            and caller is None
-            and not policy.ledgered
-            and not options.secret_payload
-            and not self._outbox.is_far_off(options.start_after, now)
-        ):
+        if options.idempotency_key is None and self._may_skip_ledger(options, policy, caller, now):
             dispatch_id = random_dispatch_id()
-            self._sender.send(
-                job_name=definition.name,
-                dispatch_id=dispatch_id,
-                payload=body,
-                header=MessageHeader(ledgered=False, run=options.run),
-                priority=options.priority,
-                queue=options.queue,
-                eta=options.start_after,
-            )
+            self._send_unledgered(definition.name, dispatch_id, body, options)
             return dispatch_id
         return self._publish_ledgered(
             definition.name, body, options, policy, keyring, now, caller, session
