@@ -8,6 +8,7 @@ fence and the worker's task; publishing and the queue client; the relay.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import weakref
@@ -19,15 +20,17 @@ from celery import Celery
 from celery.signals import worker_init
 from sqlalchemy import Engine
 
+from .apublish import AsyncPublisher, SendThreads
 from .bootstep import relay_step
 from .broker import Sender, configure_app, use_ledger_scheduler, visibility_timeout
-from .client import JobClient, JobRegistry, QueueClient
+from .client import JobClient, JobRegistry, Lookups, QueueClient
 from .crypto import MIN_SECRET_BYTES, Keyring
 from .errors import ConfigurationError, JobDefinitionError, PublishOptionsError, QuestpieError
 from .fence import Fence
 from .jobs import JobContext, JobDefinition, P, declared_jobs, job
 from .leases import LeaseKeeper
-from .ledger import Ledger, create_ledger_engine, is_private_sqlite
+from .ledger import DispatchRow, Ledger, create_ledger_engine, is_private_sqlite
+from .ledger.aio import AsyncLedger
 from .operations import Operator
 from .options import JobOptions
 from .outbox import DEFAULT_REDELIVER_AFTER_SECONDS, Outbox
@@ -144,6 +147,11 @@ class Questpie:
         self._publisher = Publisher(
             self._ledger, self._outbox, sender, self._policies, self._keyring_for_publish
         )
+        self._aledger = AsyncLedger(self._ledger)
+        self._sends = SendThreads()
+        self._apublisher = AsyncPublisher(
+            self._publisher, self._aledger, self._outbox, sender, self._sends
+        )
         self._retention = Retention(self._ledger, period)
         self._relay = Relay(
             self._ledger, self._outbox, outcomes, slots, relay_interval, self._retention
@@ -156,7 +164,11 @@ class Questpie:
             fire_retention,
         )
         self._tasks: dict[str, Any] = {}
-        self.queue = QueueClient(self._registry, self._receipt, self._status, self._discover)
+        self.queue = QueueClient(
+            self._registry,
+            Lookups(self._receipt, self._status, self._areceipt, self._astatus),
+            self._discover,
+        )
         """The queue client: `questpie.queue.<job>.publish(...)`, `get_receipt(...)`."""
 
         if celery_app.configured:
@@ -182,7 +194,8 @@ class Questpie:
                 raise JobDefinitionError(
                     f"expected a JobDefinition (made with @job), got {type(definition).__name__}"
                 )
-            if self._registry.add(JobClient(definition, self._publisher, self._schedules)):
+            client = JobClient(definition, self._publisher, self._apublisher, self._schedules)
+            if self._registry.add(client):
                 self._tasks[definition.name] = self._runner.register(self._celery_app, definition)
                 _REGISTERED.add(definition)
 
@@ -354,45 +367,35 @@ class Questpie:
         Call it before discarding a `Questpie` in a long-lived process (tests, scripts);
         a process that simply exits needs nothing: pending batches are written at exit.
         """
+        self._sends.close()
         self._outbox.close()
         self._ledger.close()
+
+    async def aclose(self) -> None:
+        """`close()`, from an event loop: also closes the connections this loop's
+        `apublish` calls opened (an asyncio engine's connections belong to their loop)."""
+        await self._aledger.close()
+        await asyncio.to_thread(self.close)
 
     def _receipt(self, dispatch_id: str) -> Receipt | None:
         if not isinstance(dispatch_id, str):
             return None
-        row = self._ledger.get(dispatch_id)
-        if row is None or not row.secret or row.idempotency_key is None:
+        return _receipt_of(self._ledger.get(dispatch_id))
+
+    async def _areceipt(self, dispatch_id: str) -> Receipt | None:
+        if not isinstance(dispatch_id, str):
             return None
-        return Receipt(
-            dispatch_id=row.id,
-            job_name=row.job_name,
-            idempotency_key=row.idempotency_key,
-            status=receipt_status(row.status),
-            created_at=row.created_at,
-            queued_at=row.queued_at,
-            handled_at=row.finished_at,
-        )
+        return _receipt_of(await self._aledger.get(dispatch_id))
 
     def _status(self, dispatch_id: str) -> DispatchStatus | None:
         if not isinstance(dispatch_id, str):
             return None
-        row = self._ledger.get(dispatch_id)
-        if row is None:
+        return _status_of(self._ledger.get(dispatch_id))
+
+    async def _astatus(self, dispatch_id: str) -> DispatchStatus | None:
+        if not isinstance(dispatch_id, str):
             return None
-        return DispatchStatus(
-            dispatch_id=row.id,
-            job_name=row.job_name,
-            idempotency_key=row.idempotency_key,
-            singleton_key=row.singleton_key,
-            status=row.status,
-            attempt=row.attempt,
-            last_error=row.last_error,
-            secret=row.secret,
-            created_at=row.created_at,
-            queued_at=row.queued_at,
-            started_at=row.started_at,
-            finished_at=row.finished_at,
-        )
+        return _status_of(await self._aledger.get(dispatch_id))
 
     def _keyring_for_publish(self) -> Keyring:
         """The keyring a secret publish seals with, or the reason it may not."""
@@ -422,6 +425,40 @@ class Questpie:
         # Redelivering sooner than the broker's own visibility timeout would only race it.
         visibility = visibility_timeout(self._celery_app)
         self._outbox.redeliver_after = max(self._redeliver_after, visibility)
+
+
+def _receipt_of(row: DispatchRow | None) -> Receipt | None:
+    """A secret dispatch's receipt; None for any other row."""
+    if row is None or not row.secret or row.idempotency_key is None:
+        return None
+    return Receipt(
+        dispatch_id=row.id,
+        job_name=row.job_name,
+        idempotency_key=row.idempotency_key,
+        status=receipt_status(row.status),
+        created_at=row.created_at,
+        queued_at=row.queued_at,
+        handled_at=row.finished_at,
+    )
+
+
+def _status_of(row: DispatchRow | None) -> DispatchStatus | None:
+    if row is None:
+        return None
+    return DispatchStatus(
+        dispatch_id=row.id,
+        job_name=row.job_name,
+        idempotency_key=row.idempotency_key,
+        singleton_key=row.singleton_key,
+        status=row.status,
+        attempt=row.attempt,
+        last_error=row.last_error,
+        secret=row.secret,
+        created_at=row.created_at,
+        queued_at=row.queued_at,
+        started_at=row.started_at,
+        finished_at=row.finished_at,
+    )
 
 
 #: The longest retention period: a database's interval arithmetic overflows not far beyond.

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Generic, Never
 
 from pydantic import BaseModel
 from sqlalchemy import Connection
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
+from .apublish import AsyncPublisher
 from .errors import JobDefinitionError, PublishOptionsError, UnknownJobError
 from .jobs import JobDefinition, P
-from .options import resolve_many_options, resolve_options, unknown_option_message
+from .options import DispatchOptions, resolve_many_options, resolve_options, unknown_option_message
 from .policies import QueuePolicy, QueuePolicyName
 from .publish import Publisher
 from .receipts import DispatchStatus, Receipt
@@ -29,10 +32,15 @@ class JobClient(Generic[P]):
     """What the queue client offers for one job."""
 
     def __init__(
-        self, definition: JobDefinition[P], publisher: Publisher, schedules: Schedules
+        self,
+        definition: JobDefinition[P],
+        publisher: Publisher,
+        apublisher: AsyncPublisher,
+        schedules: Schedules,
     ) -> None:
         self.definition = definition
         self._publisher = publisher
+        self._apublisher = apublisher
         self._schedules = schedules
 
     @property
@@ -65,27 +73,75 @@ class JobClient(Generic[P]):
         unknown keyword is a `TypeError` naming the option meant (type checkers refuse
         it too).
         """
-        if unknown:
-            raise TypeError(unknown_option_message("publish", unknown))
-        options = resolve_options(
-            self.definition.options,
-            {
-                "idempotency_key": idempotency_key,
-                "singleton_key": singleton_key,
-                "queue_policy": queue_policy,
-                "secret_payload": secret_payload,
-                "priority": priority,
-                "start_after": start_after,
-                "retry_limit": retry_limit,
-                "retry_delay": retry_delay,
-                "retry_backoff": retry_backoff,
-                "expire_in_seconds": expire_in_seconds,
-                "queue": queue,
-            },
+        options = self._options(
+            "publish",
+            unknown,
+            idempotency_key=idempotency_key,
+            singleton_key=singleton_key,
+            queue_policy=queue_policy,
+            secret_payload=secret_payload,
+            priority=priority,
+            start_after=start_after,
+            retry_limit=retry_limit,
+            retry_delay=retry_delay,
+            retry_backoff=retry_backoff,
+            expire_in_seconds=expire_in_seconds,
+            queue=queue,
         )
         return self._publisher.publish(
             self.definition, payload, options, session=session, connection=connection
         )
+
+    async def apublish(
+        self,
+        payload: P | Mapping[str, Any],
+        *,
+        idempotency_key: str | None = None,
+        singleton_key: str | None = None,
+        queue_policy: QueuePolicy | QueuePolicyName | None = None,
+        secret_payload: bool = False,
+        priority: int | None = None,
+        start_after: float | str | datetime | None = None,
+        retry_limit: int | None = None,
+        retry_delay: float | None = None,
+        retry_backoff: bool | None = None,
+        expire_in_seconds: int | None = None,
+        queue: str | None = None,
+        session: AsyncSession | None = None,
+        connection: AsyncConnection | None = None,
+        **unknown: Never,
+    ) -> str | None:
+        """`publish()` from an event loop: the same options, validation and answer.
+
+        The loop is never blocked on the ledger or the broker: the ledger is awaited
+        (psycopg's async driver on PostgreSQL, a worker thread on SQLite) and the send
+        runs on a small pool of threads. `session=` takes an `AsyncSession` (the row rides
+        in its transaction and is sent after its commit) and `connection=` an
+        `AsyncConnection` (the relay sends it once committed).
+        """
+        options = self._options(
+            "apublish",
+            unknown,
+            idempotency_key=idempotency_key,
+            singleton_key=singleton_key,
+            queue_policy=queue_policy,
+            secret_payload=secret_payload,
+            priority=priority,
+            start_after=start_after,
+            retry_limit=retry_limit,
+            retry_delay=retry_delay,
+            retry_backoff=retry_backoff,
+            expire_in_seconds=expire_in_seconds,
+            queue=queue,
+        )
+        return await self._apublisher.publish(
+            self.definition, payload, options, session=session, connection=connection
+        )
+
+    def _options(self, method: str, unknown: Mapping[str, Any], **given: Any) -> DispatchOptions:
+        if unknown:
+            raise TypeError(unknown_option_message(method, unknown))
+        return resolve_options(self.definition.options, given)
 
     def publish_many(
         self,
@@ -115,41 +171,95 @@ class JobClient(Generic[P]):
         ledger a chunk at a time, one statement each, and their messages leave in one
         pipelined batch per chunk.
         """
+        items, options = self._many_options(
+            "publish_many",
+            payloads,
+            unknown,
+            idempotency_keys,
+            singleton_keys,
+            queue_policy=queue_policy,
+            secret_payload=secret_payload,
+            priority=priority,
+            start_after=start_after,
+            retry_limit=retry_limit,
+            retry_delay=retry_delay,
+            retry_backoff=retry_backoff,
+            expire_in_seconds=expire_in_seconds,
+            queue=queue,
+        )
+        return self._publisher.publish_many(
+            self.definition, items, options, session=session, connection=connection
+        )
+
+    async def apublish_many(
+        self,
+        payloads: Iterable[P | Mapping[str, Any]],
+        *,
+        idempotency_keys: Sequence[str | None] | None = None,
+        singleton_keys: Sequence[str | None] | None = None,
+        queue_policy: QueuePolicy | QueuePolicyName | None = None,
+        secret_payload: bool = False,
+        priority: int | None = None,
+        start_after: float | str | datetime | None = None,
+        retry_limit: int | None = None,
+        retry_delay: float | None = None,
+        retry_backoff: bool | None = None,
+        expire_in_seconds: int | None = None,
+        queue: str | None = None,
+        session: AsyncSession | None = None,
+        connection: AsyncConnection | None = None,
+        **unknown: Never,
+    ) -> list[str | None]:
+        """`publish_many()` from an event loop, as `apublish` is `publish()`."""
+        items, options = self._many_options(
+            "apublish_many",
+            payloads,
+            unknown,
+            idempotency_keys,
+            singleton_keys,
+            queue_policy=queue_policy,
+            secret_payload=secret_payload,
+            priority=priority,
+            start_after=start_after,
+            retry_limit=retry_limit,
+            retry_delay=retry_delay,
+            retry_backoff=retry_backoff,
+            expire_in_seconds=expire_in_seconds,
+            queue=queue,
+        )
+        return await self._apublisher.publish_many(
+            self.definition, items, options, session=session, connection=connection
+        )
+
+    def _many_options(
+        self,
+        method: str,
+        payloads: Iterable[P | Mapping[str, Any]],
+        unknown: Mapping[str, Any],
+        idempotency_keys: Sequence[str | None] | None,
+        singleton_keys: Sequence[str | None] | None,
+        **shared: Any,
+    ) -> tuple[list[P | Mapping[str, Any]], list[DispatchOptions]]:
         if unknown:
             singular = {"idempotency_key", "singleton_key"} & set(unknown)
             if singular:
                 name = sorted(singular)[0]
                 raise TypeError(
-                    f"publish_many() takes {name}s=[...], one entry per payload, not {name}"
+                    f"{method}() takes {name}s=[...], one entry per payload, not {name}"
                 )
-            raise TypeError(unknown_option_message("publish_many", unknown))
+            raise TypeError(unknown_option_message(method, unknown))
         if isinstance(payloads, Mapping | BaseModel | str | bytes) or not isinstance(
             payloads, Iterable
         ):
+            single = method.replace("_many", "")
             raise PublishOptionsError(
-                "publish_many takes a list of payloads; for one payload, use publish()"
+                f"{method} takes a list of payloads; for one payload, use {single}()"
             )
         items = list(payloads)
         options = resolve_many_options(
-            self.definition.options,
-            {
-                "queue_policy": queue_policy,
-                "secret_payload": secret_payload,
-                "priority": priority,
-                "start_after": start_after,
-                "retry_limit": retry_limit,
-                "retry_delay": retry_delay,
-                "retry_backoff": retry_backoff,
-                "expire_in_seconds": expire_in_seconds,
-                "queue": queue,
-            },
-            idempotency_keys,
-            singleton_keys,
-            len(items),
+            self.definition.options, shared, idempotency_keys, singleton_keys, len(items)
         )
-        return self._publisher.publish_many(
-            self.definition, items, options, session=session, connection=connection
-        )
+        return items, options
 
     def schedule(
         self,
@@ -246,19 +356,24 @@ class JobRegistry:
         return ", ".join(sorted(self._by_name)) or "(none)"
 
 
+@dataclass(frozen=True)
+class Lookups:
+    """How the queue client reads one dispatch, blocking and awaited."""
+
+    receipt: Callable[[str], Receipt | None]
+    status: Callable[[str], DispatchStatus | None]
+    areceipt: Callable[[str], Awaitable[Receipt | None]]
+    astatus: Callable[[str], Awaitable[DispatchStatus | None]]
+
+
 class QueueClient:
     """`questpie.queue`: one `JobClient` per registered job, by attribute or by name."""
 
     def __init__(
-        self,
-        registry: JobRegistry,
-        receipt: Callable[[str], Receipt | None],
-        status: Callable[[str], DispatchStatus | None],
-        discover: Callable[[], None],
+        self, registry: JobRegistry, lookups: Lookups, discover: Callable[[], None]
     ) -> None:
         self._registry = registry
-        self._receipt = receipt
-        self._status = status
+        self._lookups = lookups
         self._discover = discover  # registers jobs declared but not yet registered
 
     def __getattr__(self, attribute: str) -> JobClient[Any]:
@@ -292,9 +407,17 @@ class QueueClient:
 
     def get_receipt(self, dispatch_id: str) -> Receipt | None:
         """The receipt of a secret dispatch, or None for anything else."""
-        return self._receipt(dispatch_id)
+        return self._lookups.receipt(dispatch_id)
+
+    async def aget_receipt(self, dispatch_id: str) -> Receipt | None:
+        """`get_receipt()` from an event loop, without blocking it."""
+        return await self._lookups.areceipt(dispatch_id)
 
     def get_status(self, dispatch_id: str) -> DispatchStatus | None:
         """Where a ledgered dispatch stands, or None for an unknown id (and for an
         unledgered dispatch, which has no row). Holds no payload."""
-        return self._status(dispatch_id)
+        return self._lookups.status(dispatch_id)
+
+    async def aget_status(self, dispatch_id: str) -> DispatchStatus | None:
+        """`get_status()` from an event loop, without blocking it."""
+        return await self._lookups.astatus(dispatch_id)

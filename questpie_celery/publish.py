@@ -9,7 +9,8 @@ failure after that point leaves a row that a retry or the relay can finish.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -33,6 +34,42 @@ log = logging.getLogger(__name__)
 
 #: Items of a bulk publish per ledger statement and per pipelined batch of sends.
 BATCH_SIZE = 1000
+
+#: `Session.info` key: how to send the rows of a session an `AsyncSession` drives.
+ASYNC_SEND = "questpie_async_send"
+
+
+@dataclass
+class Route:
+    """Where one dispatch goes: a plain message under `dispatch_id` (no `new`), or the
+    ledger row `new`, first sent as `first` says."""
+
+    dispatch_id: str
+    new: NewDispatch | None = None
+    first: FirstSend = field(default_factory=lambda: FirstSend(False))
+
+
+@dataclass
+class Chunk:
+    """Up to `BATCH_SIZE` items of a bulk publish: ids in order (None once suppressed),
+    the rows to insert by item index, and the items sent as plain messages."""
+
+    first: FirstSend
+    ids: list[str | None] = field(default_factory=list)
+    news: dict[int, NewDispatch] = field(default_factory=dict)
+    plain: list[tuple[str, dict[str, Any], DispatchOptions]] = field(default_factory=list)
+
+    @property
+    def rows(self) -> list[NewDispatch]:
+        return list(self.news.values())
+
+    def contested(self, inserted: set[str]) -> list[str]:
+        """Keyed rows under a policy that were not inserted: repeats or suppressions."""
+        return [
+            new.id
+            for new in self.news.values()
+            if new.id not in inserted and Publisher.needs_existence_check(new)
+        ]
 
 
 class Publisher:
@@ -95,14 +132,7 @@ class Publisher:
     ) -> list[str | None]:
         if not options:
             return []
-        shared = options[0]  # the items differ in their keys only
-        keyring = self._keyring() if shared.secret_payload else None
-        bodies: list[dict[str, Any]] = []
-        for index, payload in enumerate(payloads):
-            try:
-                bodies.append(definition.to_json(payload))
-            except PayloadValidationError as exc:
-                raise PayloadValidationError(f"item {index}: {exc}") from None
+        keyring, bodies = self.validate_many(definition, payloads, options)
         caller = caller_connection(self._ledger, session, connection)
         if self._sender.eager:
             # Eager mode runs each dispatch as it is published, so a later item can see
@@ -111,82 +141,119 @@ class Publisher:
                 self._publish(definition, payload, item, session, connection, span)
                 for payload, item in zip(payloads, options, strict=True)
             ]
-        policy = self._policies.effective(definition, shared.queue_policy)
+        policy = self.policy(definition, options, span)
+        ids: list[str | None] = []
+        chunks = self.chunks(definition.name, bodies, options, policy, keyring, caller, session)
+        for chunk in chunks:
+            inserted = self._ledger.insert_many(chunk.rows, caller)
+            contested = chunk.contested(inserted)
+            known = self._ledger.existing(contested, caller) if contested else set()
+            to_send = self.settle(chunk, inserted, known)
+            if chunk.first.publisher_sends and to_send:
+                if session is not None:
+                    send_after_commit(session, list(to_send), self.committed_sender(session))
+                elif caller is None:
+                    self._outbox.send_many(list(to_send.values()))
+            elif chunk.first.wake_relays and caller is not None and to_send:
+                self._ledger.wake_relays(caller)
+            if chunk.plain:
+                self.send_plain(definition.name, chunk.plain)
+            ids += chunk.ids
+        return ids
+
+    def validate_many(
+        self,
+        definition: JobDefinition[Any],
+        payloads: Sequence[Any],
+        options: Sequence[DispatchOptions],
+    ) -> tuple[Keyring | None, list[dict[str, Any]]]:
+        """The keyring a secret batch seals with, and every payload's JSON; a bad one is
+        named by its index."""
+        keyring = self.keyring_for(options[0])
+        bodies: list[dict[str, Any]] = []
+        for index, payload in enumerate(payloads):
+            try:
+                bodies.append(definition.to_json(payload))
+            except PayloadValidationError as exc:
+                raise PayloadValidationError(f"item {index}: {exc}") from None
+        return keyring, bodies
+
+    def policy(
+        self,
+        definition: JobDefinition[Any],
+        options: Sequence[DispatchOptions],
+        span: telemetry.Span,
+    ) -> QueuePolicy:
+        """The policy the dispatches are accepted under (the items of one call share it).
+
+        May read or record the job's policy in the ledger, once per cache period.
+        """
+        policy = self._policies.effective(definition, options[0].queue_policy)
         span.set(policy=str(policy))
         if not policy.ledgered and any(item.singleton_key is not None for item in options):
             self._policies.warn_ignored_singleton_key(definition.name)
+        return policy
+
+    def policy_is_cached(self, definition: JobDefinition[Any]) -> bool:
+        """Whether `policy` would answer without the ledger."""
+        return self._policies.is_cached(definition.name)
+
+    def read_policy(self, definition: JobDefinition[Any]) -> None:
+        """Read the job's recorded policy into the cache (writing nothing)."""
+        self._policies.read(definition.name)
+
+    def keyring_for(self, options: DispatchOptions) -> Keyring | None:
+        """The keyring a secret dispatch seals with (or why it may not); None otherwise."""
+        return self._keyring() if options.secret_payload else None
+
+    def chunks(
+        self,
+        job_name: str,
+        bodies: list[dict[str, Any]],
+        options: Sequence[DispatchOptions],
+        policy: QueuePolicy,
+        keyring: Keyring | None,
+        caller: Connection | None,
+        session: Session | None,
+    ) -> Iterator[Chunk]:
+        """The items a chunk at a time: each with its rows, its plain messages and ids."""
+        shared = options[0]  # the items differ in their keys only
         now = datetime.now(UTC)
         first = self._outbox.first_send(
             shared.start_after, now, after_commit_hook=caller is None or session is not None
         )
         plain_ok = self._may_skip_ledger(shared, policy, caller, now)
-        ids: list[str | None] = []
+        stored = shared.stored()
         for start in range(0, len(bodies), BATCH_SIZE):
-            chunk = range(start, min(start + BATCH_SIZE, len(bodies)))
-            ids += self._publish_chunk(
-                definition.name,
-                [bodies[i] for i in chunk],
-                [options[i] for i in chunk],
-                policy,
-                keyring,
-                first,
-                plain_ok,
-                caller,
-                session,
-            )
-        return ids
+            chunk = Chunk(first)
+            for index in range(start, min(start + BATCH_SIZE, len(bodies))):
+                item = options[index]
+                if plain_ok and item.idempotency_key is None:
+                    plain_id = random_dispatch_id()
+                    chunk.ids.append(plain_id)
+                    chunk.plain.append((plain_id, bodies[index], item))
+                    continue
+                new = self._new_dispatch(
+                    job_name, bodies[index], item, policy, keyring, first, stored
+                )
+                chunk.news[len(chunk.ids)] = new
+                chunk.ids.append(new.id)
+            yield chunk
 
-    def _publish_chunk(
-        self,
-        job_name: str,
-        bodies: list[dict[str, Any]],
-        options: list[DispatchOptions],
-        policy: QueuePolicy,
-        keyring: Keyring | None,
-        first: FirstSend,
-        plain_ok: bool,
-        caller: Connection | None,
-        session: Session | None,
-    ) -> list[str | None]:
-        """One chunk: its ledgered items in one insert, then every message in one batch."""
-        stored = options[0].stored()  # the items differ in their keys only
-        ids: list[str | None] = []
-        news: dict[int, NewDispatch] = {}
-        plain: list[tuple[str, dict[str, Any], DispatchOptions]] = []
-        for index, (body, item) in enumerate(zip(bodies, options, strict=True)):
-            if plain_ok and item.idempotency_key is None:
-                plain.append((random_dispatch_id(), body, item))
-                ids.append(plain[-1][0])
-            else:
-                new = self._new_dispatch(job_name, body, item, policy, keyring, first, stored)
-                news[index] = new
-                ids.append(new.id)
-        inserted = self._ledger.insert_many(list(news.values()), caller)
-        # Not inserted: a key already in the ledger (or earlier in the chunk), or a taken
-        # policy slot, which a known key still answers with its id, as `publish` does.
-        contested = [
-            new.id
-            for new in news.values()
-            if new.id not in inserted and new.slot is not None and new.idempotency_key
-        ]
-        known = self._ledger.existing(contested, caller) if contested else set()
+    def settle(self, chunk: Chunk, inserted: set[str], known: set[str]) -> dict[str, NewDispatch]:
+        """Decide each ledgered item of an inserted chunk; return the rows to send.
+
+        Not inserted: a key already in the ledger (or earlier in the chunk), or a taken
+        policy slot, which a known key still answers with its id, as `publish` does.
+        """
         to_send: dict[str, NewDispatch] = {}  # by id: a key twice in a chunk is sent once
-        for index, row in news.items():
+        for index, row in chunk.news.items():
             if row.id in inserted:
                 to_send.setdefault(row.id, row)
             elif row.slot is not None and row.id not in known:
-                ids[index] = None
+                chunk.ids[index] = None
                 self._suppressed(row)
-        if first.publisher_sends and to_send:
-            if session is not None:
-                send_after_commit(session, list(to_send), self._outbox.send_committed)
-            elif caller is None:
-                self._outbox.send_many(list(to_send.values()))
-        elif first.wake_relays and caller is not None and to_send:
-            self._ledger.wake_relays(caller)
-        if plain:
-            self._send_plain(job_name, plain)
-        return ids
+        return to_send
 
     def _may_skip_ledger(
         self,
@@ -203,7 +270,7 @@ class Publisher:
             and not self._outbox.is_far_off(options.start_after, now)
         )
 
-    def _send_unledgered(
+    def send_unledgered(
         self, job_name: str, dispatch_id: str, body: dict[str, Any], options: DispatchOptions
     ) -> None:
         self._sender.send(
@@ -216,7 +283,7 @@ class Publisher:
             eta=options.start_after,
         )
 
-    def _send_plain(
+    def send_plain(
         self, job_name: str, items: list[tuple[str, dict[str, Any], DispatchOptions]]
     ) -> None:
         """Send dispatches that need no ledger row, as `apply_async` would: a refusal
@@ -224,7 +291,7 @@ class Publisher:
         try:
             with self._sender.batch(len(items)):
                 for dispatch_id, body, item in items:
-                    self._send_unledgered(job_name, dispatch_id, body, item)
+                    self.send_unledgered(job_name, dispatch_id, body, item)
         except BrokerError as exc:
             raise BrokerError(
                 f"the broker refused a batch of {len(items)} unkeyed dispatches of job "
@@ -274,57 +341,66 @@ class Publisher:
         connection: Connection | None,
         span: telemetry.Span,
     ) -> str | None:
-        keyring = self._keyring() if options.secret_payload else None
+        keyring = self.keyring_for(options)
         body = definition.to_json(payload)
         caller = caller_connection(self._ledger, session, connection)
-        policy = self._policies.effective(definition, options.queue_policy)
-        span.set(policy=str(policy))
-        if not policy.ledgered and options.singleton_key is not None:
-            self._policies.warn_ignored_singleton_key(definition.name)
-        now = datetime.now(UTC)
-        if options.idempotency_key is None and self._may_skip_ledger(options, policy, caller, now):
-            dispatch_id = random_dispatch_id()
-            self._send_unledgered(definition.name, dispatch_id, body, options)
-            return dispatch_id
-        return self._publish_ledgered(
-            definition.name, body, options, policy, keyring, now, caller, session
-        )
+        policy = self.policy(definition, [options], span)
+        route = self.route(definition.name, body, options, policy, keyring, caller, session)
+        if route.new is None:
+            self.send_unledgered(definition.name, route.dispatch_id, body, options)
+            return route.dispatch_id
+        new, first = route.new, route.first
+        if not self._ledger.insert(new, caller):
+            known = self.needs_existence_check(new) and self._ledger.exists(new.id, caller)
+            return self.not_inserted(new, known)
+        if session is not None:
+            if first.publisher_sends:
+                send_after_commit(session, [new.id], self.committed_sender(session))
+        elif first.publisher_sends:
+            self._outbox.send(new, attempt=1)
+        elif first.wake_relays and caller is not None:
+            self._ledger.wake_relays(caller)
+        return new.id
 
-    def _publish_ledgered(
+    def route(
         self,
         job_name: str,
         body: dict[str, Any],
         options: DispatchOptions,
         policy: QueuePolicy,
         keyring: Keyring | None,
-        now: datetime,
         caller: Connection | None,
         session: Session | None,
-    ) -> str | None:
+    ) -> Route:
+        """Where one validated dispatch goes: a plain message, or a ledger row first."""
+        now = datetime.now(UTC)
+        if options.idempotency_key is None and self._may_skip_ledger(options, policy, caller, now):
+            return Route(random_dispatch_id())
         first = self._outbox.first_send(
             options.start_after, now, after_commit_hook=caller is None or session is not None
         )
         new = self._new_dispatch(job_name, body, options, policy, keyring, first)
-        dispatch_id = new.id
-        if not self._ledger.insert(new, caller):
-            return self._not_inserted(new, caller)
-        if session is not None:
-            if first.publisher_sends:
-                send_after_commit(session, [dispatch_id], self._outbox.send_committed)
-        elif first.publisher_sends:
-            self._outbox.send(new, attempt=1)
-        elif first.wake_relays and caller is not None:
-            self._ledger.wake_relays(caller)
-        return dispatch_id
+        return Route(new.id, new, first)
 
-    def _not_inserted(self, new: NewDispatch, conn: Connection | None) -> str | None:
-        """The insert met an existing row: the key's own (a repeat) or a policy slot's."""
-        if new.slot is None:
-            return new.id  # no slot index applies, so only the key's own row can conflict
-        if new.idempotency_key is not None and self._ledger.exists(new.id, conn):
+    @staticmethod
+    def needs_existence_check(new: NewDispatch) -> bool:
+        """A refused insert of a keyed row under a policy: its key's own row, or the slot's?"""
+        return new.slot is not None and new.idempotency_key is not None
+
+    def not_inserted(self, new: NewDispatch, known: bool) -> str | None:
+        """The answer to an insert that met an existing row: the key's own (a repeat,
+        `known`) or a policy slot's (suppressed). Without a slot only the key's own row
+        can conflict."""
+        if new.slot is None or known:
             return new.id  # a known key is answered before any policy
         self._suppressed(new)
         return None
+
+    def committed_sender(self, session: Session) -> Callable[[Sequence[str]], None]:
+        """What sends a session's rows once it commits: inline, or for a session that an
+        `AsyncSession` drives, handed to the send threads (its commit runs in the loop)."""
+        handoff = session.info.get(ASYNC_SEND)
+        return handoff if handoff is not None else self._outbox.send_committed
 
     def _suppressed(self, new: NewDispatch) -> None:
         log.info(

@@ -17,6 +17,7 @@ policy on every delivery, however the message was sent.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -84,6 +85,17 @@ class PolicyBook:
     def recorded(self, job_name: str) -> QueuePolicy | None:
         """The policy the ledger records for a job (None when none is), read now."""
         return self._ledger.get_policy(job_name)
+
+    def is_cached(self, job_name: str) -> bool:
+        """Whether `effective` would answer from memory, without the ledger."""
+        cached = self._cache.get(job_name)
+        return cached is not None and time.monotonic() - cached[1] < POLICY_CACHE_SECONDS
+
+    def read(self, job_name: str) -> None:
+        """Refresh the cached recorded policy now; a ledger that is down is left to the
+        publish that follows, which decides as `effective` says."""
+        with contextlib.suppress(LedgerUnavailableError):
+            self._recorded(job_name)
 
     def warn_ignored_singleton_key(self, job_name: str) -> None:
         self._warn_once(

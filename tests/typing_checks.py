@@ -29,3 +29,11 @@ def check(questpie: Questpie) -> None:
     assert_type(questpie.queue.send_welcome_email.publish({}), str | None)
     assert_type(questpie.queue.get_receipt("id"), Receipt | None)
     Questpie(Celery("x"), ledger_url="sqlite://", jobs=[send_welcome_email])
+
+
+async def check_async(questpie: Questpie) -> None:
+    client = questpie.client(send_welcome_email)
+    assert_type(await client.apublish(Welcome(user_id="u"), idempotency_key="k"), str | None)
+    assert_type(await client.apublish_many([{"user_id": "u"}]), list[str | None])
+    assert_type(await questpie.queue.aget_receipt("id"), Receipt | None)
+    await client.apublish({"user_id": "u"}, idempotency="k")  # type: ignore[call-arg]

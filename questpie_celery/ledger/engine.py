@@ -16,6 +16,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from ..errors import ConfigurationError
 
@@ -57,23 +58,9 @@ def create_ledger_engine(url: str, *, relaxed: bool = False) -> Engine:
                 f"the ledger runs on PostgreSQL or SQLite, not {backend!r} "
                 "(use postgresql+psycopg://... or sqlite:///path)"
             )
-        connect_args: dict[str, Any] = {
-            "connect_timeout": PG_CONNECT_TIMEOUT_SECONDS,
-            # A caller's long transaction that holds a policy slot row makes a publish
-            # wait this long at most, then fail with a LedgerError.
-            "options": f"-c lock_timeout={PG_LOCK_TIMEOUT_MS}"
-            + (" -c synchronous_commit=off" if relaxed else ""),
-            # A connection whose server vanished without a word (a host gone, a network
-            # cut) is found dead in about 30 s, not after the kernel's two hours: the
-            # lease renewer must not hang on one while leases lapse.
-            "keepalives": 1,
-            "keepalives_idle": 10,
-            "keepalives_interval": 5,
-            "keepalives_count": 3,
-        }
         engine = create_engine(
             parsed,
-            connect_args=connect_args,
+            connect_args=_pg_connect_args(relaxed=relaxed),
             isolation_level="AUTOCOMMIT",
             hide_parameters=True,  # errors name no statement value: no payload in logs
         )
@@ -81,6 +68,37 @@ def create_ledger_engine(url: str, *, relaxed: bool = False) -> Engine:
         raise ConfigurationError(f"invalid ledger URL: {error}") from None
     _AUTOCOMMIT_ENGINES.add(engine)
     return engine
+
+
+def create_async_ledger_engine(engine: Engine, *, relaxed: bool) -> AsyncEngine:
+    """The asyncio twin of a PostgreSQL ledger engine made by `create_ledger_engine`:
+    psycopg's async driver, the same server settings, autocommit.
+
+    One serves one event loop: its pool's connections belong to the loop that opened them.
+    """
+    return create_async_engine(
+        engine.url,
+        connect_args=_pg_connect_args(relaxed=relaxed),
+        isolation_level="AUTOCOMMIT",
+        hide_parameters=True,
+    )
+
+
+def _pg_connect_args(*, relaxed: bool) -> dict[str, Any]:
+    return {
+        "connect_timeout": PG_CONNECT_TIMEOUT_SECONDS,
+        # A caller's long transaction that holds a policy slot row makes a publish
+        # wait this long at most, then fail with a LedgerError.
+        "options": f"-c lock_timeout={PG_LOCK_TIMEOUT_MS}"
+        + (" -c synchronous_commit=off" if relaxed else ""),
+        # A connection whose server vanished without a word (a host gone, a network
+        # cut) is found dead in about 30 s, not after the kernel's two hours: the
+        # lease renewer must not hang on one while leases lapse.
+        "keepalives": 1,
+        "keepalives_idle": 10,
+        "keepalives_interval": 5,
+        "keepalives_count": 3,
+    }
 
 
 def runs_in_autocommit(engine: Engine) -> bool:

@@ -76,6 +76,11 @@ class Ledger:
     def dialect(self) -> str:
         return self.engine.dialect.name
 
+    @property
+    def statements(self) -> Statements:
+        """The statements of this ledger's dialect (for `aio.AsyncLedger`)."""
+        return self._sql
+
     def close(self) -> None:
         """Release the pool's connections."""
         self.engine.dispose()
@@ -182,6 +187,11 @@ class Ledger:
         with translate_errors(), self._autocommit.connect() as conn:
             return conn.execute(select(func.max(schema_version_table.c.version))).scalar()
 
+    @property
+    def knows_identity(self) -> bool:
+        """Whether `ledger_id()` answers from memory."""
+        return self._ledger_id is not None
+
     def ledger_id(self, conn: Connection | None = None) -> str:
         """The random identity the first migration gave this ledger database.
 
@@ -209,7 +219,7 @@ class Ledger:
         One statement, so concurrent publishers of one key race inside the database:
         exactly one of them gets True. With `conn`, it runs in the caller's transaction.
         """
-        params = _row_params(new)
+        params = row_params(new)
         if conn is None:
             # A secret's ciphertext exists nowhere else: a relaxed ledger still waits for
             # the disk before the publisher is told it is accepted.
@@ -236,9 +246,9 @@ class Ledger:
         stmt: Executable
         params: Any
         if self._sql.insert_batch is not None:
-            stmt, params = self._sql.insert_batch, _batch_params(batch)
+            stmt, params = self._sql.insert_batch, batch_params(batch)
         else:
-            stmt, params = self._sql.insert, [_row_params(new) for new in batch]
+            stmt, params = self._sql.insert, [row_params(new) for new in batch]
         if conn is not None:
             with translate_errors():
                 return {row.id for row in conn.execute(stmt, params)}
@@ -752,7 +762,7 @@ def open_ledger(url: str, *, relaxed: bool = False) -> Ledger:
     return Ledger(create_ledger_engine(url, relaxed=relaxed), relaxed=relaxed)
 
 
-def _row_params(new: NewDispatch) -> dict[str, Any]:
+def row_params(new: NewDispatch) -> dict[str, Any]:
     return {
         "id": new.id,
         "job_name": new.job_name,
@@ -774,7 +784,7 @@ def _row_params(new: NewDispatch) -> dict[str, Any]:
     }
 
 
-def _batch_params(batch: Sequence[NewDispatch]) -> dict[str, Any]:
+def batch_params(batch: Sequence[NewDispatch]) -> dict[str, Any]:
     """`insert_batch`'s parameters: the values the rows share once, the others as arrays."""
     first = batch[0]
     shared = (first.job_name, first.status, first.options, first.run_after, first.next_send_at)
@@ -784,7 +794,7 @@ def _batch_params(batch: Sequence[NewDispatch]) -> dict[str, Any]:
     ):
         # Storing one row's options under another's id would be a silent corruption.
         raise ValueError("the rows of a batch must share job, status, options and times")
-    params = {name: value for name, value in _row_params(first).items() if name in _SHARED}
+    params = {name: value for name, value in row_params(first).items() if name in _SHARED}
     params["policy"] = next((new.policy for new in batch if new.slot is not None), None)
     for name in _PER_ROW:
         params[f"{name}s"] = [getattr(new, name) for new in batch]

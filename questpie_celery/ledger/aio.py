@@ -1,0 +1,164 @@
+"""The ledger operations a publisher in an event loop awaits.
+
+On PostgreSQL (a `Questpie` made with `ledger_url=`), they run on SQLAlchemy's
+asyncio engine over psycopg's async driver: the loop goes on while a statement
+waits for the server. The statements are the sync ledger's own, from
+`statements`; only how they are awaited differs.
+
+An asyncio engine's pooled connections belong to the event loop that opened
+them, so each loop gets an engine of its own (a test suite may run many loops;
+an ASGI server runs one). Where no async driver is used (the SQLite ledger,
+whose driver is synchronous, and an `engine=` the caller built, whose settings
+cannot be copied onto a new engine), the sync ledger's method runs in a worker
+thread instead: the loop still goes on while it waits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import weakref
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import exc
+from sqlalchemy.sql import Executable
+
+from ..errors import ConfigurationError
+from .engine import create_async_ledger_engine, runs_in_autocommit
+from .errors import SlotTaken, is_disconnect, translate_errors, was_rolled_back
+from .rows import DispatchRow, NewDispatch
+from .store import Ledger, batch_params, row_params
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+
+def async_driver_available() -> bool:
+    """SQLAlchemy's asyncio layer needs greenlet (the `asyncio` extra installs it)."""
+    return importlib.util.find_spec("greenlet") is not None
+
+
+class AsyncLedger:
+    """Awaitable insert, existence checks and reads of one `Ledger`."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self._ledger = ledger
+        self._sql = ledger.statements
+        # Only an engine we made knows its own settings, and only PostgreSQL has a
+        # driver that can wait without a thread.
+        self.native = ledger.dialect == "postgresql" and runs_in_autocommit(ledger.engine)
+        self._engines: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncEngine] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    # --- the operations ---------------------------------------------------------------
+
+    async def insert(self, new: NewDispatch) -> bool:
+        """As `Ledger.insert` without a caller's connection."""
+        if not self.native:
+            return await asyncio.to_thread(self._ledger.insert, new)
+        secret = new.secret_ciphertext is not None
+        rows, retried = await self._run(self._sql.insert, row_params(new), durable=secret)
+        return bool(rows) or (retried and await self.exists(new.id))
+
+    async def insert_many(self, batch: Sequence[NewDispatch]) -> set[str]:
+        """As `Ledger.insert_many` without a caller's connection."""
+        if not self.native or not batch:
+            return await asyncio.to_thread(self._ledger.insert_many, batch)
+        assert self._sql.insert_batch is not None  # PostgreSQL has the one-statement batch
+        secret = batch[0].secret_ciphertext is not None
+        rows, retried = await self._run(
+            self._sql.insert_batch, batch_params(batch), durable=secret, rerun_if_rolled_back=True
+        )
+        inserted = {row["id"] for row in rows}
+        if retried:
+            inserted |= await self.existing([new.id for new in batch if new.id not in inserted])
+        return inserted
+
+    async def existing(self, dispatch_ids: Sequence[str]) -> set[str]:
+        if not self.native or not dispatch_ids:
+            return await asyncio.to_thread(self._ledger.existing, dispatch_ids)
+        rows, _ = await self._run(self._sql.existing, {"dispatch_ids": list(dispatch_ids)})
+        return {row["id"] for row in rows}
+
+    async def exists(self, dispatch_id: str) -> bool:
+        if not self.native:
+            return await asyncio.to_thread(self._ledger.exists, dispatch_id)
+        rows, _ = await self._run(self._sql.exists, {"dispatch_id": dispatch_id})
+        return bool(rows)
+
+    async def get(self, dispatch_id: str) -> DispatchRow | None:
+        if not self.native:
+            return await asyncio.to_thread(self._ledger.get, dispatch_id)
+        rows, _ = await self._run(self._sql.get, {"dispatch_id": dispatch_id})
+        return DispatchRow.from_mapping(rows[0]) if rows else None
+
+    async def know_identity(self) -> None:
+        """Read the ledger's identity (in a thread, once), which the sync path compares a
+        caller's database with."""
+        if not self._ledger.knows_identity:
+            await asyncio.to_thread(self._ledger.ledger_id)
+
+    async def close(self) -> None:
+        """Close the connections of the running loop's engine."""
+        engine = self._engines.pop(asyncio.get_running_loop(), None)
+        if engine is not None:
+            await engine.dispose()
+
+    # --- running statements -------------------------------------------------------------
+
+    async def _run(
+        self,
+        stmt: Executable,
+        params: Any,
+        *,
+        durable: bool = False,
+        rerun_if_rolled_back: bool = False,
+    ) -> tuple[Any, bool]:
+        """As `Ledger._run`: one statement in autocommit, once more on a fresh connection
+        if its connection was found dead, again if the server undid it in a deadlock."""
+        reconnected, deadlocks = False, 0
+        with translate_errors():
+            while True:
+                try:
+                    async with self._connected(durable) as conn:
+                        result = await conn.execute(stmt, params)
+                        rows = result.mappings().all() if result.returns_rows else result.rowcount
+                        return rows, reconnected
+                except exc.IntegrityError:
+                    raise SlotTaken() from None
+                except exc.DBAPIError as error:
+                    if rerun_if_rolled_back and was_rolled_back(error) and deadlocks < 3:
+                        deadlocks += 1
+                        continue
+                    if reconnected or not is_disconnect(error):
+                        raise
+                    reconnected = True
+
+    @asynccontextmanager
+    async def _connected(self, durable: bool) -> AsyncIterator[AsyncConnection]:
+        engine = self._engine()
+        if not (durable and self._ledger.relaxed):
+            async with engine.connect() as conn:
+                yield conn
+            return
+        # A relaxed ledger still waits for the disk where a secret's only copy is written.
+        transactional = engine.execution_options(isolation_level="READ COMMITTED")
+        async with transactional.begin() as conn:
+            await conn.execute(self._sql.commit_durably)
+            yield conn
+
+    def _engine(self) -> AsyncEngine:
+        loop = asyncio.get_running_loop()
+        engine = self._engines.get(loop)
+        if engine is None:
+            if not async_driver_available():
+                raise ConfigurationError(
+                    "publishing from asyncio on a PostgreSQL ledger needs greenlet: "
+                    "pip install 'questpie-celery[asyncio]'"
+                )
+            engine = create_async_ledger_engine(self._ledger.engine, relaxed=self._ledger.relaxed)
+            self._engines[loop] = engine
+        return engine

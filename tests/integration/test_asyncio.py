@@ -1,0 +1,336 @@
+"""apublish, apublish_many, aget_receipt and aget_status from an event loop, against
+PostgreSQL, Redis and a real prefork worker (and the embedded SQLite ledger).
+
+Each test runs its own event loop with `asyncio.run`, as a script would; an ASGI
+server runs one for its life. Every loop's own asyncio engine is closed by
+`questpie.aclose()` before the loop ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, TypeVar
+
+import pytest
+from sqlalchemy import func, select, text
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
+
+from questpie_celery import (
+    PayloadValidationError,
+    PublishOptionsError,
+    Questpie,
+    derive_dispatch_id,
+)
+from questpie_celery.ledger import dispatch_table
+from tests.integration.conftest import new_stack
+from tests.support.brokers import capture, queue_depth
+from tests.support.stack import Stack, tag
+
+T = TypeVar("T")
+
+
+def run(questpie: Questpie, body: Callable[[], Awaitable[T]]) -> T:
+    """Run `body` in a fresh event loop, closing that loop's ledger connections after."""
+
+    async def main() -> T:
+        try:
+            return await body()
+        finally:
+            await questpie.aclose()
+
+    return asyncio.run(main())
+
+
+SECRET = "an asyncio test secret of at least 32 bytes"
+
+
+@pytest.fixture(scope="module")
+def pg_redis(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
+    """PostgreSQL ledger, Redis, a prefork worker, and a secret for secret payloads."""
+    made = new_stack(
+        request, tmp_path_factory.mktemp("astack"), "redis", env={"QP_TEST_SECRET": SECRET}
+    )
+    yield made
+    made.close()
+
+
+@pytest.fixture(scope="module")
+def app_url(pg_redis: Stack) -> str:
+    return pg_redis.env["QP_TEST_LEDGER"]
+
+
+def rows_with_tag(stack: Stack, t: str) -> int:
+    with stack.ledger.engine.connect() as conn:
+        return int(
+            conn.execute(
+                select(func.count())
+                .select_from(dispatch_table)
+                .where(dispatch_table.c.payload["tag"].as_string() == t)
+            ).scalar_one()
+        )
+
+
+def test_apublish_keyed_runs_once_and_answers_repeats_with_the_same_id(pg_redis: Stack) -> None:
+    t = tag()
+    record = pg_redis.questpie.queue.record
+
+    async def body() -> list[str | None]:
+        # Fifty concurrent publishes of one key: one row, one run, one id for all.
+        return await asyncio.gather(
+            *(record.apublish({"tag": t}, idempotency_key=f"a:{t}") for _ in range(50))
+        )
+
+    ids = run(pg_redis.questpie, body)
+    assert set(ids) == {derive_dispatch_id("record", f"a:{t}")}
+    row = pg_redis.wait_status(ids[0] or "", "completed")
+    assert row.attempt == 1
+    assert len(pg_redis.runs(t)) == 1
+    assert rows_with_tag(pg_redis, t) == 1
+
+
+def test_apublish_unkeyed_is_a_plain_message_that_runs(pg_redis: Stack) -> None:
+    t = tag()
+    dispatch_id = run(
+        pg_redis.questpie, lambda: pg_redis.questpie.queue.record.apublish({"tag": t})
+    )
+    assert dispatch_id is not None
+    pg_redis.wait_runs(t, 1)
+    assert pg_redis.ledger.get(dispatch_id) is None  # no ledger row, as publish()
+
+
+def test_apublish_rejects_bad_input_before_writing_anything(pg_redis: Stack) -> None:
+    record = pg_redis.questpie.queue.record
+    before = pg_redis.dispatch_count()
+    with pytest.raises(PayloadValidationError, match="tag: missing"):
+        run(pg_redis.questpie, lambda: record.apublish({}, idempotency_key="bad"))
+    with pytest.raises(PublishOptionsError):
+        run(pg_redis.questpie, lambda: record.apublish({"tag": "x"}, priority=99))
+    with pytest.raises(TypeError, match="idempotency_key"):
+        run(pg_redis.questpie, lambda: record.apublish({"tag": "x"}, idempotency="k"))  # type: ignore[call-arg]
+    with pytest.raises(PublishOptionsError, match="AsyncSession"):
+        run(pg_redis.questpie, lambda: record.apublish({"tag": "x"}, session=object()))  # type: ignore[arg-type]
+    assert pg_redis.dispatch_count() == before
+
+
+def test_apublish_many_decides_as_publish_many_does(pg_redis: Stack) -> None:
+    """The same inputs through apublish_many and publish_many: the same suppressions (a
+    `short` slot taken earlier in the batch), the same rows."""
+    short = pg_redis.questpie.queue.policy_short
+    t1, t2 = tag(), tag()
+
+    def inputs(t: str) -> dict[str, Any]:
+        return {
+            "payloads": [{"tag": t, "sleep": 0.2} for _ in range(4)],
+            # Keyed items go to the job's one unkeyed slot, which the two calls would
+            # share: slots of their own keep the calls apart.
+            "singleton_keys": [f"{t}:slot", f"{t}:slot", f"{t}:other", f"{t}:slot"],
+        }
+
+    got = run(pg_redis.questpie, lambda: short.apublish_many(**inputs(t1)))
+    want = short.publish_many(**inputs(t2))
+    suppressed = [i is None for i in got]
+    assert suppressed == [i is None for i in want] == [False, True, False, True]
+    assert rows_with_tag(pg_redis, t1) == rows_with_tag(pg_redis, t2) == 2
+    for dispatch_id in (*got, *want):
+        if dispatch_id is not None:
+            pg_redis.wait_status(dispatch_id, "completed", timeout=60)
+
+
+def test_apublish_many_unkeyed_items_are_plain_messages(pg_redis: Stack) -> None:
+    t = tag()
+    ids = run(
+        pg_redis.questpie,
+        lambda: pg_redis.questpie.queue.record.apublish_many([{"tag": t}] * 5),
+    )
+    assert len(set(ids)) == 5
+    pg_redis.wait_runs(t, 5)
+    assert rows_with_tag(pg_redis, t) == 0
+
+
+# --- in the caller's AsyncSession / AsyncConnection -------------------------------------
+
+
+@pytest.fixture
+def caller_engine(app_url: str) -> Iterator[Callable[[], AsyncEngine]]:
+    """The application's own asyncio engine on the ledger's database, made in the loop
+    that uses it."""
+    made: list[AsyncEngine] = []
+
+    def make() -> AsyncEngine:
+        made.append(create_async_engine(app_url))
+        return made[-1]
+
+    yield make
+
+
+def test_session_commit_sends_after_commit_and_rollback_leaves_nothing(
+    pg_redis: Stack, caller_engine: Callable[[], AsyncEngine]
+) -> None:
+    t = tag()
+    record = pg_redis.questpie.queue.record
+
+    async def body() -> tuple[str | None, str | None, bool]:
+        engine = caller_engine()
+        try:
+            async with AsyncSession(engine) as session, session.begin():
+                kept = await record.apublish({"tag": t}, session=session, idempotency_key=f"s:{t}")
+                # Not committed yet: nobody else sees it.
+                unseen = pg_redis.ledger.get(kept or "") is None
+            async with AsyncSession(engine) as session, session.begin():
+                dropped = await record.apublish(
+                    {"tag": t + "-rolled-back"}, session=session, idempotency_key=f"r:{t}"
+                )
+                await session.rollback()
+            return kept, dropped, unseen
+        finally:
+            await engine.dispose()
+
+    kept, dropped, unseen = run(pg_redis.questpie, body)
+    assert unseen
+    row = pg_redis.wait_status(kept or "", "completed")
+    assert row.attempt == 1
+    assert len(pg_redis.runs(t)) == 1
+    time.sleep(1)
+    assert pg_redis.ledger.get(dropped or "") is None
+    assert pg_redis.runs(t + "-rolled-back") == []
+
+
+def test_session_savepoint_rollback_drops_only_its_rows(
+    pg_redis: Stack, caller_engine: Callable[[], AsyncEngine]
+) -> None:
+    t, idle = tag(), f"idle-{tag()}"
+    record = pg_redis.questpie.queue.record
+
+    async def body() -> tuple[str | None, str | None, int]:
+        engine = caller_engine()
+        try:
+            async with AsyncSession(engine) as session, session.begin():
+                kept = await record.apublish(
+                    {"tag": t}, session=session, queue=idle, idempotency_key=f"k:{t}"
+                )
+                nested = await session.begin_nested()
+                dropped = await record.apublish(
+                    {"tag": t}, session=session, queue=idle, idempotency_key=f"d:{t}"
+                )
+                await nested.rollback()
+                depth_before_commit = queue_depth(pg_redis, idle)
+            return kept, dropped, depth_before_commit
+        finally:
+            await engine.dispose()
+
+    kept, dropped, depth = run(pg_redis.questpie, body)
+    assert depth == 0  # nothing is sent before the outermost commit
+    message = capture(pg_redis, idle, timeout=5)  # the send threads sent it at commit
+    assert message.headers["id"] == kept
+    assert queue_depth(pg_redis, idle) == 0  # and only it
+    assert pg_redis.ledger.get(dropped or "") is None
+
+
+def test_connection_publish_is_sent_by_the_relay_once_committed(
+    pg_redis: Stack, caller_engine: Callable[[], AsyncEngine]
+) -> None:
+    t = tag()
+    record = pg_redis.questpie.queue.record
+
+    async def body() -> tuple[str | None, str | None]:
+        engine = caller_engine()
+        try:
+            async with engine.begin() as conn:
+                await conn.execute(text("SELECT 1"))  # the application's own work
+                kept = await record.apublish({"tag": t}, connection=conn)
+            async with engine.connect() as conn, conn.begin() as transaction:
+                dropped = await record.apublish({"tag": t + "-gone"}, connection=conn)
+                await transaction.rollback()
+            return kept, dropped
+        finally:
+            await engine.dispose()
+
+    kept, dropped = run(pg_redis.questpie, body)
+    pg_redis.wait_status(kept or "", "completed")
+    assert len(pg_redis.runs(t)) == 1
+    assert pg_redis.ledger.get(dropped or "") is None
+
+
+def test_apublish_many_in_a_session(
+    pg_redis: Stack, caller_engine: Callable[[], AsyncEngine]
+) -> None:
+    t = tag()
+    record = pg_redis.questpie.queue.record
+
+    async def body() -> list[str | None]:
+        engine = caller_engine()
+        try:
+            async with AsyncSession(engine) as session, session.begin():
+                return await record.apublish_many(
+                    [{"tag": t}] * 3,
+                    session=session,
+                    idempotency_keys=[f"{t}:{i}" for i in range(3)],
+                )
+        finally:
+            await engine.dispose()
+
+    ids = run(pg_redis.questpie, body)
+    for dispatch_id in ids:
+        pg_redis.wait_status(dispatch_id or "", "completed")
+    assert len(pg_redis.runs(t)) == 3
+
+
+# --- receipts and status ---------------------------------------------------------------
+
+
+def test_aget_receipt_and_aget_status(pg_redis: Stack) -> None:
+    t = tag()
+    queue = pg_redis.questpie.queue
+
+    async def publish() -> str | None:
+        return await queue.secret_link.apublish(
+            {"tag": t, "link": "https://example.com/magic/CANARY"},
+            secret_payload=True,
+            idempotency_key=f"secret:{t}",
+        )
+
+    dispatch_id = run(pg_redis.questpie, publish)
+    assert dispatch_id is not None
+    pg_redis.wait_status(dispatch_id, "completed")
+
+    async def look() -> tuple[Any, Any, Any]:
+        return (
+            await queue.aget_receipt(dispatch_id),
+            await queue.aget_status(dispatch_id),
+            await queue.aget_receipt("no-such-dispatch"),
+        )
+
+    receipt, status, missing = run(pg_redis.questpie, look)
+    assert receipt == queue.get_receipt(dispatch_id)
+    assert receipt is not None and receipt.status == "completed"
+    assert status == queue.get_status(dispatch_id)
+    assert status is not None and status.secret and status.status == "completed"
+    assert missing is None
+
+
+# --- the embedded ledger (SQLite): the ledger work runs in threads ----------------------
+
+
+def test_apublish_on_the_sqlite_ledger(sqlite_fs: Stack) -> None:
+    t = tag()
+    record = sqlite_fs.questpie.queue.record
+
+    async def body() -> list[str | None]:
+        return [
+            *await asyncio.gather(
+                *(record.apublish({"tag": t}, idempotency_key=f"q:{t}") for _ in range(5))
+            ),
+            *await record.apublish_many([{"tag": t}] * 2, idempotency_keys=[f"q:{t}", None]),
+        ]
+
+    ids = run(sqlite_fs.questpie, body)
+    keyed = derive_dispatch_id("record", f"q:{t}")
+    assert ids[:6] == [keyed] * 6
+    sqlite_fs.wait_status(keyed, "completed")
+    sqlite_fs.wait_runs(t, 2)  # the keyed one once, the unkeyed item once
+    time.sleep(1)
+    assert len(sqlite_fs.runs(t)) == 2
