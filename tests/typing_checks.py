@@ -36,4 +36,4 @@ async def check_async(questpie: Questpie) -> None:
     assert_type(await client.apublish(Welcome(user_id="u"), idempotency_key="k"), str | None)
     assert_type(await client.apublish_many([{"user_id": "u"}]), list[str | None])
     assert_type(await questpie.queue.aget_receipt("id"), Receipt | None)
-    await client.apublish({"user_id": "u"}, idempotency="k")  # type: ignore[call-arg]
+    await client.apublish({"user_id": "u"}, idempotency="k")  # type: ignore[arg-type]
