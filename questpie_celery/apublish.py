@@ -19,8 +19,11 @@ import functools
 import logging
 import os
 import threading
-from collections.abc import Callable, Sequence
+import weakref
+from collections import deque
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from sqlalchemy import Connection
@@ -31,15 +34,23 @@ from . import telemetry
 from .broker import Sender
 from .errors import PublishOptionsError
 from .jobs import JobDefinition
+from .ledger import NewDispatch
 from .ledger.aio import AsyncLedger
-from .options import DispatchOptions
-from .outbox import Outbox
+from .options import DispatchOptions, resolve_options
+from .outbox import FirstSend, Outbox
 from .policies import QueuePolicy
-from .publish import ASYNC_SEND, Publisher
+from .publish import ASYNC_SEND, Chunk, Publisher, Route
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+#: Requests the batcher validates before it lets the loop run again, and messages per
+#: pipelined send: each slice holds the loop (or the GIL) for a millisecond or two.
+SLICE = 10
+SEND_SLICE = 10
+#: Rows per multi-row insert of gathered `apublish` calls (and of `apublish_many`).
+FLUSH_SIZE = 100
 
 #: Threads that talk to the broker for publishers in event loops. A send takes the
 #: broker a fraction of a millisecond, so a few keep up with many concurrent publishes,
@@ -88,8 +99,36 @@ def _log_failure(done: Future[None]) -> None:
         log.error("sending committed dispatches failed", exc_info=done.exception())
 
 
+@dataclass
+class _Wanted:
+    """One `apublish` waiting for the batcher: what it asked, and where its answer goes."""
+
+    definition: JobDefinition[Any]
+    payload: Any
+    given: Mapping[str, Any]
+    span: telemetry.Span
+    answer: asyncio.Future[str | None]
+
+
+@dataclass
+class _Group:
+    """Rows of one flush: they share everything `Ledger.insert_many` needs shared."""
+
+    key: tuple[Any, ...]
+    first: FirstSend
+    items: list[tuple[_Wanted, NewDispatch]] = field(default_factory=list)
+
+
 class AsyncPublisher:
-    """`Publisher`'s decisions, awaited."""
+    """`Publisher`'s decisions, awaited.
+
+    Concurrent `apublish` calls of one event loop are gathered: each call only queues
+    its request and waits, and one batcher per loop validates them a few at a time
+    (letting the loop run between), inserts the rows that share a statement's shape in
+    one multi-row statement, and sends their messages in short pipelined batches. The
+    decisions are `publish_many`'s, which are those of the same publishes made one after
+    another, in the order the calls arrived.
+    """
 
     def __init__(
         self,
@@ -104,28 +143,35 @@ class AsyncPublisher:
         self._outbox = outbox
         self._sender = sender
         self._sends = sends
+        self._batchers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Batcher] = (
+            weakref.WeakKeyDictionary()
+        )
 
     async def publish(
         self,
         definition: JobDefinition[Any],
         payload: Any,
-        options: DispatchOptions,
+        given: Mapping[str, Any],
         *,
         session: object = None,
         connection: object = None,
     ) -> str | None:
-        if session is not None or connection is not None:
-            return await self._in_transaction(
-                functools.partial(self._publisher.publish, definition, payload, options),
-                definition,
-                session,
-                connection,
-            )
-        if self._sender.eager:
-            # Eager mode runs the handler inline, which may block: a thread of its own.
-            return await asyncio.to_thread(self._publisher.publish, definition, payload, options)
+        """Publish one dispatch; `given` holds the call's options, not yet resolved."""
+        if session is not None or connection is not None or self._sender.eager:
+            options = resolve_options(definition.options, given)
+            call = functools.partial(self._publisher.publish, definition, payload, options)
+            if self._sender.eager:
+                # Eager mode runs the handler inline, which may block: a thread of its own.
+                return await asyncio.to_thread(call)
+            return await self._in_transaction(call, definition, session, connection)
         with telemetry.span("questpie.publish", job=definition.name) as span:
-            dispatch_id = await self._publish(definition, payload, options, span)
+            loop = asyncio.get_running_loop()
+            batcher = self._batchers.get(loop)
+            if batcher is None:
+                batcher = self._batchers[loop] = _Batcher(self, loop)
+            answer: asyncio.Future[str | None] = loop.create_future()
+            batcher.add(_Wanted(definition, payload, given, span, answer))
+            dispatch_id = await answer
             span.set(dispatch_id=dispatch_id, outcome="accepted" if dispatch_id else "suppressed")
             return dispatch_id
 
@@ -156,31 +202,6 @@ class AsyncPublisher:
             span.set(accepted=sum(dispatch_id is not None for dispatch_id in ids))
             return ids
 
-    async def _publish(
-        self,
-        definition: JobDefinition[Any],
-        payload: Any,
-        options: DispatchOptions,
-        span: telemetry.Span,
-    ) -> str | None:
-        publisher = self._publisher
-        keyring = publisher.keyring_for(options)
-        body = definition.to_json(payload)
-        policy = await self._policy(definition, [options], span)
-        route = publisher.route(definition.name, body, options, policy, keyring, None, None)
-        if route.new is None:
-            await self._sends.run(
-                publisher.send_unledgered, definition.name, route.dispatch_id, body, options
-            )
-            return route.dispatch_id
-        new = route.new
-        if not await self._ledger.insert(new):
-            known = publisher.needs_existence_check(new) and await self._ledger.exists(new.id)
-            return publisher.not_inserted(new, known)
-        if route.first.publisher_sends:
-            await self._sends.run(functools.partial(self._outbox.send, new, attempt=1))
-        return new.id
-
     async def _publish_many(
         self,
         definition: JobDefinition[Any],
@@ -189,22 +210,88 @@ class AsyncPublisher:
         span: telemetry.Span,
     ) -> list[str | None]:
         publisher = self._publisher
-        keyring, bodies = publisher.validate_many(definition, payloads, options)
+        keyring = publisher.keyring_for(options[0])
+        bodies: list[dict[str, Any]] = []
+        for start in range(0, len(payloads), SLICE):
+            # Validated a slice at a time, letting the loop run between slices.
+            bodies += publisher.validate_many(
+                definition, payloads[start : start + SLICE], options, first_index=start
+            )[1]
+            await asyncio.sleep(0)
         policy = await self._policy(definition, options, span)
         ids: list[str | None] = []
-        for chunk in publisher.chunks(
-            definition.name, bodies, options, policy, keyring, None, None
-        ):
+        chunks = publisher.chunks(
+            definition.name, bodies, options, policy, keyring, None, None, size=FLUSH_SIZE
+        )
+        for chunk in chunks:
             inserted = await self._ledger.insert_many(chunk.rows)
             contested = chunk.contested(inserted)
             known = await self._ledger.existing(contested) if contested else set()
             to_send = publisher.settle(chunk, inserted, known)
             if chunk.first.publisher_sends and to_send:
-                await self._sends.run(self._outbox.send_many, list(to_send.values()))
-            if chunk.plain:
-                await self._sends.run(publisher.send_plain, definition.name, chunk.plain)
+                await self._send_rows(list(to_send.values()))
+            for plain in _slices(chunk.plain, SEND_SLICE):
+                await self._sends.run(publisher.send_plain, definition.name, plain)
             ids += chunk.ids
+            await asyncio.sleep(0)
         return ids
+
+    async def _send_rows(self, rows: list[NewDispatch]) -> None:
+        """Send first attempts in short pipelined batches: a send thread holds the GIL
+        while Celery builds a batch's messages, and the loop must not wait long for it."""
+        for batch in _slices(rows, SEND_SLICE):
+            await self._sends.run(self._outbox.send_many, batch)
+
+    # --- the batcher's steps ------------------------------------------------------------
+
+    async def prepare(self, wanted: _Wanted) -> Route:
+        """Resolve, validate and route one request (what `publish` does before writing)."""
+        definition = wanted.definition
+        options = resolve_options(definition.options, wanted.given)
+        keyring = self._publisher.keyring_for(options)
+        body = definition.to_json(wanted.payload)
+        policy = await self._policy(definition, [options], wanted.span)
+        route = self._publisher.route(definition.name, body, options, policy, keyring, None, None)
+        if route.new is None:
+            route.plain = (body, options)
+        return route
+
+    async def send_plain(self, wanted: _Wanted, route: Route) -> None:
+        """An unledgered dispatch, sent alone: a refusal is this call's error only."""
+        assert route.plain is not None
+        body, options = route.plain
+        try:
+            await self._sends.run(
+                self._publisher.send_unledgered,
+                wanted.definition.name,
+                route.dispatch_id,
+                body,
+                options,
+            )
+        except Exception as exc:
+            _fail(wanted, exc)
+        else:
+            _answer(wanted, route.dispatch_id)
+
+    async def flush(self, group: _Group) -> None:
+        """Insert a group's rows in one statement, decide each, send what was inserted."""
+        chunk = Chunk(group.first)
+        for index, (_, new) in enumerate(group.items):
+            chunk.news[index] = new
+            chunk.ids.append(new.id)
+        try:
+            inserted = await self._ledger.insert_many(chunk.rows)
+            contested = chunk.contested(inserted)
+            known = await self._ledger.existing(contested) if contested else set()
+            to_send = self._publisher.settle(chunk, inserted, known)
+            if group.first.publisher_sends and to_send:
+                await self._send_rows(list(to_send.values()))
+        except Exception as exc:
+            for wanted, _ in group.items:
+                _fail(wanted, exc)
+            return
+        for (wanted, _), dispatch_id in zip(group.items, chunk.ids, strict=True):
+            _answer(wanted, dispatch_id)
 
     async def _policy(
         self,
@@ -259,3 +346,83 @@ class AsyncPublisher:
 
     def _send_committed(self, dispatch_ids: Sequence[str]) -> None:
         self._sends.submit(self._outbox.send_committed, list(dispatch_ids))
+
+
+class _Batcher:
+    """Gathers one event loop's concurrent `apublish` calls (see `AsyncPublisher`)."""
+
+    def __init__(self, publisher: AsyncPublisher, loop: asyncio.AbstractEventLoop) -> None:
+        self._publisher = publisher
+        self._loop = loop
+        self._pending: deque[_Wanted] = deque()
+        self._draining = False
+        self._tasks: set[asyncio.Task[None]] = set()  # held: the loop keeps weak references
+
+    def add(self, wanted: _Wanted) -> None:
+        self._pending.append(wanted)
+        if not self._draining:
+            self._draining = True
+            self._spawn(self._drain())
+
+    async def _drain(self) -> None:
+        try:
+            while self._pending:
+                groups: list[_Group] = []
+                taken = 0
+                while self._pending and taken < FLUSH_SIZE:
+                    for _ in range(min(SLICE, len(self._pending))):
+                        wanted = self._pending.popleft()
+                        taken += 1
+                        await self._take(wanted, groups)
+                    await asyncio.sleep(0)  # the loop runs between slices
+                for group in groups:
+                    self._spawn(self._publisher.flush(group))
+        finally:
+            self._draining = False
+
+    async def _take(self, wanted: _Wanted, groups: list[_Group]) -> None:
+        if wanted.answer.done():  # the caller was cancelled before its turn
+            return
+        try:
+            route = await self._publisher.prepare(wanted)
+        except Exception as exc:  # bad input: this call's error, nothing written
+            _fail(wanted, exc)
+            return
+        if route.new is None:
+            self._spawn(self._publisher.send_plain(wanted, route))
+            return
+        new = route.new
+        key = (
+            new.job_name,
+            new.status,
+            new.options,
+            new.run_after,
+            new.policy,
+            new.secret_ciphertext is not None,
+            route.first,
+        )
+        group = next((g for g in groups if g.key == key), None)
+        if group is None:
+            group = _Group(key, route.first)
+            groups.append(group)
+        group.items.append((wanted, new))
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = self._loop.create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+def _answer(wanted: _Wanted, dispatch_id: str | None) -> None:
+    if not wanted.answer.done():
+        wanted.answer.set_result(dispatch_id)
+
+
+def _fail(wanted: _Wanted, exc: BaseException) -> None:
+    if not wanted.answer.done():
+        wanted.answer.set_exception(exc)
+
+
+def _slices(items: list[T], size: int) -> Iterator[list[T]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]

@@ -119,23 +119,24 @@ class JobClient(Generic[P]):
         in its transaction and is sent after its commit) and `connection=` an
         `AsyncConnection` (the relay sends it once committed).
         """
-        options = self._options(
-            "apublish",
-            unknown,
-            idempotency_key=idempotency_key,
-            singleton_key=singleton_key,
-            queue_policy=queue_policy,
-            secret_payload=secret_payload,
-            priority=priority,
-            start_after=start_after,
-            retry_limit=retry_limit,
-            retry_delay=retry_delay,
-            retry_backoff=retry_backoff,
-            expire_in_seconds=expire_in_seconds,
-            queue=queue,
-        )
+        if unknown:
+            raise TypeError(unknown_option_message("apublish", unknown))
+        # Resolved by the publisher: concurrent calls are validated a few at a time.
+        given = {
+            "idempotency_key": idempotency_key,
+            "singleton_key": singleton_key,
+            "queue_policy": queue_policy,
+            "secret_payload": secret_payload,
+            "priority": priority,
+            "start_after": start_after,
+            "retry_limit": retry_limit,
+            "retry_delay": retry_delay,
+            "retry_backoff": retry_backoff,
+            "expire_in_seconds": expire_in_seconds,
+            "queue": queue,
+        }
         return await self._apublisher.publish(
-            self.definition, payload, options, session=session, connection=connection
+            self.definition, payload, given, session=session, connection=connection
         )
 
     def _options(self, method: str, unknown: Mapping[str, Any], **given: Any) -> DispatchOptions:

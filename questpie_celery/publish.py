@@ -47,6 +47,8 @@ class Route:
     dispatch_id: str
     new: NewDispatch | None = None
     first: FirstSend = field(default_factory=lambda: FirstSend(False))
+    #: A plain message's body and options, kept for a sender that sends it later.
+    plain: tuple[dict[str, Any], DispatchOptions] | None = None
 
 
 @dataclass
@@ -166,12 +168,14 @@ class Publisher:
         definition: JobDefinition[Any],
         payloads: Sequence[Any],
         options: Sequence[DispatchOptions],
+        *,
+        first_index: int = 0,
     ) -> tuple[Keyring | None, list[dict[str, Any]]]:
         """The keyring a secret batch seals with, and every payload's JSON; a bad one is
-        named by its index."""
+        named by its index (counted from `first_index` when validating a slice)."""
         keyring = self.keyring_for(options[0])
         bodies: list[dict[str, Any]] = []
-        for index, payload in enumerate(payloads):
+        for index, payload in enumerate(payloads, start=first_index):
             try:
                 bodies.append(definition.to_json(payload))
             except PayloadValidationError as exc:
@@ -215,8 +219,10 @@ class Publisher:
         keyring: Keyring | None,
         caller: Connection | None,
         session: Session | None,
+        *,
+        size: int = BATCH_SIZE,
     ) -> Iterator[Chunk]:
-        """The items a chunk at a time: each with its rows, its plain messages and ids."""
+        """The items `size` at a time: each chunk with its rows, plain messages and ids."""
         shared = options[0]  # the items differ in their keys only
         now = datetime.now(UTC)
         first = self._outbox.first_send(
@@ -224,9 +230,9 @@ class Publisher:
         )
         plain_ok = self._may_skip_ledger(shared, policy, caller, now)
         stored = shared.stored()
-        for start in range(0, len(bodies), BATCH_SIZE):
+        for start in range(0, len(bodies), size):
             chunk = Chunk(first)
-            for index in range(start, min(start + BATCH_SIZE, len(bodies))):
+            for index in range(start, min(start + size, len(bodies))):
                 item = options[index]
                 if plain_ok and item.idempotency_key is None:
                     plain_id = random_dispatch_id()
