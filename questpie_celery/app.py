@@ -12,7 +12,8 @@ import asyncio
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -24,10 +25,11 @@ from .apublish import AsyncPublisher, SendThreads
 from .bootstep import relay_step
 from .broker import Sender, configure_app, use_ledger_scheduler, visibility_timeout
 from .client import JobClient, JobRegistry, Lookups, QueueClient
+from .context import AppContext, ContextFactory, checked_factory
 from .crypto import MIN_SECRET_BYTES, Keyring
 from .errors import ConfigurationError, JobDefinitionError, PublishOptionsError, QuestpieError
 from .fence import Fence
-from .jobs import JobContext, JobDefinition, P, declared_jobs, job
+from .jobs import HandlerContext, JobDefinition, P, declared_jobs, job
 from .leases import LeaseKeeper
 from .ledger import DispatchRow, Ledger, create_ledger_engine, is_private_sqlite
 from .ledger.aio import AsyncLedger
@@ -72,6 +74,12 @@ class Questpie:
     Pass exactly one of `ledger_url` (a SQLAlchemy URL: `postgresql+psycopg://...`
     or `sqlite:///path`) and `engine`. Registering a job creates the Celery task
     named after it on `celery_app`, so `celery -A proj worker` runs it.
+
+    `context` is a zero-argument factory of the application's services for one run (a
+    database session, an HTTP client, settings): handlers get what it builds as
+    `ctx.app`. It may return a plain object, a context manager or an async context
+    manager, entered before each run and exited after it (see `questpie_celery.context`).
+    Without it, `ctx.app` is None. Tests swap it with `override_context(...)`.
     """
 
     def __init__(
@@ -89,9 +97,11 @@ class Questpie:
         fire_retention: float = DEFAULT_FIRE_RETENTION_SECONDS,
         durability: Durability = "durable",
         retention: float | timedelta | None = DEFAULT_RETENTION_SECONDS,
+        context: ContextFactory | None = None,
     ) -> None:
         if not isinstance(celery_app, Celery):
             raise ConfigurationError("celery_app must be a celery.Celery application")
+        self._context = AppContext(checked_factory(context))
         if (ledger_url is None) == (engine is None):
             raise ConfigurationError("pass exactly one of ledger_url= and engine=")
         if engine is not None and not isinstance(engine, Engine):
@@ -142,8 +152,9 @@ class Questpie:
             outcomes,
             self._keyring,
             redeliver_after=lambda: self._outbox.redeliver_after,
+            context=self._context,
         )
-        self._runner = Runner(fence, self._policies)
+        self._runner = Runner(fence, self._policies, self._context)
         self._publisher = Publisher(
             self._ledger, self._outbox, sender, self._policies, self._keyring_for_publish
         )
@@ -260,11 +271,11 @@ class Questpie:
 
     def job(
         self, *, name: str, schema: type[P], options: JobOptions | None = None
-    ) -> Callable[[Callable[[P, JobContext], Any]], JobDefinition[P]]:
+    ) -> Callable[[Callable[[P, HandlerContext], Any]], JobDefinition[P]]:
         """Like `@job`, and registers the definition with this `Questpie`."""
         make = job(name=name, schema=schema, options=options)
 
-        def decorate(handler: Callable[[P, JobContext], Any]) -> JobDefinition[P]:
+        def decorate(handler: Callable[[P, HandlerContext], Any]) -> JobDefinition[P]:
             definition = make(handler)
             self.register(definition)
             return definition
@@ -277,6 +288,17 @@ class Questpie:
         if client is None or client.definition is not definition:
             raise JobDefinitionError(f"job {definition.name!r} is not registered here")
         return client
+
+    @contextmanager
+    def override_context(self, factory: ContextFactory | None) -> Iterator[None]:
+        """Build `ctx.app` with `factory` instead, until the block ends; for tests.
+
+        It applies to every run in this process while the block lasts (eager mode's
+        inline runs, a worker started in this process), not to worker processes started
+        elsewhere. `None` runs handlers without services. Blocks nest.
+        """
+        with self._context.override(factory):
+            yield
 
     @property
     def celery_app(self) -> Celery:

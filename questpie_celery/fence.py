@@ -30,6 +30,7 @@ from celery.states import STARTED
 
 from . import telemetry
 from .broker import HEADER, MessageHeader, carry_for_retry, carry_from_request
+from .context import AppContext
 from .crypto import Keyring, Sealed
 from .errors import (
     HandlerAbortedError,
@@ -40,7 +41,7 @@ from .errors import (
     SecretDecryptionError,
     SecretJobError,
 )
-from .jobs import JobContext, JobDefinition, call_handler
+from .jobs import JobContext, JobDefinition
 from .leases import LeaseKeeper
 from .ledger import Claim, DispatchRow, Ledger, NewDispatch
 from .options import StoredOptions, resolve_options
@@ -88,6 +89,7 @@ class Fence:
         keyring: Keyring | None,
         *,
         redeliver_after: Callable[[], float],
+        context: AppContext,
     ) -> None:
         self._ledger = ledger
         self._leases = leases
@@ -95,6 +97,7 @@ class Fence:
         self._outcomes = outcomes
         self._keyring = keyring
         self._redeliver_after = redeliver_after
+        self._context = context
 
     def adopt_and_run(
         self,
@@ -330,7 +333,11 @@ class Fence:
     def _call(self, definition: JobDefinition[Any], row: DispatchRow, payload: Any) -> _Ending:
         """Run the handler. The payload, the context and the handler's exception live only
         in this frame, which is gone once it returns: what the caller raises for a secret
-        dispatch carries none of them, in its message, its cause or its traceback's frames."""
+        dispatch carries none of them, in its message, its cause or its traceback's frames.
+
+        The application's context is built here, after the claim and the payload: a
+        delivery the fence turned away, or a payload that does not validate, builds
+        nothing, and its set-up or close failing is this attempt failing."""
         try:
             model = self._payload_of(definition, row, payload)
             ctx = JobContext(
@@ -341,7 +348,7 @@ class Fence:
                 retry_limit=row.options.run.retry_limit,
                 singleton_key=row.singleton_key,
             )
-            result = call_handler(definition, model, ctx)
+            result = self._context.call(definition, model, ctx, secret=row.secret)
         except (PayloadValidationError, SecretDecryptionError, PermanentFailure) as exc:
             # A bad payload or ciphertext is not mended by retrying; a worker missing the
             # right secret might be, by a better-configured one.

@@ -12,19 +12,28 @@ from typing import Any, Generic, TypeVar, get_args
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_core import to_jsonable_python
+from typing_extensions import TypeVar as DefaultedTypeVar
 
 from .errors import JobDefinitionError, PayloadValidationError, PublishOptionsError
 from .options import JobOptions, validate_job_options
 
 P = TypeVar("P", bound=BaseModel)
+#: The type of `ctx.app`: what `Questpie(context=...)` builds for each run. Its default
+#: makes a bare `JobContext` mean `JobContext[None]`, as it was before there was an `app`.
+#: Covariant: a context is read-only, so `JobContext[Sub]` may stand for `JobContext[Base]`.
+AppT_co = DefaultedTypeVar("AppT_co", default=None, covariant=True)
 
 JOB_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,199}")
 _NON_ALNUM = re.compile(r"[^A-Za-z0-9]+")
 
 
 @dataclass(frozen=True)
-class JobContext:
-    """What a handler learns about the run it is part of."""
+class JobContext(Generic[AppT_co]):
+    """What a handler learns about the run it is part of.
+
+    Annotate a handler's `ctx` as `JobContext[AppServices]` to have `ctx.app` typed as
+    what your `Questpie(context=...)` factory builds; a bare `JobContext` types it as None.
+    """
 
     dispatch_id: str
     job_name: str
@@ -33,9 +42,18 @@ class JobContext:
     """1 on the first run, 2 on the first retry, ..."""
     retry_limit: int
     singleton_key: str | None = None
+    # None is right only for JobContext[None], which is what a context built without a
+    # factory is; with one, the run sets `app` to what the factory built.
+    app: AppT_co = None  # type: ignore[assignment]
+    """What `Questpie(context=...)` built for this run; None without a factory."""
 
 
-Handler = Callable[[P, JobContext], Any] | Callable[[P, JobContext], Awaitable[Any]]
+#: What `@job` accepts: the handler's `ctx` may be a bare `JobContext` or one typed with
+#: its application services (`JobContext[AppServices]`); the factory, not the decorator,
+#: decides what `ctx.app` holds at run time.
+HandlerContext = JobContext[Any]
+
+Handler = Callable[[P, HandlerContext], Any] | Callable[[P, HandlerContext], Awaitable[Any]]
 
 
 class JobDefinition(Generic[P]):
@@ -46,7 +64,7 @@ class JobDefinition(Generic[P]):
         *,
         name: str,
         schema: type[P],
-        handler: Callable[[P, JobContext], Any],
+        handler: Callable[[P, HandlerContext], Any],
         options: JobOptions | None = None,
     ) -> None:
         if not isinstance(name, str) or not JOB_NAME_PATTERN.fullmatch(name):
@@ -136,7 +154,7 @@ class JobDefinition(Generic[P]):
         assert isinstance(dumped, dict)
         return dumped
 
-    def __call__(self, payload: P, ctx: JobContext) -> Any:
+    def __call__(self, payload: P, ctx: HandlerContext) -> Any:
         """Call the handler directly (useful in a project's unit tests)."""
         return self.handler(payload, ctx)
 
@@ -152,7 +170,7 @@ _declared: list[JobDefinition[Any]] = []
 
 def job(
     *, name: str, schema: type[P], options: JobOptions | None = None
-) -> Callable[[Callable[[P, JobContext], Any]], JobDefinition[P]]:
+) -> Callable[[Callable[[P, HandlerContext], Any]], JobDefinition[P]]:
     """Turn `handler(payload, ctx)` into a `JobDefinition`.
 
     Register it with `Questpie(jobs=[...])` or `questpie.register(...)`; a definition no
@@ -160,7 +178,7 @@ def job(
     starting, or the first lookup of an unknown name in `questpie.queue`).
     """
 
-    def decorate(handler: Callable[[P, JobContext], Any]) -> JobDefinition[P]:
+    def decorate(handler: Callable[[P, HandlerContext], Any]) -> JobDefinition[P]:
         definition = JobDefinition(name=name, schema=schema, handler=handler, options=options)
         _declared.append(definition)
         return definition
@@ -246,7 +264,7 @@ def job_attribute_name(job_name: str) -> str:
     return _NON_ALNUM.sub("_", job_name.lower())
 
 
-def call_handler(definition: JobDefinition[Any], model: Any, ctx: JobContext) -> Any:
+def call_handler(definition: JobDefinition[Any], model: Any, ctx: HandlerContext) -> Any:
     """Run the handler; an `async def` one gets an event loop of its own for the run."""
     if definition.is_async:
         return asyncio.run(definition.handler(model, ctx))

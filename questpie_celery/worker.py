@@ -16,9 +16,10 @@ from celery import Celery, Task
 
 from . import telemetry
 from .broker import MessageHeader
+from .context import AppContext
 from .errors import HandlerAbortedError, PermanentFailure
 from .fence import Fence, mark_started
-from .jobs import JobContext, JobDefinition, call_handler
+from .jobs import JobContext, JobDefinition
 from .options import resolve_options
 from .recorded_policy import PolicyBook
 
@@ -38,9 +39,10 @@ class JobTask(Task):  # type: ignore[misc]  # celery ships no type information
 class Runner:
     """Runs deliveries of every job registered with one `Questpie`."""
 
-    def __init__(self, fence: Fence, policies: PolicyBook) -> None:
+    def __init__(self, fence: Fence, policies: PolicyBook, context: AppContext) -> None:
         self._fence = fence
         self._policies = policies
+        self._context = context
 
     def register(self, app: Celery, definition: JobDefinition[Any]) -> Any:
         """Create the Celery task named after the job on `app`."""
@@ -109,7 +111,7 @@ class Runner:
         telemetry.current().set(attempt=attempt, policy="standard")
         try:
             with telemetry.span("questpie.run", attempt=attempt):
-                result = call_handler(definition, model, ctx)
+                result = self._context.call(definition, model, ctx, secret=False)
         except (PermanentFailure, KeyboardInterrupt, SystemExit):
             telemetry.current().set(outcome="failed")
             raise

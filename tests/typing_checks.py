@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
 from typing import assert_type
 
 from celery import Celery
@@ -37,3 +40,55 @@ async def check_async(questpie: Questpie) -> None:
     assert_type(await client.apublish_many([{"user_id": "u"}]), list[str | None])
     assert_type(await questpie.queue.aget_receipt("id"), Receipt | None)
     await client.apublish({"user_id": "u"}, idempotency="k")  # type: ignore[arg-type]
+
+
+@dataclass
+class AppServices:
+    db_url: str
+
+
+@job(name="typed-context", schema=Welcome)
+def typed_context(payload: Welcome, ctx: JobContext[AppServices]) -> None:
+    assert_type(ctx.app, AppServices)
+    assert_type(ctx.app.db_url, str)
+    assert_type(ctx.dispatch_id, str)
+    _ = ctx.app.no_such_attr  # type: ignore[attr-defined]
+
+
+@job(name="typed-context-async", schema=Welcome)
+async def typed_context_async(payload: Welcome, ctx: JobContext[AppServices]) -> None:
+    assert_type(ctx.app, AppServices)
+
+
+def bare_context(payload: Welcome, ctx: JobContext) -> None:
+    # A bare JobContext is JobContext[None], as before `app` existed.
+    assert_type(ctx.app, None)
+    assert_type(ctx, JobContext[None])
+
+
+@contextmanager
+def services() -> Iterator[AppServices]:
+    yield AppServices(db_url="sqlite://")
+
+
+@asynccontextmanager
+async def async_services() -> AsyncIterator[AppServices]:
+    yield AppServices(db_url="sqlite://")
+
+
+def check_context(questpie: Questpie) -> None:
+    assert_type(typed_context, JobDefinition[Welcome])
+    # A Questpie with a factory takes typed and bare handlers alike.
+    app = Questpie(Celery("x"), ledger_url="sqlite://", jobs=[typed_context], context=services)
+    app.job(name="bare", schema=Welcome)(bare_context)
+    app.job(name="typed", schema=Welcome)(typed_context.handler)
+    Questpie(Celery("x"), ledger_url="sqlite://", context=async_services)
+    Questpie(Celery("x"), ledger_url="sqlite://", context=lambda: AppServices(db_url="x"))
+    with questpie.override_context(lambda: AppServices(db_url="fake")):
+        pass
+    with questpie.override_context(None):
+        pass
+    # A context built by hand (a project's unit test calling its handler directly).
+    made = JobContext("id", "typed-context", None, 1, 0, app=AppServices(db_url="x"))
+    assert_type(made, JobContext[AppServices])
+    typed_context(Welcome(user_id="u"), made)
