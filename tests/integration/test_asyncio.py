@@ -18,14 +18,18 @@ from sqlalchemy import func, select, text
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
 
 from questpie_celery import (
+    LedgerUnavailableError,
     PayloadValidationError,
     PublishOptionsError,
     Questpie,
     derive_dispatch_id,
 )
-from questpie_celery.ledger import dispatch_table
+from questpie_celery.ledger import dispatch_table, open_ledger
 from tests.integration.conftest import new_stack
+from tests.integration.test_faults import closed_ledger_url, depth
+from tests.support import jobapp
 from tests.support.brokers import capture, queue_depth
+from tests.support.services import RedisServer, free_port
 from tests.support.stack import Stack, tag
 
 T = TypeVar("T")
@@ -334,3 +338,105 @@ def test_apublish_on_the_sqlite_ledger(sqlite_fs: Stack) -> None:
     sqlite_fs.wait_runs(t, 2)  # the keyed one once, the unkeyed item once
     time.sleep(1)
     assert len(sqlite_fs.runs(t)) == 2
+
+
+# --- faults: a down broker or ledger, bad input amid good ------------------------------
+
+
+def ticking_while(work: Callable[[], Awaitable[T]]) -> Callable[[], Awaitable[tuple[T, float]]]:
+    """Run `work` while a coroutine ticks every 10 ms; return its result and the longest
+    gap between ticks (how long the loop was held)."""
+
+    async def body() -> tuple[T, float]:
+        loop = asyncio.get_running_loop()
+        gaps: list[float] = []
+        done = False
+
+        async def tick() -> None:
+            last = loop.time()
+            while not done:
+                await asyncio.sleep(0.01)
+                now = loop.time()
+                gaps.append(now - last)
+                last = now
+
+        ticker = asyncio.create_task(tick())
+        try:
+            return await work(), max(gaps, default=0.0)
+        finally:
+            done = True
+            await ticker
+
+    return body
+
+
+def test_a_down_broker_leaves_rows_for_the_relay_and_never_holds_the_loop(pg_db: str) -> None:
+    _, questpie = jobapp.build(broker=f"redis://127.0.0.1:{free_port()}/0", ledger=pg_db)
+    questpie.migrate()
+    record = questpie.queue.record
+    try:
+
+        async def work() -> list[str | None]:
+            return await asyncio.gather(
+                *(record.apublish({"tag": "down"}, idempotency_key=f"down:{i}") for i in range(20))
+            )
+
+        started = time.monotonic()
+        ids, longest_gap = run(questpie, ticking_while(work))
+        elapsed = time.monotonic() - started
+        # kombu retries its connection for seconds: the loop ticked on meanwhile.
+        assert elapsed > 0.5
+        assert longest_gap < 0.25, f"the loop was held for {longest_gap:.3f}s"
+        assert len(set(ids)) == 20
+        ledger = open_ledger(pg_db)
+        try:
+            for dispatch_id in ids:
+                row = ledger.get(dispatch_id or "")
+                assert row is not None and row.status == "pending"  # the relay sends it
+        finally:
+            ledger.close()
+    finally:
+        questpie.close()
+
+
+def test_an_unreachable_ledger_fails_every_gathered_call_and_sends_nothing(
+    redis_server: RedisServer,
+) -> None:
+    broker, idle = redis_server.url(redis_server.new_db()), f"idle-{tag()}"
+    _, questpie = jobapp.build(broker=broker, ledger=closed_ledger_url(), queue=idle)
+    record = questpie.queue.record
+    try:
+
+        async def work() -> list[Any]:
+            return await asyncio.gather(
+                *(record.apublish({"tag": "x"}, idempotency_key=f"k{i}") for i in range(5)),
+                return_exceptions=True,
+            )
+
+        results = run(questpie, work)
+        assert all(isinstance(r, LedgerUnavailableError) for r in results), results
+        assert depth(broker, idle) == 0
+    finally:
+        questpie.close()
+
+
+def test_bad_calls_among_good_ones_fail_alone(pg_redis: Stack) -> None:
+    t = tag()
+    record = pg_redis.questpie.queue.record
+
+    async def work() -> list[Any]:
+        return await asyncio.gather(
+            record.apublish({"tag": t}, idempotency_key=f"good:{t}:0"),
+            record.apublish({"no": "tag"}, idempotency_key=f"bad:{t}"),
+            record.apublish({"tag": t}, idempotency_key=""),
+            record.apublish({"tag": t}, idempotency_key=f"good:{t}:1"),
+            return_exceptions=True,
+        )
+
+    results = run(pg_redis.questpie, work)
+    assert isinstance(results[1], PayloadValidationError)
+    assert isinstance(results[2], PublishOptionsError)
+    assert results[0] == derive_dispatch_id("record", f"good:{t}:0")
+    assert results[3] == derive_dispatch_id("record", f"good:{t}:1")
+    assert pg_redis.ledger.get(derive_dispatch_id("record", f"bad:{t}")) is None
+    pg_redis.wait_runs(t, 2)
