@@ -1,0 +1,129 @@
+"""apublish in the fast lane: a SQLite ledger (its work in threads), memory://, no worker.
+
+Concurrent calls of one loop are gathered into multi-row inserts; these tests check
+that gathering changes nothing a caller can see: ids, repeats, suppressions, errors,
+and nothing written for a rejected call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+from celery import Celery
+
+from questpie_celery import (
+    PayloadValidationError,
+    PublishOptionsError,
+    Questpie,
+    derive_dispatch_id,
+)
+from tests.unit.helpers import IdleApp
+from tests.unit.test_eager import charge, runs
+
+T = TypeVar("T")
+
+
+def run(questpie: Questpie, body: Callable[[], Awaitable[T]]) -> T:
+    async def main() -> T:
+        try:
+            return await body()
+        finally:
+            await questpie.aclose()
+
+    return asyncio.run(main())
+
+
+def test_gathered_calls_answer_as_sequential_publishes_would(idle: IdleApp) -> None:
+    record = idle.questpie.queue.record
+    before_rows, before_messages = idle.written()
+
+    async def body() -> list[str | None]:
+        return await asyncio.gather(
+            *(record.apublish({"tag": "g"}, idempotency_key=f"g:{i % 7}") for i in range(40))
+        )
+
+    ids = run(idle.questpie, body)
+    assert ids == [derive_dispatch_id("record", f"g:{i % 7}") for i in range(40)]
+    rows, messages = idle.written()
+    assert (rows - before_rows, messages - before_messages) == (7, 7)  # one per key
+
+
+def test_a_policy_slot_is_decided_in_arrival_order(idle: IdleApp) -> None:
+    short = idle.questpie.queue.policy_short
+
+    async def body() -> list[str | None]:
+        return await asyncio.gather(
+            *(short.apublish({"tag": "p"}, singleton_key=f"slot-{i % 2}") for i in range(6))
+        )
+
+    ids = run(idle.questpie, body)
+    # `short` keeps one queued dispatch per slot: the first call of each slot wins.
+    assert [i is not None for i in ids] == [True, True, False, False, False, False]
+
+
+def test_rejected_calls_write_nothing_and_the_others_go_on(idle: IdleApp) -> None:
+    record = idle.questpie.queue.record
+    before = idle.written()
+
+    async def body() -> list[Any]:
+        return await asyncio.gather(
+            record.apublish({}, idempotency_key="bad-payload"),
+            record.apublish({"tag": "x"}, priority=42),
+            record.apublish({"tag": "x"}, idempotency_key="fine"),
+            return_exceptions=True,
+        )
+
+    results = run(idle.questpie, body)
+    assert isinstance(results[0], PayloadValidationError)
+    assert isinstance(results[1], PublishOptionsError)
+    assert results[2] == derive_dispatch_id("record", "fine")
+    assert idle.written() == (before[0] + 1, before[1] + 1)
+
+
+def test_apublish_many_names_the_bad_item_and_writes_nothing(idle: IdleApp) -> None:
+    record = idle.questpie.queue.record
+    before = idle.written()
+    payloads: list[dict[str, Any]] = [{"tag": "ok"}] * 30 + [{}]
+    with pytest.raises(PayloadValidationError, match="item 30"):
+        run(
+            idle.questpie,
+            lambda: record.apublish_many(payloads, idempotency_keys=[f"m{i}" for i in range(31)]),
+        )
+    assert idle.written() == before
+
+
+def test_unknown_keywords_and_wrong_transactions_are_refused(idle: IdleApp) -> None:
+    record = idle.questpie.queue.record
+    with pytest.raises(TypeError, match="start_after"):
+        run(idle.questpie, lambda: record.apublish({"tag": "x"}, countdown=5))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="idempotency_keys"):
+        run(idle.questpie, lambda: record.apublish_many([], idempotency_key="k"))  # type: ignore[arg-type]
+    with pytest.raises(PublishOptionsError, match="publish\\(\\)"):
+        run(idle.questpie, lambda: record.apublish({"tag": "x"}, session="no"))  # type: ignore[arg-type]
+    with pytest.raises(PublishOptionsError, match="list of payloads"):
+        run(idle.questpie, lambda: record.apublish_many({"tag": "x"}))  # type: ignore[arg-type]
+
+
+def test_eager_mode_runs_the_handler_through_the_fence(tmp_path: Path) -> None:
+    app = Celery("eager-async", broker="memory://")
+    app.conf.task_always_eager = True
+    questpie = Questpie(app, ledger_url=f"sqlite:///{tmp_path / 'l.db'}", jobs=[charge])
+    questpie.migrate()
+    runs.clear()
+    try:
+
+        async def body() -> list[str | None]:
+            return [
+                await questpie.queue.eager_charge.apublish({"order_id": "a"}, idempotency_key="k"),
+                await questpie.queue.eager_charge.apublish({"order_id": "a"}, idempotency_key="k"),
+            ]
+
+        first, again = run(questpie, body)
+        assert first == again == derive_dispatch_id("eager.charge", "k")
+        assert runs == [("eager.charge", first, 1)]
+    finally:
+        questpie.close()
