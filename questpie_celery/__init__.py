@@ -1,30 +1,75 @@
-"""questpie_celery: schema-checked jobs, idempotency keys and a dispatch ledger for Celery."""
+"""questpie_celery: schema-checked jobs, idempotency keys and a dispatch ledger for Celery.
 
-from .app import Questpie
-from .errors import (
-    BrokerError,
-    ConfigurationError,
-    HandlerAbortedError,
-    InvalidInputError,
-    JobDefinitionError,
-    LedgerBusyError,
-    LedgerError,
-    LedgerSchemaError,
-    LedgerUnavailableError,
-    PayloadValidationError,
-    PermanentFailure,
-    PublishOptionsError,
-    QuestpieError,
-    SecretDecryptionError,
-    SecretJobError,
-    UnknownJobError,
-)
-from .ids import derive_dispatch_id
-from .jobs import JobContext, JobDefinition, job
-from .ledger import metadata
-from .options import JobOptions
-from .policies import QueuePolicy, QueuePolicyName
-from .receipts import DispatchStatus, Receipt
+The names below are imported on first use, not with the package: `questpie_celery.testing`
+is a pytest plugin that every pytest run in an environment with this package loads, and
+it must not cost those runs Celery, SQLAlchemy and pydantic (see docs/testing.md).
+"""
+
+import importlib as _importlib
+import typing as _typing
+
+if _typing.TYPE_CHECKING:
+    from .app import Questpie
+    from .errors import (
+        BrokerError,
+        ConfigurationError,
+        HandlerAbortedError,
+        InvalidInputError,
+        JobDefinitionError,
+        LedgerBusyError,
+        LedgerError,
+        LedgerSchemaError,
+        LedgerUnavailableError,
+        PayloadValidationError,
+        PermanentFailure,
+        PublishOptionsError,
+        QuestpieError,
+        SecretDecryptionError,
+        SecretJobError,
+        UnknownJobError,
+    )
+    from .ids import derive_dispatch_id
+    from .jobs import JobContext, JobDefinition, job
+    from .ledger import metadata
+    from .options import JobOptions
+    from .policies import QueuePolicy, QueuePolicyName
+    from .receipts import DispatchStatus, Receipt
+
+#: Each exported name and the module it comes from.
+_FROM = {
+    "Questpie": ".app",
+    **dict.fromkeys(
+        (
+            "BrokerError",
+            "ConfigurationError",
+            "HandlerAbortedError",
+            "InvalidInputError",
+            "JobDefinitionError",
+            "LedgerBusyError",
+            "LedgerError",
+            "LedgerSchemaError",
+            "LedgerUnavailableError",
+            "PayloadValidationError",
+            "PermanentFailure",
+            "PublishOptionsError",
+            "QuestpieError",
+            "SecretDecryptionError",
+            "SecretJobError",
+            "UnknownJobError",
+        ),
+        ".errors",
+    ),
+    "derive_dispatch_id": ".ids",
+    "JobContext": ".jobs",
+    "JobDefinition": ".jobs",
+    "job": ".jobs",
+    "metadata": ".ledger",
+    "JobOptions": ".options",
+    "QueuePolicy": ".policies",
+    "QueuePolicyName": ".policies",
+    "DispatchStatus": ".receipts",
+    "Receipt": ".receipts",
+}
 
 __all__ = [
     "BrokerError",
@@ -55,3 +100,18 @@ __all__ = [
     "job",
     "metadata",
 ]
+
+
+def __getattr__(name: str) -> object:
+    module = _FROM.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(_importlib.import_module(module, __name__), name)
+    globals()[name] = value  # once imported, an ordinary attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    # Not the names pytest's assertion rewriting adds to a module (`@py_builtins`): it
+    # rewrites every module of a distribution that has a pytest plugin, as this one does.
+    return sorted(name for name in set(globals()) | set(__all__) if name.isidentifier())

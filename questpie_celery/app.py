@@ -320,6 +320,33 @@ class Questpie:
         """Create or upgrade the ledger schema; idempotent. Returns the schema version."""
         return self._ledger.migrate()
 
+    def rebind_ledger(
+        self, *, ledger_url: str | None = None, engine: Engine | None = None
+    ) -> Engine:
+        """Point this `Questpie` at another ledger database; returns the engine it used
+        until now, neither closed nor disposed, so it can be rebound back.
+
+        For tests only (`questpie_celery.testing` gives each test a throwaway ledger this
+        way): a project builds its `Questpie` at import time, and its jobs are bound to it.
+        Every part shares one `Ledger`, rebound here; the policies read from the old
+        database are forgotten, and acceptance marks batched for it are written to it
+        first. Never use it in production, nor while this process runs handlers, a relay
+        or publishes in another thread: those would finish against the other database.
+        Other processes are not told. `durability` stays as configured.
+        """
+        if (ledger_url is None) == (engine is None):
+            raise ConfigurationError("pass exactly one of ledger_url= and engine=")
+        if engine is not None and not isinstance(engine, Engine):
+            raise ConfigurationError("engine must be a sqlalchemy.Engine")
+        if ledger_url is not None and not isinstance(ledger_url, str):
+            raise ConfigurationError("ledger_url must be a str")
+        new = engine or create_ledger_engine(ledger_url or "", relaxed=self._ledger.relaxed)
+        previous = self._ledger.engine
+        self._outbox.flush()
+        self._ledger.rebind(new)
+        self._policies.forget()
+        return previous
+
     def set_policy(self, job_name: str, policy: QueuePolicy | str) -> None:
         """Record `policy` for a job on purpose; dispatches accepted from now on follow it."""
         parsed = QueuePolicy.parse(policy)

@@ -96,6 +96,10 @@ class Outbox:
         """Write the acceptance marks still batched."""
         self._acceptance.close()
 
+    def flush(self) -> None:
+        """Write the acceptance marks batched so far, and go on batching."""
+        self._acceptance.flush()
+
     # --- when ---------------------------------------------------------------------------
 
     @staticmethod

@@ -97,6 +97,10 @@ class PolicyBook:
         with contextlib.suppress(LedgerUnavailableError):
             self._recorded(job_name)
 
+    def forget(self) -> None:
+        """Drop every cached policy: the ledger was rebound to another database."""
+        self._cache.clear()
+
     def warn_ignored_singleton_key(self, job_name: str) -> None:
         self._warn_once(
             (job_name, "singleton_key"),

@@ -14,6 +14,9 @@ import pytest
 
 INTEGRATION = Path(__file__).parent / "integration"
 
+# `pytester` runs small projects that use the questpie_celery.testing plugin, as users would.
+pytest_plugins = ["pytester"]
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:

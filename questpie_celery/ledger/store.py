@@ -54,10 +54,16 @@ class Ledger:
     """The dispatch ledger in one database."""
 
     def __init__(self, engine: Engine, *, relaxed: bool = False) -> None:
-        self.engine = engine
         #: Commits may not be on disk when they return (see `create_ledger_engine`): the
         #: fence then takes back a delivery whose row a database crash lost.
         self.relaxed = relaxed
+        self.rebind(engine)
+
+    def rebind(self, engine: Engine) -> None:
+        """Talk to the database of `engine` from now on, forgetting what was read from
+        the previous one. For tests (see `Questpie.rebind_ledger`): every part of a
+        `Questpie` shares this object, so rebinding it moves them all."""
+        self.engine = engine
         self._autocommit: Engine
         self._transactional: Engine
         if runs_in_autocommit(engine):
