@@ -3,11 +3,14 @@ with each test's ledger a fresh database on a real PostgreSQL server, dropped af
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from sqlalchemy import create_engine, text
 
 from tests.support.services import PostgresServer
-from tests.unit.test_testing_plugin import EXAMPLE
+
+EXAMPLE = Path(__file__).parents[2] / "examples" / "testing"
 
 pytestmark = pytest.mark.timeout(120)
 
