@@ -344,6 +344,7 @@ class Questpie:
         previous = self._ledger.engine
         self._outbox.flush()
         self._ledger.rebind(new)
+        self._aledger.rebound()
         self._policies.forget()
         return previous
 

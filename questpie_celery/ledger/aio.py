@@ -45,6 +45,13 @@ class AsyncLedger:
 
     def __init__(self, ledger: Ledger) -> None:
         self._ledger = ledger
+        self.rebound()
+
+    def rebound(self) -> None:
+        """Follow a `Ledger.rebind`: its dialect and engine may differ now. The async
+        engines made from the previous one are let go, not disposed (that needs their
+        loops); for tests only, as the rebind is."""
+        ledger = self._ledger
         self._sql = ledger.statements
         # Only an engine we made knows its own settings, and only PostgreSQL has a
         # driver that can wait without a thread.

@@ -7,6 +7,7 @@ subprocess that must not import Celery at all.
 
 from __future__ import annotations
 
+import asyncio
 import re
 from pathlib import Path
 
@@ -319,6 +320,9 @@ def test_rebind_ledger_moves_every_part_and_back(tmp_path: Path) -> None:
     assert queue.publish({"name": "b"}, idempotency_key="k") is not None
     assert questpie.get_policy("plugin.rebind") == QueuePolicy.STATELY
     assert [d.payload for d in questpie.operator.dispatches()] == [{"name": "b"}]
+    # asyncio publishing follows the rebind too.
+    assert asyncio.run(queue.apublish({"name": "d"}, idempotency_key="d")) is None  # stately
+    assert len(questpie.operator.dispatches()) == 1
 
     questpie.rebind_ledger(engine=previous).dispose()
     assert questpie.get_policy("plugin.rebind") == QueuePolicy.SINGLETON
