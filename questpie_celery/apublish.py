@@ -15,6 +15,7 @@ runs in the loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
@@ -24,15 +25,17 @@ from collections import deque
 from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import Connection
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from . import telemetry
 from .broker import Sender
-from .errors import PublishOptionsError
+from .errors import PublishOptionsError, QuestpieError
 from .jobs import JobDefinition
 from .ledger import NewDispatch
 from .ledger.aio import AsyncLedger
@@ -99,20 +102,24 @@ def _log_failure(done: Future[None]) -> None:
         log.error("sending committed dispatches failed", exc_info=done.exception())
 
 
-@dataclass
+@dataclass(eq=False)  # compared (and hashed) by identity: one per call
 class _Wanted:
-    """One `apublish` waiting for the batcher: what it asked, and where its answer goes."""
+    """One `apublish` waiting for the batcher: what it asked, and where its answer goes.
+
+    The payload is dropped once the request is prepared: the batcher's later frames
+    hold many callers' requests, and none of them may show another's payload."""
 
     definition: JobDefinition[Any]
     payload: Any
     given: Mapping[str, Any]
     span: telemetry.Span
+    trace: dict[str, str]  # the caller's trace context, for a send made in a thread
     answer: asyncio.Future[str | None]
 
 
 @dataclass
 class _Group:
-    """Rows of one flush: they share everything `Ledger.insert_many` needs shared."""
+    """Consecutive rows of one round that share what `Ledger.insert_many` needs shared."""
 
     key: tuple[Any, ...]
     first: FirstSend
@@ -160,17 +167,18 @@ class AsyncPublisher:
         if session is not None or connection is not None or self._sender.eager:
             options = resolve_options(definition.options, given)
             call = functools.partial(self._publisher.publish, definition, payload, options)
-            if self._sender.eager:
-                # Eager mode runs the handler inline, which may block: a thread of its own.
-                return await asyncio.to_thread(call)
-            return await self._in_transaction(call, definition, session, connection)
+            if session is not None or connection is not None:
+                # Also in eager mode: the sync path runs the handler after the commit.
+                return await self._in_transaction(call, definition, session, connection)
+            # Eager mode runs the handler inline, which may block: a thread of its own.
+            return await asyncio.to_thread(call)
         with telemetry.span("questpie.publish", job=definition.name) as span:
             loop = asyncio.get_running_loop()
             batcher = self._batchers.get(loop)
             if batcher is None:
-                batcher = self._batchers[loop] = _Batcher(self, loop)
+                batcher = self._batchers[loop] = _Batcher(self)
             answer: asyncio.Future[str | None] = loop.create_future()
-            batcher.add(_Wanted(definition, payload, given, span, answer))
+            batcher.add(_Wanted(definition, payload, given, span, telemetry.carrier(), answer))
             dispatch_id = await answer
             span.set(dispatch_id=dispatch_id, outcome="accepted" if dispatch_id else "suppressed")
             return dispatch_id
@@ -236,11 +244,13 @@ class AsyncPublisher:
             await asyncio.sleep(0)
         return ids
 
-    async def _send_rows(self, rows: list[NewDispatch]) -> None:
+    async def _send_rows(
+        self, rows: list[NewDispatch], traces: dict[str, dict[str, str]] | None = None
+    ) -> None:
         """Send first attempts in short pipelined batches: a send thread holds the GIL
         while Celery builds a batch's messages, and the loop must not wait long for it."""
         for batch in _slices(rows, SEND_SLICE):
-            await self._sends.run(self._outbox.send_many, batch)
+            await self._sends.run(self._outbox.send_many, batch, traces)
 
     # --- the batcher's steps ------------------------------------------------------------
 
@@ -249,7 +259,7 @@ class AsyncPublisher:
         definition = wanted.definition
         options = resolve_options(definition.options, wanted.given)
         keyring = self._publisher.keyring_for(options)
-        body = definition.to_json(wanted.payload)
+        body, wanted.payload = definition.to_json(wanted.payload), None
         policy = await self._policy(definition, [options], wanted.span)
         route = self._publisher.route(definition.name, body, options, policy, keyring, None, None)
         if route.new is None:
@@ -267,31 +277,72 @@ class AsyncPublisher:
                 route.dispatch_id,
                 body,
                 options,
+                wanted.trace or None,
             )
-        except Exception as exc:
+        except BaseException as exc:
             _fail(wanted, exc)
+            if not isinstance(exc, Exception):
+                raise
         else:
             _answer(wanted, route.dispatch_id)
 
     async def flush(self, group: _Group) -> None:
-        """Insert a group's rows in one statement, decide each, send what was inserted."""
+        """Insert a group's rows in one statement and decide each; the sends (and the
+        answers, which follow them) go on in a task of their own."""
         chunk = Chunk(group.first)
         for index, (_, new) in enumerate(group.items):
             chunk.news[index] = new
             chunk.ids.append(new.id)
         try:
             inserted = await self._ledger.insert_many(chunk.rows)
-            contested = chunk.contested(inserted)
-            known = await self._ledger.existing(contested) if contested else set()
-            to_send = self._publisher.settle(chunk, inserted, known)
-            if group.first.publisher_sends and to_send:
-                await self._send_rows(list(to_send.values()))
-        except Exception as exc:
+        except BaseException as exc:  # nothing of the group was written (or it is unknown)
             for wanted, _ in group.items:
                 _fail(wanted, exc)
-            return
-        for (wanted, _), dispatch_id in zip(group.items, chunk.ids, strict=True):
-            _answer(wanted, dispatch_id)
+            if isinstance(exc, Exception):
+                return
+            raise
+        contested = chunk.contested(inserted)
+        failed: dict[int, BaseException] = {}
+        known: set[str] = set()
+        if contested:
+            try:
+                known = await self._ledger.existing(contested)
+            except Exception as exc:
+                # Only the items that needed the answer fail: the others are decided.
+                for index, new in list(chunk.news.items()):
+                    if new.id in contested:
+                        failed[index] = exc
+                        del chunk.news[index]
+        to_send = self._publisher.settle(chunk, inserted, known)
+        answers = [
+            (wanted, failed.get(index, chunk.ids[index]))
+            for index, (wanted, _) in enumerate(group.items)
+        ]
+        send = list(to_send.values()) if group.first.publisher_sends else []
+        traces = {new.id: wanted.trace for wanted, new in group.items if wanted.trace}
+        spawn(self._send_then_answer(send, traces, answers))
+
+    async def _send_then_answer(
+        self,
+        rows: list[NewDispatch],
+        traces: dict[str, dict[str, str]],
+        answers: list[tuple[_Wanted, str | BaseException | None]],
+    ) -> None:
+        try:
+            await self._send_rows(rows, traces)
+        except Exception as exc:
+            # The rows are in the ledger: the relay sends what this did not.
+            log.warning(
+                "sending %d accepted dispatch(es) failed (%s); the relay sends them",
+                len(rows),
+                type(exc).__name__,
+            )
+        finally:
+            for wanted, answer in answers:
+                if isinstance(answer, BaseException):
+                    _fail(wanted, answer)
+                else:
+                    _answer(wanted, answer)
 
     async def _policy(
         self,
@@ -315,12 +366,13 @@ class AsyncPublisher:
         """Run the sync publish inside the caller's async transaction."""
         if session is not None and connection is not None:
             raise PublishOptionsError("pass session or connection, not both")
-        if session is not None and not isinstance(session, AsyncSession):
+        session_type, connection_type = _async_types()
+        if session is not None and not isinstance(session, session_type):
             raise PublishOptionsError(
                 "apublish's session must be a sqlalchemy.ext.asyncio.AsyncSession "
                 "(a sync Session goes to publish())"
             )
-        if connection is not None and not isinstance(connection, AsyncConnection):
+        if connection is not None and not isinstance(connection, connection_type):
             raise PublishOptionsError(
                 "apublish's connection must be a sqlalchemy.ext.asyncio.AsyncConnection "
                 "(a sync Connection goes to publish())"
@@ -330,14 +382,15 @@ class AsyncPublisher:
         if not self._publisher.policy_is_cached(definition):
             await asyncio.to_thread(self._publisher.read_policy, definition)
         await self._ledger.know_identity()
-        if isinstance(session, AsyncSession):
+        if session is not None:
+            assert isinstance(session, session_type)
             session.sync_session.info[ASYNC_SEND] = self._send_committed
 
             def in_session(sync_session: Session) -> T:
                 return publish(session=sync_session)
 
             return await session.run_sync(in_session)
-        assert isinstance(connection, AsyncConnection)
+        assert isinstance(connection, connection_type)
 
         def in_connection(sync_connection: Connection) -> T:
             return publish(connection=sync_connection)
@@ -349,22 +402,27 @@ class AsyncPublisher:
 
 
 class _Batcher:
-    """Gathers one event loop's concurrent `apublish` calls (see `AsyncPublisher`)."""
+    """Gathers one event loop's concurrent `apublish` calls (see `AsyncPublisher`).
 
-    def __init__(self, publisher: AsyncPublisher, loop: asyncio.AbstractEventLoop) -> None:
+    It holds no reference to its loop: a loop closed without `aclose()` must still be
+    collected, with its ledger connections."""
+
+    def __init__(self, publisher: AsyncPublisher) -> None:
         self._publisher = publisher
-        self._loop = loop
         self._pending: deque[_Wanted] = deque()
         self._draining = False
-        self._tasks: set[asyncio.Task[None]] = set()  # held: the loop keeps weak references
 
     def add(self, wanted: _Wanted) -> None:
         self._pending.append(wanted)
         if not self._draining:
             self._draining = True
-            self._spawn(self._drain())
+            spawn(self._drain())
 
     async def _drain(self) -> None:
+        """Take the waiting calls a round at a time, in the order they arrived: prepare
+        them a slice at a time, then insert each run of calls that share a statement's
+        shape, one run after another, so every policy decision falls in arrival order."""
+        in_hand: set[_Wanted] = set()  # taken, and not yet answered or handed to a task
         try:
             while self._pending:
                 groups: list[_Group] = []
@@ -373,24 +431,38 @@ class _Batcher:
                     for _ in range(min(SLICE, len(self._pending))):
                         wanted = self._pending.popleft()
                         taken += 1
-                        await self._take(wanted, groups)
+                        in_hand.add(wanted)
+                        if not await self._take(wanted, groups):
+                            in_hand.discard(wanted)
                     await asyncio.sleep(0)  # the loop runs between slices
                 for group in groups:
-                    self._spawn(self._publisher.flush(group))
+                    await self._publisher.flush(group)
+                    in_hand.difference_update(wanted for wanted, _ in group.items)
+        except BaseException as exc:
+            # Whatever stopped the batcher (the loop shutting down, say), no caller is
+            # left waiting for ever.
+            for wanted in (*in_hand, *self._pending):
+                _fail(wanted, exc)
+            self._pending.clear()
+            if not isinstance(exc, Exception):
+                raise
         finally:
             self._draining = False
 
-    async def _take(self, wanted: _Wanted, groups: list[_Group]) -> None:
+    async def _take(self, wanted: _Wanted, groups: list[_Group]) -> bool:
+        """Prepare one call; True if it joined a group, False if it is answered or sent."""
         if wanted.answer.done():  # the caller was cancelled before its turn
-            return
+            return False
         try:
             route = await self._publisher.prepare(wanted)
-        except Exception as exc:  # bad input: this call's error, nothing written
+        except BaseException as exc:  # this call's own error; nothing was written
             _fail(wanted, exc)
-            return
+            if isinstance(exc, KeyboardInterrupt | SystemExit | asyncio.CancelledError):
+                raise
+            return False
         if route.new is None:
-            self._spawn(self._publisher.send_plain(wanted, route))
-            return
+            spawn(self._publisher.send_plain(wanted, route))
+            return False
         new = route.new
         key = (
             new.job_name,
@@ -401,16 +473,21 @@ class _Batcher:
             new.secret_ciphertext is not None,
             route.first,
         )
-        group = next((g for g in groups if g.key == key), None)
-        if group is None:
-            group = _Group(key, route.first)
-            groups.append(group)
-        group.items.append((wanted, new))
+        # Only the last group may take it: joining an earlier one would jump the queue.
+        if not groups or groups[-1].key != key:
+            groups.append(_Group(key, route.first))
+        groups[-1].items.append((wanted, new))
+        return True
 
-    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
-        task = self._loop.create_task(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+
+#: Tasks spawned by batchers, held: the loop keeps only weak references to tasks.
+_SPAWNED: set[asyncio.Task[None]] = set()
+
+
+def spawn(work: Coroutine[Any, Any, None]) -> None:
+    task = asyncio.get_running_loop().create_task(work)
+    _SPAWNED.add(task)
+    task.add_done_callback(_SPAWNED.discard)
 
 
 def _answer(wanted: _Wanted, dispatch_id: str | None) -> None:
@@ -419,8 +496,38 @@ def _answer(wanted: _Wanted, dispatch_id: str | None) -> None:
 
 
 def _fail(wanted: _Wanted, exc: BaseException) -> None:
-    if not wanted.answer.done():
-        wanted.answer.set_exception(exc)
+    """Fail one caller with an exception of its own.
+
+    One error often fails many callers; sharing one exception object would let a caller
+    see another's frames (and their payloads) in its traceback. Each gets a fresh copy
+    with no cause: the package's errors are written to hold no payload, and anything
+    else is named by its class only."""
+    if wanted.answer.done():
+        return
+    if isinstance(exc, asyncio.CancelledError):
+        wanted.answer.cancel()
+        return
+    copy: BaseException | None = None
+    if isinstance(exc, QuestpieError):
+        with contextlib.suppress(Exception):
+            copy = type(exc)(*exc.args)
+    if copy is None:
+        copy = QuestpieError(f"apublish failed: {type(exc).__name__}")
+    copy.__suppress_context__ = True
+    wanted.answer.set_exception(copy)
+
+
+def _async_types() -> tuple[type[AsyncSession], type[AsyncConnection]]:
+    """SQLAlchemy's asyncio classes, imported when first needed: they need greenlet (the
+    `asyncio` extra), which a project that never publishes from asyncio does without."""
+    try:
+        from sqlalchemy.ext import asyncio as sa_asyncio  # noqa: PLC0415
+    except ImportError:
+        raise PublishOptionsError(
+            "apublish(session=/connection=) takes SQLAlchemy's AsyncSession/AsyncConnection, "
+            "which need greenlet: pip install 'questpie-celery[asyncio]'"
+        ) from None
+    return sa_asyncio.AsyncSession, sa_asyncio.AsyncConnection
 
 
 def _slices(items: list[T], size: int) -> Iterator[list[T]]:

@@ -295,13 +295,21 @@ class Sender:
         eta: datetime | None = None,
         countdown: float | None = None,
         carry: Mapping[str, Any] | None = None,
+        trace: Mapping[str, str] | None = None,
     ) -> None:
-        """Publish one message; raise `BrokerError` if the broker does not take it."""
+        """Publish one message; raise `BrokerError` if the broker does not take it.
+
+        `trace` is the trace context of the publisher when the send happens elsewhere (a
+        send thread); by default the current one is sent."""
         carried = dict(carry or {})
         # Stamped at each send: how old the message is, for a fence that meets no row.
         stamped = {**header.to_dict(), "sent": round(time.time(), 3)}
         headers = {**carried.pop("headers", {}), HEADER: stamped}
-        telemetry.inject(headers)  # the consumer's span continues the sender's trace
+        # The consumer's span continues the sender's trace.
+        if trace is None:
+            telemetry.inject(headers)
+        else:
+            headers.update(trace)
         if self.eager:
             # Celery's eager mode ignores ETAs as well; what the handler raises propagates
             # exactly as it would from apply_async() when task_eager_propagates is set.

@@ -5,12 +5,14 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Generic, Never
+from typing import TYPE_CHECKING, Any, Generic, Never
 
 from pydantic import BaseModel
 from sqlalchemy import Connection
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from .apublish import AsyncPublisher
 from .errors import JobDefinitionError, PublishOptionsError, UnknownJobError

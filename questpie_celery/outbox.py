@@ -177,6 +177,7 @@ class Outbox:
         attempt: int,
         countdown: float | None,
         carry: Mapping[str, Any] | None,
+        trace: Mapping[str, str] | None = None,
     ) -> None:
         options = row.options
         run_after = row.run_after
@@ -193,6 +194,7 @@ class Outbox:
             # An ETA only within the horizon: further out, rows wait in the ledger.
             eta=run_after if countdown is None else None,
             carry=options.carry if carry is None else carry,
+            trace=trace,
         )
 
     def _due_soon(self, dispatch_ids: Sequence[str], attempt: int, send_in: float) -> None:
@@ -221,22 +223,30 @@ class Outbox:
             return
         self.send_many([row for row in rows if row.status == "pending"])
 
-    def send_many(self, rows: Sequence[Sendable]) -> list[bool]:
+    def send_many(
+        self,
+        rows: Sequence[Sendable],
+        traces: Mapping[str, Mapping[str, str]] | None = None,
+    ) -> list[bool]:
         """Send the first attempt of many ledgered dispatches over one producer connection,
         pipelined where the broker allows; return, per row, whether the broker took it.
 
         When the broker refuses, the rest are not tried; every row not known to be taken
         is left due for the relay soon. With pipelining, which sends arrived is unknown
         after a failure: those count as refused, and a second copy the relay sends is one
-        the worker's fence drops.
+        the worker's fence drops. `traces` holds, by dispatch id, the trace context of a
+        publisher the send does not run for (see `Sender.send`).
         """
+        if not rows:
+            return []  # a batch of nothing (a savepoint dropped every row) sends nothing
         taken = [False] * len(rows)
         first_error: BaseException | None = None
         try:
             with self._sender.batch(len(rows)):
                 for index, row in enumerate(rows):
                     try:
-                        self._send(row, attempt=1, countdown=None, carry=None)
+                        trace = traces.get(row.id) if traces is not None else None
+                        self._send(row, attempt=1, countdown=None, carry=None, trace=trace)
                         taken[index] = True
                     except BrokerError:
                         break

@@ -9,7 +9,7 @@ failure after that point leaves a row that a retry or the relay can finish.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -277,7 +277,12 @@ class Publisher:
         )
 
     def send_unledgered(
-        self, job_name: str, dispatch_id: str, body: dict[str, Any], options: DispatchOptions
+        self,
+        job_name: str,
+        dispatch_id: str,
+        body: dict[str, Any],
+        options: DispatchOptions,
+        trace: Mapping[str, str] | None = None,
     ) -> None:
         self._sender.send(
             job_name=job_name,
@@ -287,6 +292,7 @@ class Publisher:
             priority=options.priority,
             queue=options.queue,
             eta=options.start_after,
+            trace=trace,
         )
 
     def send_plain(

@@ -87,9 +87,10 @@ class PolicyBook:
         return self._ledger.get_policy(job_name)
 
     def is_cached(self, job_name: str) -> bool:
-        """Whether `effective` would answer from memory, without the ledger."""
+        """Whether `effective` would answer from memory, without the ledger, for at least
+        another second (a caller that must not wait on the ledger checks this first)."""
         cached = self._cache.get(job_name)
-        return cached is not None and time.monotonic() - cached[1] < POLICY_CACHE_SECONDS
+        return cached is not None and time.monotonic() - cached[1] < POLICY_CACHE_SECONDS - 1
 
     def read(self, job_name: str) -> None:
         """Refresh the cached recorded policy now; a ledger that is down is left to the

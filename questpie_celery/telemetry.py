@@ -78,6 +78,14 @@ def inject(headers: MutableMapping[str, Any]) -> None:
         propagate.inject(headers)
 
 
+def carrier() -> dict[str, str]:
+    """The current trace context as headers, to send later from another context (a send
+    thread); empty when tracing is off."""
+    headers: dict[str, str] = {}
+    inject(headers)
+    return headers
+
+
 @contextmanager
 def continued_from(headers: Mapping[str, Any] | None) -> Iterator[None]:
     """Make the trace context a message's headers carry current for the block."""

@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import os
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from ..errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine
 
 SQLITE_BUSY_TIMEOUT_MS = 15_000
 PG_CONNECT_TIMEOUT_SECONDS = 5
@@ -76,6 +78,9 @@ def create_async_ledger_engine(engine: Engine, *, relaxed: bool) -> AsyncEngine:
 
     One serves one event loop: its pool's connections belong to the loop that opened them.
     """
+    # Imported here: SQLAlchemy's asyncio layer needs greenlet, an optional extra.
+    from sqlalchemy.ext.asyncio import create_async_engine  # noqa: PLC0415
+
     return create_async_engine(
         engine.url,
         connect_args=_pg_connect_args(relaxed=relaxed),

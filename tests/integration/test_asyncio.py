@@ -9,12 +9,15 @@ server runs one for its life. Every loop's own asyncio engine is closed by
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
+import traceback
+import warnings
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 import pytest
-from sqlalchemy import func, select, text
+from sqlalchemy import create_engine, func, select, text
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
 
 from questpie_celery import (
@@ -440,3 +443,155 @@ def test_bad_calls_among_good_ones_fail_alone(pg_redis: Stack) -> None:
     assert results[3] == derive_dispatch_id("record", f"good:{t}:1")
     assert pg_redis.ledger.get(derive_dispatch_id("record", f"bad:{t}")) is None
     pg_redis.wait_runs(t, 2)
+
+
+# --- what a hostile review found --------------------------------------------------------
+
+
+def admin(pg_db: str, sql: str) -> Any:
+    """Run `sql` on the server of `pg_db`, connected to its `postgres` database."""
+    engine = create_engine(pg_db.rsplit("/", 1)[0] + "/postgres", isolation_level="AUTOCOMMIT")
+    try:
+        with engine.connect() as conn:
+            result = conn.execute(text(sql))
+            return result.scalar() if result.returns_rows else None
+    finally:
+        engine.dispose()
+
+
+def test_callers_failed_together_get_exceptions_of_their_own_holding_no_other_secret(
+    pg_db: str,
+) -> None:
+    """One failed statement fails every call of its group: each must get its own
+    exception object, whose traceback (locals included) holds no other caller's payload."""
+    _, questpie = jobapp.build(broker="memory://", ledger=pg_db, secret=SECRET)
+    questpie.migrate()
+    link = questpie.queue.secret_link
+    database = pg_db.rsplit("/", 1)[1]
+    saved: dict[str, BaseException] = {}
+
+    async def caller(name: str, canary: str) -> None:
+        try:
+            await link.apublish(
+                {"tag": name, "link": canary}, idempotency_key=f"k-{name}", secret_payload=True
+            )
+        except Exception as exc:
+            saved[name] = exc
+
+    async def body() -> None:
+        await link.apublish(
+            {"tag": "warm", "link": "warm"}, idempotency_key="warm", secret_payload=True
+        )
+        admin(pg_db, f"ALTER DATABASE {database} SET default_transaction_read_only = on")
+        admin(
+            pg_db,
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+            f"WHERE datname = '{database}' AND pid <> pg_backend_pid()",
+        )
+        await asyncio.gather(caller("A", "CANARY-AAAA"), caller("B", "CANARY-BBBB"))
+
+    try:
+        run(questpie, body)
+    finally:
+        admin(pg_db, f"ALTER DATABASE {database} SET default_transaction_read_only = off")
+        questpie.close()
+    assert set(saved) == {"A", "B"}
+    assert saved["A"] is not saved["B"]
+    for name, other in (("A", "CANARY-BBBB"), ("B", "CANARY-AAAA")):
+        told = "".join(
+            traceback.TracebackException.from_exception(saved[name], capture_locals=True).format()
+        )
+        assert other not in told, f"caller {name}'s exception shows the other's secret"
+
+
+def test_loops_closed_without_aclose_leave_no_connections(pg_db: str) -> None:
+    _, questpie = jobapp.build(broker="memory://", ledger=pg_db, queue=f"idle-{tag()}")
+    questpie.migrate()
+    database = pg_db.rsplit("/", 1)[1]
+    record = questpie.queue.record
+
+    async def one(i: int) -> None:
+        await record.apublish({"tag": "loop"}, idempotency_key=f"loop-{i}")
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)  # psycopg: collected while open
+            for i in range(15):
+                asyncio.run(one(i))  # no aclose(): what a careless script does
+            gc.collect()
+        opened = admin(pg_db, f"SELECT count(*) FROM pg_stat_activity WHERE datname = '{database}'")
+        assert opened <= 3, f"{opened} connections still open after 15 loops"
+    finally:
+        questpie.close()
+
+
+def test_gathered_calls_with_different_options_are_decided_in_arrival_order(
+    pg_db: str,
+) -> None:
+    _, questpie = jobapp.build(broker="memory://", ledger=pg_db, queue=f"idle-{tag()}")
+    questpie.migrate()
+    exclusive = questpie.queue.policy_exclusive
+
+    async def trial(i: int) -> list[str | None]:
+        return await asyncio.gather(
+            exclusive.apublish({"tag": "a"}, singleton_key=f"a{i}", priority=1),
+            exclusive.apublish({"tag": "b"}, singleton_key=f"s{i}", priority=2),
+            exclusive.apublish({"tag": "c"}, singleton_key=f"s{i}", priority=1),
+        )
+
+    async def body() -> list[list[str | None]]:
+        return [await trial(i) for i in range(8)]
+
+    try:
+        for a, b, c in run(questpie, body):
+            # As three publish() calls in this order: b takes slot s, c finds it taken.
+            assert a is not None and b is not None and c is None
+    finally:
+        questpie.close()
+
+
+def test_eager_apublish_in_a_session_runs_after_commit_and_not_after_rollback(
+    pg_db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("QP_TEST_RUNS", pg_db)  # where the record job writes its runs
+    monkeypatch.setattr(jobapp, "_engines", {})
+    jobapp.runs_table.create(jobapp.runs_engine(), checkfirst=True)
+    celery_app, questpie = jobapp.build(broker="memory://", ledger=pg_db)
+    celery_app.conf.task_always_eager = True
+    questpie.migrate()
+    record = questpie.queue.record
+    kept, dropped = tag(), tag()
+
+    async def body() -> None:
+        engine = create_async_engine(pg_db)
+        try:
+            async with AsyncSession(engine) as session, session.begin():
+                await record.apublish({"tag": kept}, idempotency_key=kept, session=session)
+                assert ran(kept) == 0  # not before the commit
+                assert questpie.queue.get_status(derive_dispatch_id("record", kept)) is None
+            async with AsyncSession(engine) as session, session.begin():
+                await record.apublish({"tag": dropped}, idempotency_key=dropped, session=session)
+                await session.rollback()
+        finally:
+            await engine.dispose()
+
+    def ran(t: str) -> int:
+        with jobapp.runs_engine().connect() as conn:
+            return int(
+                conn.execute(
+                    select(func.count())
+                    .select_from(jobapp.runs_table)
+                    .where(jobapp.runs_table.c.tag == t, jobapp.runs_table.c.phase == "start")
+                ).scalar_one()
+            )
+
+    try:
+        run(questpie, body)
+        deadline = time.monotonic() + 10
+        while ran(kept) == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)  # the after-commit send runs on a send thread
+        assert ran(kept) == 1
+        assert ran(dropped) == 0
+        assert questpie.queue.get_status(derive_dispatch_id("record", dropped)) is None
+    finally:
+        questpie.close()

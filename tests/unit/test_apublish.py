@@ -14,13 +14,19 @@ from typing import Any, TypeVar
 
 import pytest
 from celery import Celery
+from pydantic import BaseModel, field_validator
 
 from questpie_celery import (
+    JobContext,
+    LedgerUnavailableError,
     PayloadValidationError,
     PublishOptionsError,
     Questpie,
+    QuestpieError,
     derive_dispatch_id,
+    job,
 )
+from questpie_celery.ledger.aio import AsyncLedger
 from tests.unit.helpers import IdleApp
 from tests.unit.test_eager import charge, runs
 
@@ -127,3 +133,79 @@ def test_eager_mode_runs_the_handler_through_the_fence(tmp_path: Path) -> None:
         assert runs == [("eager.charge", first, 1)]
     finally:
         questpie.close()
+
+
+class Abort(BaseException):
+    """What a validator of the project's might raise: not an Exception."""
+
+
+class Numbered(BaseModel):
+    n: int
+
+    @field_validator("n")
+    @classmethod
+    def refuse_five(cls, value: int) -> int:
+        if value == 5:
+            raise Abort()
+        return value
+
+
+@job(name="apublish.numbered", schema=Numbered)
+def numbered(payload: Numbered, ctx: JobContext) -> None:
+    del payload, ctx
+
+
+def test_a_base_exception_in_one_call_leaves_the_others_answered(tmp_path: Path) -> None:
+    app = Celery("numbered", broker="memory://")
+    questpie = Questpie(app, ledger_url=f"sqlite:///{tmp_path / 'l.db'}", jobs=[numbered])
+    questpie.migrate()
+    client = questpie.client(numbered)
+    try:
+
+        async def body() -> list[Any]:
+            calls = (client.apublish({"n": n}, idempotency_key=f"n{n}") for n in range(10))
+            return await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 30)
+
+        results = run(questpie, body)
+        assert [isinstance(r, str) for r in results] == [n != 5 for n in range(10)]
+        assert isinstance(results[5], QuestpieError)
+    finally:
+        questpie.close()
+
+
+def test_a_failed_existence_check_fails_only_the_calls_that_needed_it(
+    idle: IdleApp, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A slot taken by an earlier publish makes the keyed call's insert a conflict that
+    needs the existence check; the call whose row was written is answered regardless."""
+    short = idle.questpie.queue.policy_short
+    assert short.publish({"tag": "holder"}, singleton_key="held") is not None
+
+    async def unreachable(self: AsyncLedger, dispatch_ids: Any) -> set[str]:
+        raise LedgerUnavailableError("the dispatch ledger database cannot be reached")
+
+    monkeypatch.setattr(AsyncLedger, "existing", unreachable)
+
+    async def body() -> list[Any]:
+        return await asyncio.gather(
+            short.apublish({"tag": "free"}, singleton_key="free-slot"),
+            short.apublish({"tag": "contested"}, singleton_key="held"),
+            return_exceptions=True,
+        )
+
+    free, contested = run(idle.questpie, body)
+    assert isinstance(free, str) and idle.questpie.queue.get_status(free) is not None
+    # A singleton-keyed call has no idempotency key: nothing to check, it is suppressed.
+    assert contested is None
+
+    async def keyed() -> list[Any]:
+        return await asyncio.gather(
+            short.apublish({"tag": "free"}, singleton_key="free-slot-2"),
+            short.apublish({"tag": "contested"}, idempotency_key="k-held"),
+            return_exceptions=True,
+        )
+
+    assert short.publish({"tag": "holder"}) is not None  # the job's unkeyed slot ""
+    free, contested = run(idle.questpie, keyed)
+    assert isinstance(free, str) and idle.questpie.queue.get_status(free) is not None
+    assert isinstance(contested, LedgerUnavailableError)

@@ -3,6 +3,7 @@ carried through the message, checked with the SDK's in-memory exporter."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import uuid
@@ -149,3 +150,36 @@ print("ok")
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
     )
     assert done.stdout.strip() == "ok", done.stderr
+
+
+def test_gathered_apublish_calls_each_carry_their_own_trace(
+    tmp_path: Path, spans: InMemorySpanExporter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sends of gathered calls run on send threads, outside each caller's context:
+    every message must still carry the trace of the call that published it."""
+    questpie = make(tmp_path, monkeypatch, eager=False)
+    queue = questpie.celery_app.conf.task_default_queue
+    tracer = PROVIDER.get_tracer("test")
+
+    async def call(name: str, key: str | None) -> tuple[int, str | None]:
+        with tracer.start_as_current_span(name) as outer:
+            dispatch_id = await questpie.queue.traced.apublish({"tag": name}, idempotency_key=key)
+            return outer.get_span_context().trace_id, dispatch_id
+
+    async def main() -> list[tuple[int, str | None]]:
+        try:
+            return await asyncio.gather(
+                call("a", "k-a"), call("b", "k-b"), call("c", None), call("d", "k-d")
+            )
+        finally:
+            await questpie.aclose()
+
+    traces = {dispatch_id: trace_id for trace_id, dispatch_id in asyncio.run(main())}
+    with Connection("memory://") as conn:
+        simple = conn.SimpleQueue(queue)
+        for _ in range(4):
+            message = simple.get(timeout=5)
+            message.ack()
+            carried = message.headers["traceparent"].split("-")[1]
+            assert carried == f"{traces[message.headers['id']]:032x}"
+    questpie.close()
