@@ -6,6 +6,7 @@ it must not cost those runs Celery, SQLAlchemy and pydantic (see docs/testing.md
 """
 
 import importlib as _importlib
+import importlib.util as _importlib_util
 import typing as _typing
 
 if _typing.TYPE_CHECKING:
@@ -105,6 +106,9 @@ __all__ = [
 def __getattr__(name: str) -> object:
     module = _FROM.get(name)
     if module is None:
+        # `questpie_celery.errors` and the like: a submodule, imported on first use too.
+        if not name.startswith("_") and _importlib_util.find_spec(f"{__name__}.{name}"):
+            return _importlib.import_module(f".{name}", __name__)
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(_importlib.import_module(module, __name__), name)
     globals()[name] = value  # once imported, an ordinary attribute

@@ -139,7 +139,7 @@ class Questpie:
             else create_ledger_engine(ledger_url or "", relaxed=relaxed),
             relaxed=relaxed,
         )
-        sender = Sender(celery_app)
+        sender = self._sender = Sender(celery_app)
         self._outbox = Outbox(self._ledger, sender, self._redeliver_after)
         self._policies = PolicyBook(self._ledger)
         slots = Slots(self._ledger, self._outbox)
@@ -347,6 +347,13 @@ class Questpie:
         self._aledger.rebound()
         self._policies.forget()
         return previous
+
+    def broker_changed(self) -> None:
+        """Read the Celery app's broker settings again after they changed: the broker's
+        kind (how priorities are sent) and its visibility timeout. For tests, which swap
+        the broker of an app configured already; `questpie_celery.testing` calls it."""
+        self._sender.forget_broker()
+        self._configure()
 
     def set_policy(self, job_name: str, policy: QueuePolicy | str) -> None:
         """Record `policy` for a job on purpose; dispatches accepted from now on follow it."""

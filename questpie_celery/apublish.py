@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 import logging
 import os
@@ -72,9 +73,11 @@ class SendThreads:
         self._lock = threading.Lock()
 
     async def run(self, call: Callable[..., T], *args: Any) -> T:
-        """Run `call(*args)` on a send thread; the loop goes on meanwhile."""
+        """Run `call(*args)` on a send thread, in the caller's context (its trace goes
+        into the messages); the loop goes on meanwhile."""
+        context = contextvars.copy_context()
         return await asyncio.get_running_loop().run_in_executor(
-            self._executor(), functools.partial(call, *args)
+            self._executor(), functools.partial(context.run, call, *args)
         )
 
     def submit(self, call: Callable[..., None], *args: Any) -> None:
@@ -277,7 +280,7 @@ class AsyncPublisher:
                 route.dispatch_id,
                 body,
                 options,
-                wanted.trace or None,
+                wanted.trace,  # the batcher's context is not this caller's
             )
         except BaseException as exc:
             _fail(wanted, exc)
@@ -319,7 +322,8 @@ class AsyncPublisher:
             for index, (wanted, _) in enumerate(group.items)
         ]
         send = list(to_send.values()) if group.first.publisher_sends else []
-        traces = {new.id: wanted.trace for wanted, new in group.items if wanted.trace}
+        # Every row's own, empty or not: the batcher's context is not its caller's.
+        traces = {new.id: wanted.trace for wanted, new in group.items}
         spawn(self._send_then_answer(send, traces, answers))
 
     async def _send_then_answer(

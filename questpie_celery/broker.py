@@ -278,6 +278,10 @@ class Sender:
                 f"the broker may not have taken a batch of sends: {type(exc).__name__}"
             ) from exc
 
+    def forget_broker(self) -> None:
+        """The app's broker settings changed (a test's): read the broker's kind again."""
+        self._kind = None
+
     @property
     def eager(self) -> bool:
         """Sends run the task inline (`task_always_eager`)."""

@@ -31,8 +31,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from .errors import ConfigurationError
-from .jobs import HandlerContext, JobDefinition, call_handler
+from .errors import ClaimLostError, ConfigurationError
+from .jobs import HandlerContext, JobDefinition, call_handler, in_fresh_thread, in_running_loop
 
 log = logging.getLogger(__name__)
 
@@ -78,12 +78,19 @@ class AppContext:
             self._factory = previous
 
     def call(
-        self, definition: JobDefinition[Any], model: Any, ctx: HandlerContext, *, secret: bool
+        self,
+        definition: JobDefinition[Any],
+        model: Any,
+        ctx: HandlerContext,
+        *,
+        secret: bool,
+        held: Callable[[], bool] = lambda: True,
     ) -> Any:
         """Run the handler with `ctx.app` set to what the factory builds for this run.
 
         `secret`: the payload is a secret one, so a close error logged here shows its
-        class name only (its message might quote what the handler saw).
+        class name only (its message might quote what the handler saw). `held`: whether
+        the run still holds its claim; a context is closed as succeeded only then.
         """
         factory = self._factory
         if factory is None:
@@ -98,7 +105,7 @@ class AppContext:
         is_sync = hasattr(kind, "__enter__") and hasattr(kind, "__exit__")
         is_async = hasattr(kind, "__aenter__") and hasattr(kind, "__aexit__")
         if is_async and (definition.is_async or not is_sync):
-            return _in_async_context(definition, model, ctx, made, secret)
+            return _in_async_context(definition, model, ctx, made, secret, held)
         if is_sync:
             app = kind.__enter__(made)
             return _around(
@@ -106,15 +113,28 @@ class AppContext:
                 lambda *end: kind.__exit__(made, *end),
                 ctx,
                 secret,
+                held,
             )
         return call_handler(definition, model, dataclasses.replace(ctx, app=made))
 
 
 def _in_async_context(
-    definition: JobDefinition[Any], model: Any, ctx: HandlerContext, made: Any, secret: bool
+    definition: JobDefinition[Any],
+    model: Any,
+    ctx: HandlerContext,
+    made: Any,
+    secret: bool,
+    held: Callable[[], bool],
 ) -> Any:
     """Enter, run and exit in one event loop, so what `__aenter__` bound to its loop (a
-    connection pool, a client session) is used and closed in that loop."""
+    connection pool, a client session) is used and closed in that loop.
+
+    Where a loop already runs in this thread (eager mode inside an `async def` test),
+    that loop of the run's own is made in a thread of its own."""
+    if in_running_loop():
+        return in_fresh_thread(
+            lambda: _in_async_context(definition, model, ctx, made, secret, held)
+        )
     kind = type(made)
     with asyncio.Runner() as runner:
         app = runner.run(kind.__aenter__(made))
@@ -125,7 +145,9 @@ def _in_async_context(
                 return runner.run(definition.handler(model, run_ctx))
             return definition.handler(model, run_ctx)
 
-        return _around(handle, lambda *end: runner.run(kind.__aexit__(made, *end)), ctx, secret)
+        return _around(
+            handle, lambda *end: runner.run(kind.__aexit__(made, *end)), ctx, secret, held
+        )
 
 
 def _around(
@@ -133,9 +155,12 @@ def _around(
     close: Callable[[Any, Any, Any], Any],
     ctx: HandlerContext,
     secret: bool,
+    held: Callable[[], bool],
 ) -> Any:
     """`handle()`, then `close(...)` as a `with` statement would, except that a close
-    error never replaces the handler's and a close cannot suppress it."""
+    error never replaces the handler's and a close cannot suppress it, and that a run
+    which lost its claim meanwhile is closed as failed (`ClaimLostError`): its context
+    must not commit work the ledger will not record as this run's, and a retry redoes."""
     try:
         result = handle()
     except BaseException as exc:
@@ -152,5 +177,12 @@ def _around(
                 extra={"dispatch_id": ctx.dispatch_id, "job_name": ctx.job_name},
             )
         raise
+    if not held():
+        lost = ClaimLostError(
+            f"dispatch {ctx.dispatch_id}: the run lost its claim before its context closed "
+            "(it ran past its time cap, or the ledger was out of reach longer than a lease)"
+        )
+        close(ClaimLostError, lost, None)
+        raise lost
     close(None, None, None)
     return result

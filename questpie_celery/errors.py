@@ -91,3 +91,10 @@ class SecretJobError(QuestpieError):
 class HandlerAbortedError(QuestpieError):
     """The handler raised a BaseException that is not an Exception (such as
     `asyncio.CancelledError`); Celery sees this in its place, the ledger its class name."""
+
+
+class ClaimLostError(QuestpieError):
+    """A run lost its claim before it ended: it ran past its time cap, or the ledger was
+    out of reach for longer than a lease. Its context is closed with this error (so a
+    context that commits on close rolls back instead), and its outcome is left to the
+    relay, which retries or fails the dispatch."""

@@ -236,11 +236,11 @@ class Fence:
             raise Ignore()
         row = claim.row
         delivery.set(policy=str(row.policy or "standard"))
-        with self._leases.hold(dispatch_id, token, row.options.run.expire_in_seconds):
+        with self._leases.hold(dispatch_id, token, row.options.run.expire_in_seconds) as lease:
             # Inside the hold: a result backend that stalls must not let the lease lapse.
             mark_started(task)
             with telemetry.span("questpie.run", attempt=row.attempt) as running:
-                ending = self._call(definition, row, payload)
+                ending = self._call(definition, row, payload, lease.still_held)
                 running.set(outcome="returned" if ending.error is None else ending.error)
         with telemetry.span("questpie.end", attempt=row.attempt) as ending_span:
             if ending.error is None:
@@ -330,7 +330,13 @@ class Fence:
         )
         return self._ledger.insert(new) or self._ledger.exists(dispatch_id)
 
-    def _call(self, definition: JobDefinition[Any], row: DispatchRow, payload: Any) -> _Ending:
+    def _call(
+        self,
+        definition: JobDefinition[Any],
+        row: DispatchRow,
+        payload: Any,
+        held: Callable[[], bool],
+    ) -> _Ending:
         """Run the handler. The payload, the context and the handler's exception live only
         in this frame, which is gone once it returns: what the caller raises for a secret
         dispatch carries none of them, in its message, its cause or its traceback's frames.
@@ -348,7 +354,7 @@ class Fence:
                 retry_limit=row.options.run.retry_limit,
                 singleton_key=row.singleton_key,
             )
-            result = self._context.call(definition, model, ctx, secret=row.secret)
+            result = self._context.call(definition, model, ctx, secret=row.secret, held=held)
         except (PayloadValidationError, SecretDecryptionError, PermanentFailure) as exc:
             # A bad payload or ciphertext is not mended by retrying; a worker missing the
             # right secret might be, by a better-configured one.

@@ -6,6 +6,7 @@ import asyncio
 import inspect
 import re
 from collections.abc import Awaitable, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, get_args
 
@@ -18,6 +19,7 @@ from .errors import JobDefinitionError, PayloadValidationError, PublishOptionsEr
 from .options import JobOptions, validate_job_options
 
 P = TypeVar("P", bound=BaseModel)
+T = TypeVar("T")
 #: The type of `ctx.app`: what `Questpie(context=...)` builds for each run. Its default
 #: makes a bare `JobContext` mean `JobContext[None]`, as it was before there was an `app`.
 #: Covariant: a context is read-only, so `JobContext[Sub]` may stand for `JobContext[Base]`.
@@ -265,7 +267,26 @@ def job_attribute_name(job_name: str) -> str:
 
 
 def call_handler(definition: JobDefinition[Any], model: Any, ctx: HandlerContext) -> Any:
-    """Run the handler; an `async def` one gets an event loop of its own for the run."""
+    """Run the handler; an `async def` one gets an event loop of its own for the run
+    (made in a thread of its own where a loop already runs in this one: eager mode
+    called from a coroutine)."""
     if definition.is_async:
+        if in_running_loop():
+            return in_fresh_thread(lambda: asyncio.run(definition.handler(model, ctx)))
         return asyncio.run(definition.handler(model, ctx))
     return definition.handler(model, ctx)
+
+
+def in_running_loop() -> bool:
+    """Whether an event loop runs in this thread (so no other can be run here)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+def in_fresh_thread(work: Callable[[], T]) -> T:
+    """`work()` in a new thread, waited for: for an event loop that cannot run here."""
+    with ThreadPoolExecutor(1, thread_name_prefix="questpie-run") as pool:
+        return pool.submit(work).result()

@@ -34,6 +34,10 @@ class Lease:
     deadline: float  # monotonic time after which the claim is no longer renewed
     lost: bool = False
 
+    def still_held(self) -> bool:
+        """Whether the claim is still this run's: renewed, and within its time cap."""
+        return not self.lost and time.monotonic() < self.deadline
+
 
 class LeaseKeeper:
     _held: dict[str, Lease]

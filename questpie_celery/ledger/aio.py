@@ -16,6 +16,7 @@ thread instead: the loop still goes on while it waits.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import importlib.util
 import weakref
 from collections.abc import AsyncIterator, Sequence
@@ -40,25 +41,40 @@ def async_driver_available() -> bool:
     return importlib.util.find_spec("greenlet") is not None
 
 
+#: Disposals scheduled on running loops, held until done (a loop holds tasks weakly).
+_DISPOSING: set[concurrent.futures.Future[None]] = set()
+
+
 class AsyncLedger:
     """Awaitable insert, existence checks and reads of one `Ledger`."""
 
     def __init__(self, ledger: Ledger) -> None:
         self._ledger = ledger
+        self._engines: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncEngine] = (
+            weakref.WeakKeyDictionary()
+        )
         self.rebound()
 
     def rebound(self) -> None:
         """Follow a `Ledger.rebind`: its dialect and engine may differ now. The async
-        engines made from the previous one are let go, not disposed (that needs their
-        loops); for tests only, as the rebind is."""
+        engines made from the previous one are closed on their loops: at once where a
+        loop is idle, soon where it runs (this is called from it); a closed loop took its
+        connections with it. For tests only, as the rebind is."""
+        for loop, engine in list(self._engines.items()):
+            if loop.is_closed():
+                continue
+            if loop.is_running():
+                disposing = asyncio.run_coroutine_threadsafe(engine.dispose(), loop)
+                _DISPOSING.add(disposing)
+                disposing.add_done_callback(_DISPOSING.discard)
+            else:
+                loop.run_until_complete(engine.dispose())
         ledger = self._ledger
         self._sql = ledger.statements
         # Only an engine we made knows its own settings, and only PostgreSQL has a
         # driver that can wait without a thread.
         self.native = ledger.dialect == "postgresql" and runs_in_autocommit(ledger.engine)
-        self._engines: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncEngine] = (
-            weakref.WeakKeyDictionary()
-        )
+        self._engines = weakref.WeakKeyDictionary()
 
     # --- the operations ---------------------------------------------------------------
 

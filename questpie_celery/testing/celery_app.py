@@ -12,6 +12,8 @@ from celery import Celery
 from celery.contrib.testing.worker import start_worker
 from celery.worker import state
 
+from ..app import questpie_of
+
 _UNSET = object()
 
 #: What the fixtures run a test's Celery app on unless the project says otherwise (the
@@ -67,6 +69,9 @@ def _drop_connections(app: Celery) -> None:
     if hasattr(app, "_backend_cache"):
         app._backend_cache = None
     app._local.__dict__.pop("backend", None)
+    questpie = questpie_of(app)
+    if questpie is not None:
+        questpie.broker_changed()  # how it sends priorities depends on the broker
 
 
 @contextmanager

@@ -9,9 +9,9 @@ publishes through, pointed at a throwaway ledger for the test's duration.
   database when `questpie_postgres_url` is set) and the app on the
   `questpie_celery_config` settings (Celery's in-memory broker by default). Publishes
   write their rows and their messages wait in the broker: nothing runs.
-- `questpie_eager`: the same with `task_always_eager` and `task_eager_propagates` on:
-  `publish()` runs the handler inline through the fence and the ledger, and an exception
-  a handler raises for good reaches the test after the ledger recorded it.
+- `questpie_eager`: the same with `task_always_eager` on and `task_eager_propagates` off:
+  `publish()` runs the handler inline through the fence and the ledger; a failed attempt
+  is recorded there (read it with `dispatches()`), not raised into the test.
 - `questpie_worker`: the same with a `celery worker` (solo pool; `questpie_worker_parameters`)
   and its relay running in threads of the test's process until the test ends.
 

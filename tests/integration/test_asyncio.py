@@ -14,6 +14,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
@@ -594,4 +595,24 @@ def test_eager_apublish_in_a_session_runs_after_commit_and_not_after_rollback(
         assert ran(dropped) == 0
         assert questpie.queue.get_status(derive_dispatch_id("record", dropped)) is None
     finally:
+        questpie.close()
+
+
+def test_rebinding_closes_the_async_connections_of_an_idle_loop(pg_db: str, tmp_path: Path) -> None:
+    """The testing plugin rebinds a Questpie to a throwaway ledger per test; an asyncio
+    engine left on a loop that outlives the test must be closed, not dropped open."""
+    _, questpie = jobapp.build(broker="memory://", ledger=pg_db, queue=f"idle-{tag()}")
+    questpie.migrate()
+    database = pg_db.rsplit("/", 1)[1]
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(
+            questpie.queue.record.apublish({"tag": "r"}, idempotency_key="rebind")
+        )
+        previous = questpie.rebind_ledger(ledger_url=f"sqlite:///{tmp_path / 'other.db'}")
+        previous.dispose()
+        opened = admin(pg_db, f"SELECT count(*) FROM pg_stat_activity WHERE datname = '{database}'")
+        assert opened == 0
+    finally:
+        loop.close()
         questpie.close()

@@ -209,3 +209,21 @@ def test_a_failed_existence_check_fails_only_the_calls_that_needed_it(
     free, contested = run(idle.questpie, keyed)
     assert isinstance(free, str) and idle.questpie.queue.get_status(free) is not None
     assert isinstance(contested, LedgerUnavailableError)
+
+
+def test_a_test_swapping_the_broker_makes_questpie_read_its_kind_again(tmp_path: Path) -> None:
+    """How priorities are sent depends on the broker's kind, read once per broker: the
+    testing plugin's swap to memory:// and back must not leave the old kind cached."""
+    from questpie_celery.testing.celery_app import celery_settings  # noqa: PLC0415
+
+    app = Celery("kind", broker="redis://127.0.0.1:9/0")
+    questpie = Questpie(app, ledger_url=f"sqlite:///{tmp_path / 'l.db'}")
+    sender = questpie._sender
+    sender._kind = "redis"  # as a first send caches it
+    try:
+        with celery_settings(app, {"broker_url": "memory://"}):
+            assert sender._kind is None
+            sender._kind = "memory"
+        assert sender._kind is None
+    finally:
+        questpie.close()

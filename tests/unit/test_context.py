@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
@@ -459,3 +460,57 @@ def test_a_factory_that_cannot_work_is_refused(make: Make, factory: object, says
     questpie = make()
     with pytest.raises(ConfigurationError, match=says), questpie.override_context(factory):  # type: ignore[arg-type]
         pass
+
+
+# --- what a second hostile review found ------------------------------------------------
+
+
+class Slow(BaseModel):
+    sleep_attempts: int = 1
+
+
+@job(name="ctx.slow", schema=Slow, options={"retry_limit": 1, "expire_in_seconds": 1})
+def slow(payload: Slow, ctx: JobContext[Services]) -> None:
+    journal.events.append(("handler", ctx.attempt))
+    if ctx.attempt <= payload.sleep_attempts:
+        time.sleep(1.2)  # past the run's time cap: its claim is no longer this run's
+
+
+def test_a_run_past_its_claim_closes_its_context_as_failed(make: Make) -> None:
+    """A context that commits on close must not commit the work of a run whose claim
+    lapsed: it is told `ClaimLostError`, the attempt fails, and the retry's is told
+    success."""
+    questpie = make(context=Tracked())
+    questpie.register(slow)
+    dispatch_id = questpie.queue.ctx_slow.publish({}, idempotency_key="slow")
+    assert journal.events == [
+        ("enter", 1),
+        ("handler", 1),
+        ("exit", "ClaimLostError"),
+        ("enter", 2),
+        ("handler", 2),
+        ("exit", None),
+    ]
+    ended = status(questpie, dispatch_id)
+    assert (ended.status, ended.attempt) == ("completed", 2)
+
+
+def test_an_async_context_works_for_eager_runs_published_from_a_coroutine(make: Make) -> None:
+    """Eager mode called inside a running loop (an `async def` test) cannot run the
+    context's loop in that thread: it runs in one of its own."""
+
+    @asynccontextmanager
+    async def services() -> AsyncIterator[Services]:
+        yield journal.services()
+
+    questpie = make(context=services)
+
+    async def main() -> tuple[str | None, str | None]:
+        return (
+            questpie.queue.ctx_sync.publish({}, idempotency_key="in-loop-sync"),
+            questpie.queue.ctx_async.publish({}, idempotency_key="in-loop-async"),
+        )
+
+    for dispatch_id in asyncio.run(main()):
+        assert status(questpie, dispatch_id).status == "completed"
+    assert [type(app) for app in journal.seen] == [Services, Services]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import pkgutil
+import subprocess
+import sys
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, get_args
@@ -239,3 +241,20 @@ def test_cli_policy_set_and_show(tmp_path: Path) -> None:
     ledger = open_ledger(url)
     assert ledger.get_policy("report") is QueuePolicy.STATELY
     ledger.close()
+
+
+def test_submodules_are_attributes_of_the_package_in_a_fresh_process() -> None:
+    """The package imports its names on first use; its submodules too, so
+    `questpie_celery.errors.LedgerError` works without importing the submodule first."""
+    code = (
+        "import questpie_celery\n"
+        "assert questpie_celery.errors.LedgerError is questpie_celery.LedgerError\n"
+        "assert questpie_celery.ledger.metadata is questpie_celery.metadata\n"
+        "try:\n"
+        "    questpie_celery.no_such_name\n"
+        "except AttributeError:\n"
+        "    pass\n"
+        "else:\n"
+        "    raise SystemExit('no AttributeError')\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])

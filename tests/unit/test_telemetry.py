@@ -183,3 +183,30 @@ def test_gathered_apublish_calls_each_carry_their_own_trace(
             carried = message.headers["traceparent"].split("-")[1]
             assert carried == f"{traces[message.headers['id']]:032x}"
     questpie.close()
+
+
+def test_apublish_many_carries_the_callers_trace(
+    tmp_path: Path, spans: InMemorySpanExporter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    questpie = make(tmp_path, monkeypatch, eager=False)
+    queue = questpie.celery_app.conf.task_default_queue
+    tracer = PROVIDER.get_tracer("test")
+
+    async def main() -> int:
+        try:
+            with tracer.start_as_current_span("bulk") as outer:
+                await questpie.queue.traced.apublish_many(
+                    [{"tag": "k"}, {"tag": "plain"}], idempotency_keys=["many-k", None]
+                )
+                return outer.get_span_context().trace_id
+        finally:
+            await questpie.aclose()
+
+    trace_id = asyncio.run(main())
+    with Connection("memory://") as conn:
+        simple = conn.SimpleQueue(queue)
+        for _ in range(2):
+            message = simple.get(timeout=5)
+            message.ack()
+            assert message.headers["traceparent"].split("-")[1] == f"{trace_id:032x}"
+    questpie.close()
