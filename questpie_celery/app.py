@@ -114,7 +114,10 @@ class Questpie:
             raise ConfigurationError("django_database must be an alias of DATABASES (a str)")
         given = sum(x is not None for x in (ledger_url, engine, django_database))
         if given > 1:
-            raise ConfigurationError("pass only one of ledger_url=, engine= and django_database=")
+            raise ConfigurationError(
+                "pass exactly one of ledger_url=, engine= and django_database= (or, in a "
+                "Django project with questpie_celery.contrib.django installed, none)"
+            )
         if given == 0:
             django_database = _installed_django_database()
         if ledger_url is None and engine is None and django_database is None:
