@@ -121,7 +121,7 @@ def project(
     }
     worker = Worker(env, app="proj", cwd=PROJECT, pythonpath=PYTHONPATH)
     ledger = open_ledger(url)
-    made = DjangoProject(env, url, worker, ledger, create_engine(url))
+    made = DjangoProject(env, url, worker, ledger, create_engine(url, pool_pre_ping=True))
     migrated = made.run("manage.py", "migrate", "-v0")
     assert migrated.returncode == 0, migrated.stderr
     worker.start()
@@ -179,8 +179,12 @@ def test_manage_py_migrate_makes_the_ledger_questpie_celery_migrate_makes(
 
 
 def test_the_worker_finds_the_apps_jobs_without_a_list(project: DjangoProject) -> None:
+    log = project.worker.log()
     for name in ("shop.record", "shop.exclusive", "shop.magic-link"):
-        assert name in project.worker.log()
+        assert name in log
+    # The relay, its listener (PostgreSQL) and the policy records ran on Django's
+    # connections without a complaint.
+    assert "Traceback" not in log and "cannot listen" not in log, log
 
 
 def test_publish_inside_atomic_rides_the_transaction(project: DjangoProject) -> None:
@@ -221,7 +225,7 @@ def test_keys_policies_secrets_and_schedules_on_djangos_connection(
     assert first == again == seen["key_after"]
     kept, suppressed = seen["exclusive"]
     assert kept is not None and suppressed is None
-    assert seen["receipt"] == "queued"
+    assert seen["receipt"] in ("queued", "completed")  # the worker may be that quick
     assert seen["schedules"] == ["shop.record"] and seen["schedules_after"] == []
     for dispatch_id in (first, kept, seen["secret"]):
         project.wait_status(dispatch_id, "completed")

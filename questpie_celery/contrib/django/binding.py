@@ -145,12 +145,15 @@ def _make_engine(alias: str) -> Engine:
             f"the ledger runs on PostgreSQL or SQLite; DATABASES[{alias!r}] is {wrapper.vendor}"
         )
     postgres = wrapper.vendor == "postgresql"
+    # The ledger has no hstore column, and psycopg would refuse the proxy for its lookup.
+    dialect_options: dict[str, Any] = {"use_native_hstore": False} if postgres else {}
     engine = create_engine(
         url,
         creator=partial(_borrow, alias, postgres),
         poolclass=NullPool,
         pool_reset_on_return=None,
         hide_parameters=True,  # errors name no statement value: no payload in logs
+        **dialect_options,
     )
     event.listen(engine, "invalidate", _on_invalidate)
     return mark_borrowed(
