@@ -71,8 +71,8 @@ def installed_database() -> str | None:
         return None
     try:
         apps = list(settings.INSTALLED_APPS)
-    except ImproperlyConfigured:
-        return None
+    except (ImproperlyConfigured, ImportError):
+        return None  # no settings, or a DJANGO_SETTINGS_MODULE that does not import
     if not any(app == APP_NAME or app.startswith(APP_NAME + ".") for app in apps):
         return None
     return ledger_database()
