@@ -85,6 +85,7 @@ class AcceptanceRecorder:
         while not self._closed:
             time.sleep(FLUSH_INTERVAL_SECONDS)
             self.flush()
+            self.ledger.idle()
 
     def _forked(self) -> None:
         # The parent flushes its own batch; the child starts empty, with a fresh lock.

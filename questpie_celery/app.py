@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -71,9 +73,14 @@ Durability = Literal["durable", "relaxed"]
 class Questpie:
     """The questpie side of one Celery app.
 
-    Pass exactly one of `ledger_url` (a SQLAlchemy URL: `postgresql+psycopg://...`
-    or `sqlite:///path`) and `engine`. Registering a job creates the Celery task
-    named after it on `celery_app`, so `celery -A proj worker` runs it.
+    Pass at most one of `ledger_url` (a SQLAlchemy URL: `postgresql+psycopg://...`
+    or `sqlite:///path`), `engine` and `django_database` (an alias of Django's
+    `DATABASES`: the ledger then lives in that database, on the connections Django
+    holds; see `questpie_celery.contrib.django`). With none of them, the ledger lives in
+    Django's `QUESTPIE_DATABASE` setting's database (`"default"`) when
+    `questpie_celery.contrib.django` is in `INSTALLED_APPS`; otherwise it is an error.
+    Registering a job creates the Celery task named after it on `celery_app`, so
+    `celery -A proj worker` runs it.
 
     `context` is a zero-argument factory of the application's services for one run (a
     database session, an HTTP client, settings): handlers get what it builds as
@@ -88,6 +95,7 @@ class Questpie:
         *,
         ledger_url: str | None = None,
         engine: Engine | None = None,
+        django_database: str | None = None,
         secret: str | bytes | None = None,
         previous_secrets: Iterable[str | bytes] = (),
         jobs: Iterable[JobDefinition[Any]] = (),
@@ -102,8 +110,22 @@ class Questpie:
         if not isinstance(celery_app, Celery):
             raise ConfigurationError("celery_app must be a celery.Celery application")
         self._context = AppContext(checked_factory(context))
-        if (ledger_url is None) == (engine is None):
-            raise ConfigurationError("pass exactly one of ledger_url= and engine=")
+        if django_database is not None and not isinstance(django_database, str):
+            raise ConfigurationError("django_database must be an alias of DATABASES (a str)")
+        given = sum(x is not None for x in (ledger_url, engine, django_database))
+        if given > 1:
+            raise ConfigurationError(
+                "pass exactly one of ledger_url=, engine= and django_database= (or, in a "
+                "Django project with questpie_celery.contrib.django installed, none)"
+            )
+        if given == 0:
+            django_database = _installed_django_database()
+        if ledger_url is None and engine is None and django_database is None:
+            raise ConfigurationError(
+                "pass exactly one of ledger_url= and engine= (or, in a Django project, "
+                "add 'questpie_celery.contrib.django' to INSTALLED_APPS, or pass "
+                "django_database=)"
+            )
         if engine is not None and not isinstance(engine, Engine):
             raise ConfigurationError("engine must be a sqlalchemy.Engine")
         if ledger_url is not None and not isinstance(ledger_url, str):
@@ -114,6 +136,12 @@ class Questpie:
             raise ConfigurationError(
                 "durability='relaxed' sets how the ledger's own connections commit, so it "
                 "needs ledger_url=; with engine=, set synchronous_commit on your engine"
+            )
+        if durability == "relaxed" and django_database is not None:
+            raise ConfigurationError(
+                "durability='relaxed' sets how the ledger's own connections commit, so it "
+                "needs ledger_url=; on Django's connections, set synchronous_commit in "
+                "DATABASES' OPTIONS"
             )
         lease_seconds = _positive_seconds(lease_seconds, "lease_seconds")
         relay_interval = _positive_seconds(relay_interval, "relay_interval")
@@ -133,6 +161,11 @@ class Questpie:
 
         self._celery_app = celery_app
         relaxed = durability == "relaxed"
+        if django_database is not None:
+            # Imported only here: Django is an optional extra.
+            from .contrib.django.binding import django_ledger_engine  # noqa: PLC0415
+
+            engine = django_ledger_engine(django_database)
         self._ledger = Ledger(
             engine
             if engine is not None
@@ -355,6 +388,10 @@ class Questpie:
         self._sender.forget_broker()
         self._configure()
 
+    def _ledger_idle(self) -> None:
+        """The calling thread is between units of work (for `LedgerScheduler`'s ticks)."""
+        self._ledger.idle()
+
     def set_policy(self, job_name: str, policy: QueuePolicy | str) -> None:
         """Record `policy` for a job on purpose; dispatches accepted from now on follow it."""
         parsed = QueuePolicy.parse(policy)
@@ -482,6 +519,17 @@ class Questpie:
         # Redelivering sooner than the broker's own visibility timeout would only race it.
         visibility = visibility_timeout(self._celery_app)
         self._outbox.redeliver_after = max(self._redeliver_after, visibility)
+
+
+def _installed_django_database() -> str | None:
+    """The `DATABASES` alias of the ledger when this is a Django project with
+    `questpie_celery.contrib.django` installed; None otherwise. Django is not imported
+    by a project that has not imported it or named its settings."""
+    if "django" not in sys.modules and not os.environ.get("DJANGO_SETTINGS_MODULE"):
+        return None
+    from .contrib.django.binding import installed_database  # noqa: PLC0415
+
+    return installed_database()
 
 
 def _receipt_of(row: DispatchRow | None) -> Receipt | None:

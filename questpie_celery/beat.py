@@ -103,6 +103,7 @@ class LedgerScheduler(Scheduler):  # type: ignore[misc]  # Celery ships no type 
             until_next = LOOK_EVERY_SECONDS
         else:
             self._failing = False
+        self._questpie._ledger_idle()  # a tick is a unit of work (Django's CONN_MAX_AGE)
         return min(delay, until_next, LOOK_EVERY_SECONDS)
 
     def is_due(self, entry: ScheduleEntry) -> tuple[bool, float]:

@@ -93,6 +93,8 @@ class LeaseKeeper:
                     # Whatever went wrong, the other claims still need renewing.
                     log.exception("renewing the claim of dispatch %s failed", lease.dispatch_id)
                     failed = True
+            if due:
+                self._ledger.idle()
 
     def _renew(self, lease: Lease) -> bool:
         """Renew one claim; False when the ledger could not be reached."""

@@ -23,7 +23,13 @@ from .crypto import Keyring
 from .errors import BrokerError, PayloadValidationError
 from .ids import derive_dispatch_id, random_dispatch_id
 from .jobs import JobDefinition
-from .ledger import Ledger, NewDispatch, caller_connection, send_after_commit
+from .ledger import (
+    AmbientTransaction,
+    Ledger,
+    NewDispatch,
+    caller_connection,
+    send_after_commit,
+)
 from .options import DispatchOptions, StoredOptions
 from .outbox import FirstSend, Outbox
 from .policies import QueuePolicy
@@ -134,8 +140,33 @@ class Publisher:
     ) -> list[str | None]:
         if not options:
             return []
+        # Inside the caller's transaction of the framework that owns the ledger's
+        # connections (Django's atomic block), the rows are written there, as with session=.
+        open_ambient = self._ledger.ambient
+        if session is None and connection is None and open_ambient is not None:
+            with open_ambient() as ambient:
+                if ambient is not None:
+                    return self._publish_many_in(
+                        definition, payloads, options, None, None, span, ambient
+                    )
+        return self._publish_many_in(definition, payloads, options, session, connection, span)
+
+    def _publish_many_in(
+        self,
+        definition: JobDefinition[Any],
+        payloads: Sequence[Any],
+        options: Sequence[DispatchOptions],
+        session: Session | None,
+        connection: Connection | None,
+        span: telemetry.Span,
+        ambient: AmbientTransaction | None = None,
+    ) -> list[str | None]:
         keyring, bodies = self.validate_many(definition, payloads, options)
-        caller = caller_connection(self._ledger, session, connection)
+        caller = (
+            ambient.connection
+            if ambient is not None
+            else caller_connection(self._ledger, session, connection)
+        )
         if self._sender.eager:
             # Eager mode runs each dispatch as it is published, so a later item can see
             # an earlier one finished (its policy slot free again): one by one, then.
@@ -145,14 +176,25 @@ class Publisher:
             ]
         policy = self.policy(definition, options, span)
         ids: list[str | None] = []
-        chunks = self.chunks(definition.name, bodies, options, policy, keyring, caller, session)
+        chunks = self.chunks(
+            definition.name,
+            bodies,
+            options,
+            policy,
+            keyring,
+            caller,
+            session,
+            hooked=ambient is not None,
+        )
         for chunk in chunks:
             inserted = self._ledger.insert_many(chunk.rows, caller)
             contested = chunk.contested(inserted)
             known = self._ledger.existing(contested, caller) if contested else set()
             to_send = self.settle(chunk, inserted, known)
             if chunk.first.publisher_sends and to_send:
-                if session is not None:
+                if ambient is not None:
+                    ambient.after_commit(list(to_send), self._outbox.send_committed)
+                elif session is not None:
                     send_after_commit(session, list(to_send), self.committed_sender(session))
                 elif caller is None:
                     self._outbox.send_many(list(to_send.values()))
@@ -221,12 +263,17 @@ class Publisher:
         session: Session | None,
         *,
         size: int = BATCH_SIZE,
+        hooked: bool = False,
     ) -> Iterator[Chunk]:
-        """The items `size` at a time: each chunk with its rows, plain messages and ids."""
+        """The items `size` at a time: each chunk with its rows, plain messages and ids.
+
+        `hooked`: `caller` is an ambient transaction that sends after its commit."""
         shared = options[0]  # the items differ in their keys only
         now = datetime.now(UTC)
         first = self._outbox.first_send(
-            shared.start_after, now, after_commit_hook=caller is None or session is not None
+            shared.start_after,
+            now,
+            after_commit_hook=caller is None or session is not None or hooked,
         )
         plain_ok = self._may_skip_ledger(shared, policy, caller, now)
         stored = shared.stored()
@@ -353,11 +400,45 @@ class Publisher:
         connection: Connection | None,
         span: telemetry.Span,
     ) -> str | None:
+        # Inside the caller's transaction of the framework that owns the ledger's
+        # connections (Django's atomic block), the rows are written there, as with session=.
+        open_ambient = self._ledger.ambient
+        if session is None and connection is None and open_ambient is not None:
+            with open_ambient() as ambient:
+                if ambient is not None:
+                    return self._publish_in(definition, payload, options, None, None, span, ambient)
+        return self._publish_in(definition, payload, options, session, connection, span)
+
+    def _publish_in(
+        self,
+        definition: JobDefinition[Any],
+        payload: Any,
+        options: DispatchOptions,
+        session: Session | None,
+        connection: Connection | None,
+        span: telemetry.Span,
+        ambient: AmbientTransaction | None = None,
+    ) -> str | None:
+        """Publish one dispatch; in `ambient`'s transaction when given (then `session`
+        and `connection` are None)."""
         keyring = self.keyring_for(options)
         body = definition.to_json(payload)
-        caller = caller_connection(self._ledger, session, connection)
+        caller = (
+            ambient.connection
+            if ambient is not None
+            else caller_connection(self._ledger, session, connection)
+        )
         policy = self.policy(definition, [options], span)
-        route = self.route(definition.name, body, options, policy, keyring, caller, session)
+        route = self.route(
+            definition.name,
+            body,
+            options,
+            policy,
+            keyring,
+            caller,
+            session,
+            hooked=ambient is not None,
+        )
         if route.new is None:
             self.send_unledgered(definition.name, route.dispatch_id, body, options)
             return route.dispatch_id
@@ -365,7 +446,10 @@ class Publisher:
         if not self._ledger.insert(new, caller):
             known = self.needs_existence_check(new) and self._ledger.exists(new.id, caller)
             return self.not_inserted(new, known)
-        if session is not None:
+        if ambient is not None:
+            if first.publisher_sends:
+                ambient.after_commit([new.id], self._outbox.send_committed)
+        elif session is not None:
             if first.publisher_sends:
                 send_after_commit(session, [new.id], self.committed_sender(session))
         elif first.publisher_sends:
@@ -383,13 +467,19 @@ class Publisher:
         keyring: Keyring | None,
         caller: Connection | None,
         session: Session | None,
+        *,
+        hooked: bool = False,
     ) -> Route:
-        """Where one validated dispatch goes: a plain message, or a ledger row first."""
+        """Where one validated dispatch goes: a plain message, or a ledger row first.
+
+        `hooked`: `caller` is an ambient transaction that sends after its commit."""
         now = datetime.now(UTC)
         if options.idempotency_key is None and self._may_skip_ledger(options, policy, caller, now):
             return Route(random_dispatch_id())
         first = self._outbox.first_send(
-            options.start_after, now, after_commit_hook=caller is None or session is not None
+            options.start_after,
+            now,
+            after_commit_hook=caller is None or session is not None or hooked,
         )
         new = self._new_dispatch(job_name, body, options, policy, keyring, first)
         return Route(new.id, new, first)

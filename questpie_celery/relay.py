@@ -206,6 +206,7 @@ class Relay:
             except Exception:
                 # Never let one bad pass end recovery for the life of the worker.
                 log.exception("relay pass failed unexpectedly; trying again")
+            self._ledger.idle()  # a pass is a unit of work: Django's connection rules apply
             if more_due:
                 continue  # a backlog: the next pass follows at once
             if wake is None:

@@ -9,7 +9,15 @@
 - `errors`: SQLAlchemy's errors turned into the package's own
 """
 
-from .engine import create_ledger_engine, is_private_sqlite
+from .engine import (
+    Ambient,
+    AmbientTransaction,
+    Borrowed,
+    borrowed_by,
+    create_ledger_engine,
+    is_private_sqlite,
+    mark_borrowed,
+)
 from .rows import Claim, DispatchRow, NewDispatch, ScheduleRow
 from .schema import (
     LEASE_EXPIRED,
@@ -28,6 +36,9 @@ __all__ = [
     "LEASE_EXPIRED",
     "RELAY_GAVE_UP",
     "SCHEMA_VERSION",
+    "Ambient",
+    "AmbientTransaction",
+    "Borrowed",
     "Claim",
     "DispatchRow",
     "Ledger",
@@ -35,10 +46,12 @@ __all__ = [
     "ScheduleRow",
     "SendWakeups",
     "Status",
+    "borrowed_by",
     "caller_connection",
     "create_ledger_engine",
     "dispatch_table",
     "is_private_sqlite",
+    "mark_borrowed",
     "metadata",
     "open_ledger",
     "policy_table",

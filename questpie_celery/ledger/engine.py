@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import os
 import weakref
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.engine import make_url
@@ -108,6 +111,67 @@ def _pg_connect_args(*, relaxed: bool) -> dict[str, Any]:
 
 def runs_in_autocommit(engine: Engine) -> bool:
     return engine in _AUTOCOMMIT_ENGINES
+
+
+class AmbientTransaction(Protocol):
+    """A transaction the caller opened with another framework, on the ledger's own
+    connection (Django's `transaction.atomic()`): a publish made inside it writes its
+    rows there and sends them once it commits, as `publish(session=...)` does."""
+
+    @property
+    def connection(self) -> Connection:
+        """A Connection of the ledger's engine on that transaction's connection."""
+        ...
+
+    def after_commit(
+        self, dispatch_ids: Sequence[str], send: Callable[[Sequence[str]], None]
+    ) -> None:
+        """Call `send(ids)` once the outermost transaction commits; never if the
+        transaction, or the savepoint the rows were written in, rolls back."""
+        ...
+
+
+#: Opens the caller's ambient transaction for one publish: yields it, or None when the
+#: caller is not inside one.
+Ambient = Callable[[], AbstractContextManager[AmbientTransaction | None]]
+
+
+@dataclass(frozen=True)
+class Borrowed:
+    """An engine whose connections belong to another framework (Django's, see
+    `questpie_celery.contrib.django`): its owner opens, commits and closes them.
+
+    The ledger then never changes their isolation level or autocommit (the owner's
+    transaction may be open on them), and tells the owner when a thread of its own is
+    between units of work, so the owner can apply its connection rules.
+    """
+
+    #: The calling thread is between units of work (a relay pass, a renewal round): the
+    #: owner may close its connection if it is too old or unusable.
+    idle: Callable[[], None]
+    #: An engine of dedicated connections to the same database, for a relay's LISTEN
+    #: (a listening connection cannot be shared); None where there is none.
+    listener: Callable[[], Engine | None]
+    #: The caller's open transaction on the calling thread's connection, if any.
+    ambient: Ambient
+    #: A transaction of the owner's (Django's `atomic`), for `migrate`: nested in the
+    #: caller's when one is open, as a savepoint.
+    atomic: Callable[[], AbstractContextManager[object]]
+
+
+#: Engines whose connections another framework owns.
+_BORROWED: weakref.WeakKeyDictionary[Engine, Borrowed] = weakref.WeakKeyDictionary()
+
+
+def mark_borrowed(engine: Engine, borrowed: Borrowed) -> Engine:
+    """Record that `engine`'s connections belong to another framework; returns it."""
+    _BORROWED[engine] = borrowed
+    return engine
+
+
+def borrowed_by(engine: Engine) -> Borrowed | None:
+    """How `engine`'s connections are borrowed, or None for an ordinary engine."""
+    return _BORROWED.get(engine)
 
 
 def dispose_in_children(engine: Engine) -> None:

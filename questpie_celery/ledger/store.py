@@ -25,7 +25,13 @@ from sqlalchemy.sql import Executable
 from ..errors import LedgerBusyError, LedgerSchemaError
 from ..policies import QueuePolicy
 from . import statements
-from .engine import create_ledger_engine, dispose_in_children, runs_in_autocommit
+from .engine import (
+    Ambient,
+    borrowed_by,
+    create_ledger_engine,
+    dispose_in_children,
+    runs_in_autocommit,
+)
 from .errors import SlotTaken, is_disconnect, translate_errors, was_rolled_back
 from .rows import Claim, DispatchRow, NewDispatch, ScheduleRow
 from .schema import (
@@ -66,7 +72,13 @@ class Ledger:
         self.engine = engine
         self._autocommit: Engine
         self._transactional: Engine
-        if runs_in_autocommit(engine):
+        self._borrowed = borrowed_by(engine)
+        if self._borrowed is not None:
+            # Another framework's connections (Django's): their autocommit and any open
+            # transaction are its own. Outside its transactions they are in autocommit,
+            # so each statement stands alone; inside one, it rides that transaction.
+            self._autocommit = self._transactional = engine
+        elif runs_in_autocommit(engine):
             self._autocommit = engine
             self._transactional = engine.execution_options(isolation_level="READ COMMITTED")
         else:
@@ -87,9 +99,30 @@ class Ledger:
         """The statements of this ledger's dialect (for `aio.AsyncLedger`)."""
         return self._sql
 
+    @property
+    def borrowed(self) -> bool:
+        """Whether the connections belong to another framework (Django's)."""
+        return self._borrowed is not None
+
+    @property
+    def ambient(self) -> Ambient | None:
+        """Opens the caller's transaction in the framework that owns the connections
+        (Django's atomic block), for a publish to write in; None on an ordinary engine."""
+        return self._borrowed.ambient if self._borrowed is not None else None
+
     def close(self) -> None:
         """Release the pool's connections."""
         self.engine.dispose()
+
+    def idle(self) -> None:
+        """The calling thread is between units of work (a relay pass, a round of lease
+        renewals): on borrowed connections, their owner's rules apply now (Django closes
+        one older than `CONN_MAX_AGE`, or unusable). Never raises."""
+        if self._borrowed is not None:
+            try:
+                self._borrowed.idle()
+            except Exception:
+                log.exception("releasing the ledger's borrowed connection failed")
 
     # --- running statements ------------------------------------------------------------
 
@@ -163,14 +196,25 @@ class Ledger:
 
     # --- schema ------------------------------------------------------------------------
 
+    @contextmanager
+    def _begin(self) -> Iterator[Connection]:
+        """A connection in a transaction of its own (or, on borrowed connections, in the
+        owner's: Django's atomic block, nested in the caller's if one is open)."""
+        if self._borrowed is None:
+            with self._transactional.begin() as conn:
+                yield conn
+            return
+        with self._borrowed.atomic(), self.engine.connect() as conn:
+            yield conn
+
     def migrate(self) -> int:
         """Create or upgrade the schema; safe to run again. Returns the schema version."""
-        with translate_errors(), self._transactional.begin() as conn:
+        with translate_errors(), self._begin() as conn:
             metadata.create_all(conn, checkfirst=True)
             # Committed on its own: on PostgreSQL its exclusive lock (which stops reads
             # too) then lasts a moment, not as long as the index builds below.
             _allow_pruned_options(conn)
-        with translate_errors(), self._transactional.begin() as conn:
+        with translate_errors(), self._begin() as conn:
             # create_all adds missing tables only; indexes added by a later version too.
             for table in metadata.sorted_tables:
                 for index in table.indexes:
@@ -538,6 +582,9 @@ class Ledger:
     def send_wakeups(self) -> SendWakeups | None:
         """A listener for `wake_relays`, or None where the ledger cannot listen (SQLite,
         or a driver other than psycopg 3.2 or later)."""
+        if self._borrowed is not None:
+            listener = self._borrowed.listener()
+            return SendWakeups.for_engine(listener) if listener is not None else None
         return SendWakeups.for_engine(self.engine)
 
     def give_up(self, row: DispatchRow) -> bool:

@@ -1,0 +1,47 @@
+"""The Django app: `INSTALLED_APPS = [..., "questpie_celery.contrib.django"]`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.apps import AppConfig
+from django.core import checks
+
+from .binding import DATABASE_SETTING, ledger_database
+
+
+class QuestpieConfig(AppConfig):  # type: ignore[misc]  # Django is untyped
+    name = "questpie_celery.contrib.django"
+    label = "questpie_celery"
+    verbose_name = "questpie"
+    default = True
+
+    def ready(self) -> None:
+        checks.register(check_ledger_database, checks.Tags.database)
+
+
+def check_ledger_database(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """`manage.py check`: the ledger's alias names a PostgreSQL or SQLite database."""
+    from django.db import connections  # noqa: PLC0415
+
+    try:
+        alias = ledger_database()
+    except Exception as exc:
+        return [checks.Error(str(exc), id="questpie_celery.E001")]
+    if alias not in connections:
+        return [
+            checks.Error(
+                f"{DATABASE_SETTING} is {alias!r}, which DATABASES does not define",
+                id="questpie_celery.E002",
+            )
+        ]
+    vendor = connections[alias].vendor
+    if vendor not in ("postgresql", "sqlite"):
+        return [
+            checks.Error(
+                f"the questpie ledger runs on PostgreSQL or SQLite; DATABASES[{alias!r}] "
+                f"is {vendor}",
+                id="questpie_celery.E003",
+            )
+        ]
+    return []

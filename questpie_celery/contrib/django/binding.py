@@ -1,0 +1,368 @@
+"""The ledger on Django's database connections.
+
+The ledger's statements stay in `questpie_celery.ledger`; only where they run changes.
+`django_ledger_engine(alias)` is a SQLAlchemy engine whose connections ARE Django's:
+each checkout hands SQLAlchemy the calling thread's `connections[alias]` DBAPI
+connection (opened by Django if need be), behind a thin proxy that lets Django keep its
+life and its transactions:
+
+- `close()`, `commit()` and `rollback()` do nothing: Django opens and closes the
+  connection (Celery's Django fixup around tasks and across forks, `CONN_MAX_AGE`),
+  and Django's `atomic()` commits or rolls back. Outside an atomic block Django's
+  connection is in autocommit, so each ledger statement stands alone, as on the
+  ledger's own engines; inside one, it rides that transaction. SQLAlchemy never sets
+  the isolation level or autocommit (the ledger marks the engine `Borrowed`), never
+  emits BEGIN (its dialects leave that to the driver), and the pool never resets a
+  connection (`pool_reset_on_return=None`, `NullPool`).
+- On PostgreSQL each cursor is a plain `psycopg.Cursor` with psycopg's own loaders for
+  `timestamptz` and `jsonb`: Django's connection binds parameters client-side and
+  loads those types its own way (naive times without `USE_TZ`, JSON as text); the
+  ledger's statements are written for psycopg's defaults.
+- On SQLite, Django opens connections with `PARSE_DECLTYPES`, so `DATETIME` columns
+  come back already parsed: the dialect here accepts either.
+- A statement that finds the connection dead (a server restart, a killed backend)
+  makes SQLAlchemy invalidate it; the proxy then closes Django's connection, so the
+  ledger's one retry (and Django's next use) opens a fresh one.
+
+Publishing inside `transaction.atomic(using=alias)` writes the rows on that same
+connection and sends them from `transaction.on_commit(..., using=alias)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from datetime import datetime
+from functools import partial
+from typing import Any
+
+from sqlalchemy import Connection, Engine, create_engine, event
+from sqlalchemy import types as sqltypes
+from sqlalchemy.dialects import registry
+from sqlalchemy.dialects.sqlite import DATETIME
+from sqlalchemy.dialects.sqlite.pysqlite import SQLiteDialect_pysqlite
+from sqlalchemy.engine import URL
+from sqlalchemy.pool import NullPool
+
+from ...errors import ConfigurationError
+from ...ledger import AmbientTransaction, Borrowed, Ledger, mark_borrowed
+from ...ledger.engine import PG_CONNECT_TIMEOUT_SECONDS
+
+#: The app's name in INSTALLED_APPS.
+APP_NAME = "questpie_celery.contrib.django"
+#: The setting naming the DATABASES alias the ledger lives in.
+DATABASE_SETTING = "QUESTPIE_DATABASE"
+DEFAULT_DATABASE = "default"
+
+_ENGINES: dict[str, Engine] = {}
+_LISTENERS: dict[str, Engine] = {}
+_LOCK = threading.Lock()
+
+
+def installed_database() -> str | None:
+    """The alias of the ledger's database when this Django project installs the app
+    (`QUESTPIE_DATABASE`, `"default"` unless set); None when it does not, or when
+    Django or its settings are missing."""
+    try:
+        from django.conf import settings  # noqa: PLC0415
+        from django.core.exceptions import ImproperlyConfigured  # noqa: PLC0415
+    except ImportError:
+        return None
+    try:
+        apps = list(settings.INSTALLED_APPS)
+    except (ImproperlyConfigured, ImportError):
+        return None  # no settings, or a DJANGO_SETTINGS_MODULE that does not import
+    if not any(app == APP_NAME or app.startswith(APP_NAME + ".") for app in apps):
+        return None
+    return ledger_database()
+
+
+def ledger_database() -> str:
+    """`settings.QUESTPIE_DATABASE`, or `"default"`."""
+    from django.conf import settings  # noqa: PLC0415
+
+    alias = getattr(settings, DATABASE_SETTING, DEFAULT_DATABASE)
+    if not isinstance(alias, str):
+        raise ConfigurationError(f"{DATABASE_SETTING} must be an alias of DATABASES (a str)")
+    return alias
+
+
+def django_ledger_engine(alias: str) -> Engine:
+    """The engine of the ledger in `DATABASES[alias]`, on Django's own connections
+    (one per alias and process; Django is not connected until a statement runs)."""
+    with _LOCK:
+        engine = _ENGINES.get(alias)
+        if engine is None:
+            engine = _ENGINES[alias] = _make_engine(alias)
+        return engine
+
+
+def migrate_ledger(alias: str) -> int | None:
+    """Create or upgrade the ledger tables in `DATABASES[alias]` when it is the ledger's
+    database (`QUESTPIE_DATABASE`); the Django migrations call it. Returns the schema
+    version, or None for another database."""
+    if alias != ledger_database():
+        return None
+    return Ledger(django_ledger_engine(alias)).migrate()
+
+
+# --- the engine ----------------------------------------------------------------------------
+
+
+def _make_engine(alias: str) -> Engine:
+    try:
+        from django.db import connections  # noqa: PLC0415
+        from django.db.utils import ConnectionDoesNotExist  # noqa: PLC0415
+    except ImportError:
+        raise ConfigurationError(
+            "django_database= needs Django: pip install 'questpie-celery[django]'"
+        ) from None
+    try:
+        wrapper = connections[alias]
+    except ConnectionDoesNotExist:
+        raise ConfigurationError(
+            f"the ledger's database {alias!r} is not in Django's DATABASES"
+        ) from None
+    if wrapper.settings_dict.get("AUTOCOMMIT") is False:
+        raise ConfigurationError(
+            f"DATABASES[{alias!r}] turns AUTOCOMMIT off; the ledger needs Django's default "
+            "(autocommit outside atomic blocks)"
+        )
+    if wrapper.vendor == "postgresql":
+        from django.db.backends.postgresql.psycopg_any import is_psycopg3  # noqa: PLC0415
+
+        if not is_psycopg3:
+            raise ConfigurationError(
+                f"DATABASES[{alias!r}] runs on psycopg2; the ledger needs psycopg 3 "
+                "(pip install 'psycopg[binary]')"
+            )
+        url = URL.create("postgresql+psycopg")
+    elif wrapper.vendor == "sqlite":
+        url = URL.create("sqlite+questpie_django", database=str(wrapper.settings_dict["NAME"]))
+    else:
+        raise ConfigurationError(
+            f"the ledger runs on PostgreSQL or SQLite; DATABASES[{alias!r}] is {wrapper.vendor}"
+        )
+    postgres = wrapper.vendor == "postgresql"
+    # The ledger has no hstore column, and psycopg would refuse the proxy for its lookup.
+    dialect_options: dict[str, Any] = {"use_native_hstore": False} if postgres else {}
+    engine = create_engine(
+        url,
+        creator=partial(_borrow, alias, postgres),
+        poolclass=NullPool,
+        pool_reset_on_return=None,
+        hide_parameters=True,  # errors name no statement value: no payload in logs
+        **dialect_options,
+    )
+    event.listen(engine, "invalidate", _on_invalidate)
+    return mark_borrowed(
+        engine,
+        Borrowed(
+            idle=partial(_idle, alias),
+            listener=partial(_listener, alias) if postgres else lambda: None,
+            ambient=partial(_ambient, engine, alias),
+            atomic=partial(_atomic, alias),
+        ),
+    )
+
+
+def _borrow(alias: str, postgres: bool) -> _BorrowedConnection:
+    """SQLAlchemy's creator: the calling thread's Django connection, opened if need be."""
+    from django.db import DatabaseError, connections  # noqa: PLC0415
+
+    wrapper = connections[alias]
+    try:
+        wrapper.ensure_connection()
+    except DatabaseError as exc:
+        # Django wraps the driver's error; SQLAlchemy (and so the ledger's error
+        # translation and its reconnect) knows the driver's own.
+        if isinstance(exc.__cause__, Exception):
+            raise exc.__cause__ from None
+        raise
+    return _BorrowedConnection(wrapper, wrapper.connection, postgres)
+
+
+class _BorrowedConnection:
+    """Django's DBAPI connection as SQLAlchemy sees it: everything passes through except
+    what would take the connection's life or transaction out of Django's hands."""
+
+    __slots__ = ("_conn", "_postgres", "_wrapper")
+
+    def __init__(self, wrapper: Any, conn: Any, postgres: bool) -> None:
+        object.__setattr__(self, "_wrapper", wrapper)
+        object.__setattr__(self, "_conn", conn)
+        object.__setattr__(self, "_postgres", postgres)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._conn, name, value)
+
+    def cursor(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._postgres or args or kwargs:
+            return self._conn.cursor(*args, **kwargs)
+        import psycopg  # noqa: PLC0415
+        from psycopg.types.datetime import TimestamptzLoader  # noqa: PLC0415
+        from psycopg.types.json import JsonbLoader  # noqa: PLC0415
+
+        # Server-side binding and psycopg's own loaders, as on the ledger's own engines
+        # (the adapters map is the cursor's copy: Django's connection is left as it is).
+        cursor = psycopg.Cursor(self._conn)
+        cursor.adapters.register_loader("timestamptz", TimestamptzLoader)
+        cursor.adapters.register_loader("jsonb", JsonbLoader)
+        return cursor
+
+    def close(self) -> None:
+        """Django closes its connections (CONN_MAX_AGE, Celery's fixup, forks)."""
+
+    def commit(self) -> None:
+        """Django commits: in autocommit each statement already has; in an atomic block,
+        the block does."""
+
+    def rollback(self) -> None:
+        """Django rolls back (an atomic block that fails); in autocommit there is
+        nothing to roll back."""
+
+    def add_notice_handler(self, handler: Any) -> None:
+        """SQLAlchemy's psycopg dialect adds one on every checkout: keep Django's
+        connection from collecting them."""
+
+    def create_function(self, *args: Any, **kwargs: Any) -> None:
+        """SQLAlchemy's SQLite dialect would replace Django's REGEXP; the ledger uses none."""
+
+    def discard(self) -> None:
+        """The connection was found dead: let Django close it, so the next use opens a
+        fresh one (in an atomic block Django marks the block for rollback instead)."""
+        if self._wrapper.connection is self._conn:
+            with contextlib.suppress(Exception):
+                self._wrapper.close()
+
+
+def _on_invalidate(dbapi_connection: Any, _record: Any, _exception: Any) -> None:
+    if isinstance(dbapi_connection, _BorrowedConnection):
+        dbapi_connection.discard()
+
+
+def _idle(alias: str) -> None:
+    """Between units of work of a questpie thread (a relay pass, a lease round): apply
+    Django's rules to its connection, as Django does between requests."""
+    from django.db import connections  # noqa: PLC0415
+
+    wrapper = connections[alias]
+    if wrapper.connection is not None and not wrapper.in_atomic_block:
+        wrapper.close_if_unusable_or_obsolete()
+
+
+@contextlib.contextmanager
+def _atomic(alias: str) -> Iterator[object]:
+    from django.db import transaction  # noqa: PLC0415
+
+    with transaction.atomic(using=alias) as block:
+        yield block
+
+
+# --- publishing in an atomic block ---------------------------------------------------------
+
+
+class _DjangoAtomic:
+    """The caller's `transaction.atomic(using=alias)` block, as a publish sees it."""
+
+    def __init__(self, connection: Connection, alias: str) -> None:
+        self._connection = connection
+        self._alias = alias
+
+    @property
+    def connection(self) -> Connection:
+        return self._connection
+
+    def after_commit(
+        self, dispatch_ids: Sequence[str], send: Callable[[Sequence[str]], None]
+    ) -> None:
+        from django.db import transaction  # noqa: PLC0415
+
+        # Django runs it after the outermost commit, and drops it when the savepoint it
+        # was registered in (or the whole block) rolls back.
+        transaction.on_commit(partial(send, list(dispatch_ids)), using=self._alias)
+
+
+@contextlib.contextmanager
+def _ambient(engine: Engine, alias: str) -> Iterator[AmbientTransaction | None]:
+    from django.db import connections  # noqa: PLC0415
+
+    wrapper = connections[alias]
+    if not wrapper.in_atomic_block:
+        yield None
+        return
+    # As any query of Django's would: refuse to write in a block already doomed.
+    wrapper.validate_no_broken_transaction()
+    with engine.connect() as conn:
+        yield _DjangoAtomic(conn, alias)
+
+
+# --- the relay's listening connection ------------------------------------------------------
+
+
+def _listener(alias: str) -> Engine | None:
+    """An engine of dedicated psycopg connections to the ledger's PostgreSQL database,
+    made from Django's settings for it: a relay's LISTEN holds its connection for
+    good, which none of Django's may do."""
+    with _LOCK:
+        engine = _LISTENERS.get(alias)
+        if engine is None:
+            engine = _LISTENERS[alias] = _make_listener(alias)
+        return engine
+
+
+def _make_listener(alias: str) -> Engine:
+    import psycopg  # noqa: PLC0415
+    from django.db import connections  # noqa: PLC0415
+
+    params = dict(connections[alias].get_connection_params())
+    for django_only in ("cursor_factory", "context", "prepare_threshold"):
+        params.pop(django_only, None)
+    params.setdefault("connect_timeout", PG_CONNECT_TIMEOUT_SECONDS)
+    # A vanished server is noticed in about 30 s, as on the ledger's own engines.
+    for key, value in (
+        ("keepalives", 1),
+        ("keepalives_idle", 10),
+        ("keepalives_interval", 5),
+        ("keepalives_count", 3),
+    ):
+        params.setdefault(key, value)
+    return create_engine(
+        URL.create("postgresql+psycopg"),
+        creator=lambda: psycopg.connect(**params),
+        poolclass=NullPool,
+    )
+
+
+# --- SQLite ---------------------------------------------------------------------------------
+
+
+class _ParsedDateTime(DATETIME):
+    """A DATETIME that Django's `PARSE_DECLTYPES` connection may hand over parsed."""
+
+    def result_processor(self, dialect: Any, coltype: Any) -> Any:
+        parse = super().result_processor(dialect, coltype)
+
+        def process(value: Any) -> Any:
+            if value is None or isinstance(value, datetime) or parse is None:
+                return value
+            return parse(value)
+
+        return process
+
+
+class DjangoSQLiteDialect(SQLiteDialect_pysqlite):
+    """SQLite on Django's connections (`sqlite+questpie_django://`)."""
+
+    supports_statement_cache = True
+    colspecs = {  # noqa: RUF012  # declared as SQLAlchemy's own dialects do
+        **SQLiteDialect_pysqlite.colspecs,
+        sqltypes.DateTime: _ParsedDateTime,
+    }
+
+
+registry.register("sqlite.questpie_django", __name__, "DjangoSQLiteDialect")

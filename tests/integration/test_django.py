@@ -1,0 +1,275 @@
+"""questpie_celery.contrib.django in a real Django project (tests/support/djangoproj).
+
+On PostgreSQL and on SQLite: `manage.py migrate` makes the ledger; a `celery -A proj
+worker` finds the `@job`s of `shop/tasks.py` without a list; `publish()` inside
+`transaction.atomic()` writes in that transaction and sends after the outermost commit;
+keys, a policy, a secret payload and schedules work on Django's connection; a
+publisher that dies between its commit and its send is made good by the relay; a worker
+whose database connections were killed goes on working.
+
+The Django side runs in subprocesses (`manage.py`, `scenario.py`, the worker): Django's
+settings are per process. This process looks at the database with SQLAlchemy only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import (
+    Column,
+    DateTime,
+    Engine,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    create_engine,
+    inspect,
+    select,
+    text,
+)
+
+from questpie_celery.ledger import Ledger, dispatch_table, metadata, open_ledger
+from tests.support.services import ROOT, PostgresServer, RedisServer, Worker
+
+PROJECT = ROOT / "tests" / "support" / "djangoproj"
+PYTHONPATH = f"{PROJECT}{os.pathsep}{ROOT}"
+
+#: The test app's table of handler runs (shop.models.Run), as this process reads it.
+runs_table = Table(
+    "shop_run",
+    MetaData(),
+    Column("id", Integer, primary_key=True),
+    Column("tag", String),
+    Column("dispatch_id", String),
+    Column("attempt", Integer),
+    Column("ran_at", DateTime(timezone=True)),
+)
+
+
+@dataclass
+class DjangoProject:
+    env: dict[str, str]
+    url: str  # the database, as a SQLAlchemy URL
+    worker: Worker
+    ledger: Ledger  # this process's own look at the ledger tables
+    engine: Engine
+
+    def run(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        env = {**os.environ, **self.env, "PYTHONPATH": PYTHONPATH}
+        return subprocess.run(
+            [sys.executable, *args], cwd=PROJECT, env=env, capture_output=True, text=True,
+            timeout=timeout, check=False,
+        )  # fmt: skip
+
+    def scenario(self, name: str, arg: str) -> dict[str, Any]:
+        done = self.run("scenario.py", name, arg)
+        assert done.returncode == 0, done.stderr
+        result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+        return result
+
+    def runs(self, tag: str) -> list[dict[str, Any]]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(select(runs_table).where(runs_table.c.tag.startswith(tag)))
+            return [dict(row) for row in rows.mappings()]
+
+    def wait_status(self, dispatch_id: str, status: str, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        row = None
+        while time.monotonic() < deadline:
+            row = self.ledger.get(dispatch_id)
+            if row is not None and row.status == status:
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"{dispatch_id} is {row and row.status}, not {status}:\n{self.log}")
+
+    @property
+    def log(self) -> str:
+        return self.worker.log()[-4000:]
+
+
+def database_url(request: pytest.FixtureRequest, dialect: str, folder: Path, name: str) -> str:
+    if dialect == "postgresql":
+        postgres: PostgresServer = request.getfixturevalue("postgres")
+        return postgres.create_database("dj")
+    return f"sqlite:///{folder / name}"
+
+
+@pytest.fixture(scope="module", params=["postgresql", "sqlite"])
+def project(
+    request: pytest.FixtureRequest,
+    redis_server: RedisServer,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[DjangoProject]:
+    folder = tmp_path_factory.mktemp("django")
+    url = database_url(request, request.param, folder, "project.sqlite3")
+    env = {
+        "DJ_DB": url,
+        "DJ_BROKER": redis_server.url(redis_server.new_db()),
+        "DJANGO_SETTINGS_MODULE": "proj.settings",
+    }
+    worker = Worker(env, app="proj", cwd=PROJECT, pythonpath=PYTHONPATH)
+    ledger = open_ledger(url)
+    made = DjangoProject(env, url, worker, ledger, create_engine(url, pool_pre_ping=True))
+    migrated = made.run("manage.py", "migrate", "-v0")
+    assert migrated.returncode == 0, migrated.stderr
+    worker.start()
+    yield made
+    worker.stop()
+    ledger.close()
+    made.engine.dispose()
+
+
+def schema(url: str) -> dict[str, Any]:
+    """The ledger tables of a database: columns, keys and indexes, comparable."""
+    engine = create_engine(url)
+    try:
+        found = inspect(engine)
+        return {
+            table: {
+                "columns": [
+                    (c["name"], str(c["type"]), c["nullable"]) for c in found.get_columns(table)
+                ],
+                "primary_key": found.get_pk_constraint(table)["constrained_columns"],
+                "indexes": sorted(
+                    (i["name"] or "", tuple(i["column_names"]), bool(i["unique"]))
+                    for i in found.get_indexes(table)
+                ),
+            }
+            for table in sorted(found.get_table_names())
+            if table in metadata.tables
+        }
+    finally:
+        engine.dispose()
+
+
+def test_manage_py_migrate_makes_the_ledger_questpie_celery_migrate_makes(
+    project: DjangoProject, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    # Idempotent: a second run (and the one the fixture made) changes nothing.
+    again = project.run("manage.py", "migrate", "-v0")
+    assert again.returncode == 0, again.stderr
+    dialect = "sqlite" if project.url.startswith("sqlite") else "postgresql"
+    plain = database_url(request, dialect, tmp_path, "plain.sqlite3")
+    cli = str(Path(sys.executable).parent / "questpie-celery")
+    made = subprocess.run(
+        [cli, "migrate", "--ledger-url", plain], capture_output=True, text=True, check=False
+    )
+    assert made.returncode == 0, made.stderr
+    ours = schema(project.url)
+    assert set(ours) == set(metadata.tables)
+    assert ours == schema(plain)
+    assert project.ledger.schema_version() == Ledger(create_engine(plain)).schema_version()
+    with project.engine.connect() as conn:
+        applied = conn.execute(
+            text("SELECT name FROM django_migrations WHERE app = 'questpie_celery'")
+        ).scalars()
+        assert list(applied) == ["0001_ledger"]
+
+
+def test_the_worker_finds_the_apps_jobs_without_a_list(project: DjangoProject) -> None:
+    log = project.worker.log()
+    for name in ("shop.record", "shop.exclusive", "shop.magic-link"):
+        assert name in log
+    # The relay, its listener (PostgreSQL) and the policy records ran on Django's
+    # connections without a complaint.
+    assert "Traceback" not in log and "cannot listen" not in log, log
+
+
+def test_publish_inside_atomic_rides_the_transaction(project: DjangoProject) -> None:
+    tag = f"t{uuid.uuid4().hex[:8]}"
+    seen = project.scenario("atomic", tag)
+    assert seen["orders"] == 1
+    # Invisible to any other connection until the outermost commit, then there.
+    assert seen["a_seen_before_commit"] is False
+    assert seen["a_seen_after_commit"] is True
+    # The rows that committed each ran once, and only after the commit: a message sent
+    # before it would have reached the idle worker during the second the block slept.
+    sent = [seen["a"], seen["b"], *seen["many"], seen["e"]]
+    for dispatch_id in sent:
+        project.wait_status(dispatch_id, "completed")
+    runs = project.runs(tag)
+    assert sorted(run["dispatch_id"] for run in runs) == sorted(sent), project.log
+    committed_at = seen["committed_at"]
+    for run in runs:
+        if run["dispatch_id"] != seen["e"]:
+            ran_at = run["ran_at"]
+            if ran_at.tzinfo is None:  # SQLite: Django stores UTC, naive
+                ran_at = ran_at.replace(tzinfo=UTC)
+            assert ran_at.timestamp() >= committed_at - 0.05
+    # The rolled-back savepoint dropped only its own row; the rolled-back block all.
+    assert project.ledger.get(seen["c"]) is None
+    assert project.ledger.get(seen["d"]) is None
+    assert seen["d_status"] == "None"
+    time.sleep(0.5)
+    assert len(project.runs(tag)) == len(sent)
+
+
+def test_keys_policies_secrets_and_schedules_on_djangos_connection(
+    project: DjangoProject,
+) -> None:
+    tag = f"f{uuid.uuid4().hex[:8]}"
+    seen = project.scenario("features", tag)
+    first, again = seen["key"]
+    assert first == again == seen["key_after"]
+    kept, suppressed = seen["exclusive"]
+    assert kept is not None and suppressed is None
+    assert seen["receipt"] in ("queued", "completed")  # the worker may be that quick
+    assert seen["schedules"] == ["shop.record"] and seen["schedules_after"] == []
+    for dispatch_id in (first, kept, seen["secret"]):
+        project.wait_status(dispatch_id, "completed")
+    secret = project.ledger.get(seen["secret"])
+    assert secret is not None and secret.payload is None and secret.secret
+    assert project.scenario("receipt", seen["secret"])["status"] == "completed"
+    assert len(project.runs(f"{tag}-k")) == 1
+    assert len(project.runs(f"{tag}-s")) == 1
+
+
+def test_a_publisher_dying_after_commit_is_made_good_by_the_relay(
+    project: DjangoProject,
+) -> None:
+    tag = f"d{uuid.uuid4().hex[:8]}"
+    died = project.run("scenario.py", "die", tag)
+    assert died.returncode == 0, died.stderr
+    dispatch_id = json.loads(died.stdout.strip().splitlines()[0])["id"]
+    row = project.ledger.get(dispatch_id)
+    # Committed, never sent: pending, left to its publisher for the grace period.
+    assert row is not None and row.status == "pending" and row.send_count == 0
+    assert project.runs(tag) == []
+    # The grace (PENDING_GRACE_SECONDS, 30 s) is not configurable: move the row's relay
+    # time to now instead of waiting it out. The relay does the rest on its own.
+    with project.ledger.engine.begin() as conn:
+        conn.execute(
+            dispatch_table.update()
+            .where(dispatch_table.c.id == dispatch_id)
+            .values(next_send_at=row.created_at)
+        )
+    project.wait_status(dispatch_id, "completed")
+    assert [run["dispatch_id"] for run in project.runs(tag)] == [dispatch_id]
+
+
+def test_a_worker_whose_connections_were_killed_goes_on(
+    project: DjangoProject, request: pytest.FixtureRequest
+) -> None:
+    if project.url.startswith("sqlite"):
+        pytest.skip("SQLite has no server to lose")
+    first = project.scenario("publish", f"k{uuid.uuid4().hex[:8]}")["id"]
+    project.wait_status(first, "completed")
+    postgres: PostgresServer = request.getfixturevalue("postgres")
+    assert postgres.terminate_backends(project.url) > 0  # the worker's, and its relay's
+    tag = f"k{uuid.uuid4().hex[:8]}"
+    second = project.scenario("publish", tag)["id"]
+    project.wait_status(second, "completed")
+    assert len(project.runs(tag)) == 1
+    assert project.worker.alive()
