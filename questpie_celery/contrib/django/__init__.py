@@ -1,0 +1,1 @@
+"""questpie_celery in a Django project."""
