@@ -1,0 +1,59 @@
+"""The Django models of the ledger map its tables as they are, and never a payload or a
+secret's ciphertext or wrapped key."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from django.apps import apps
+from django.contrib import admin
+from sqlalchemy import Table
+
+from questpie_celery.ledger.schema import dispatch_table, metadata
+from tests.support import django_site
+
+FORBIDDEN = {"payload", "secret_ciphertext", "secret_wrapped_key", "options", "claim_token"}
+
+
+@pytest.fixture(scope="module")
+def models() -> list[Any]:
+    django_site.configure()
+    config = next(c for c in apps.get_app_configs() if c.name == django_site.APP)
+    return list(config.get_models())
+
+
+def test_every_model_maps_existing_columns_of_a_ledger_table(models: list[Any]) -> None:
+    assert {m._meta.db_table for m in models} == {
+        "questpie_queue_dispatch",
+        "questpie_schedule",
+        "questpie_queue_policy",
+    }
+    for model in models:
+        meta = model._meta
+        assert meta.managed is False
+        table: Table = metadata.tables[meta.db_table]
+        for field in meta.concrete_fields:
+            column = table.c[field.column]
+            assert field.column not in FORBIDDEN, (meta.db_table, field.column)
+            if not field.primary_key:
+                assert field.null == column.nullable, (meta.db_table, field.column)
+
+
+def test_the_dispatch_model_leaves_out_payload_and_secrets(models: list[Any]) -> None:
+    dispatch = next(m for m in models if m._meta.db_table == dispatch_table.name)
+    mapped = {f.column for f in dispatch._meta.concrete_fields}
+    assert mapped.isdisjoint(FORBIDDEN)
+    # Everything else of a dispatch is there to see.
+    assert mapped | FORBIDDEN == set(dispatch_table.c.keys())
+
+
+def test_the_admin_refuses_every_write_to_everyone(models: list[Any]) -> None:
+    import questpie_celery.contrib.django.admin  # noqa: F401, PLC0415  (registers the models)
+
+    for model in models:
+        model_admin = admin.site._registry[model]
+        assert not model_admin.has_add_permission(None)
+        assert not model_admin.has_change_permission(None)
+        assert not model_admin.has_delete_permission(None)
+        assert model_admin.actions is None
