@@ -10,7 +10,7 @@ from django.core import checks
 from .binding import DATABASE_SETTING, ledger_database
 
 
-class QuestpieConfig(AppConfig):  # type: ignore[misc]  # Django is untyped
+class QuestpieConfig(AppConfig):
     name = "questpie_celery.contrib.django"
     label = "questpie_celery"
     verbose_name = "questpie"

@@ -20,7 +20,7 @@ def create_or_upgrade_ledger(apps: Any, schema_editor: Any) -> None:
     migrate_ledger(schema_editor.connection.alias)
 
 
-class Migration(migrations.Migration):  # type: ignore[misc]  # Django is untyped
+class Migration(migrations.Migration):
     initial = True
     dependencies: ClassVar[list[tuple[str, str]]] = []
     operations: ClassVar[list[Any]] = [
