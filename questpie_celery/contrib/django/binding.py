@@ -55,7 +55,7 @@ APP_NAME = "questpie_celery.contrib.django"
 DATABASE_SETTING = "QUESTPIE_DATABASE"
 DEFAULT_DATABASE = "default"
 
-_ENGINES: dict[str, Engine] = {}
+_ENGINES: dict[tuple[str, str], Engine] = {}
 _LISTENERS: dict[str, Engine] = {}
 _LOCK = threading.Lock()
 
@@ -90,11 +90,16 @@ def ledger_database() -> str:
 
 def django_ledger_engine(alias: str) -> Engine:
     """The engine of the ledger in `DATABASES[alias]`, on Django's own connections
-    (one per alias and process; Django is not connected until a statement runs)."""
+    (one per alias and database backend in a process; Django is not connected until a
+    statement runs). Keyed by the backend too: a test suite may point an alias at
+    another database, and the engine's dialect must follow."""
+    from django.db import connections  # noqa: PLC0415
+
+    key = (alias, str(connections.settings[alias]["ENGINE"]))
     with _LOCK:
-        engine = _ENGINES.get(alias)
+        engine = _ENGINES.get(key)
         if engine is None:
-            engine = _ENGINES[alias] = _make_engine(alias)
+            engine = _ENGINES[key] = _make_engine(alias)
         return engine
 
 

@@ -1,5 +1,10 @@
 """The Django models of the ledger map its tables as they are, and never a payload or a
-secret's ciphertext or wrapped key."""
+secret's ciphertext or wrapped key.
+
+Here, not in the fast lane, though it needs no server: it configures Django in the test
+process, and a configured Django with this app installed gives every later
+`Questpie(app)` without a ledger Django's database, which the fast lane's tests of
+configuration errors must not meet."""
 
 from __future__ import annotations
 
