@@ -236,6 +236,19 @@ def test_keys_policies_secrets_and_schedules_on_djangos_connection(
     assert len(project.runs(f"{tag}-s")) == 1
 
 
+def test_a_ledger_error_caught_inside_atomic_rolls_the_block_back(
+    project: DjangoProject,
+) -> None:
+    """On PostgreSQL a failed statement aborts the transaction: Django must be told, or
+    it would "commit" (a rollback, server side) and run the block's on_commit callbacks
+    for work that never committed."""
+    seen = project.scenario("swallowed", f"w{uuid.uuid4().hex[:8]}")
+    assert seen["caught"] == "LedgerBusyError"
+    assert seen["fired"] == seen["order"]
+    if project.url.startswith("postgresql"):
+        assert (seen["fired"], seen["order"]) == (False, False)
+
+
 def test_a_publisher_dying_after_commit_is_made_good_by_the_relay(
     project: DjangoProject,
 ) -> None:

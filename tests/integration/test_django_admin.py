@@ -362,6 +362,25 @@ def test_list_pages_at_scale_never_count_the_table(
         assert _listed(html) <= {FIXTURE_ID, derive_dispatch_id("job-9", "order-x-1")}
 
 
+@pytest.mark.parametrize("params", [{"o": "5"}, {"o": "-2.5"}, {"o": "3", "job": "job-4"}])
+def test_a_hand_written_sort_is_ignored(big_site: Site, params: dict[str, str]) -> None:
+    """Columns offer no sorting, and a `?o=` typed into the URL must not sort the whole
+    table either: the page keeps the newest-first order its index serves."""
+    _, sqls = _queries(big_site, big_site.base, **params)
+    [page] = [sql for sql in _ledger_queries(sqls) if re.search(r"LIMIT 100\b", sql.upper())]
+    assert re.search(r"ORDER BY \S*created_at\S* DESC", page), page
+
+
+@pytest.mark.parametrize(
+    "lookup", ["last_error__icontains", "idempotency_key__regex", "slot__isnull", "attempt__gt"]
+)
+def test_lookups_other_than_the_filters_are_refused(big_site: Site, lookup: str) -> None:
+    response = big_site.get(big_site.base, **{lookup: "1"})
+    assert response.status_code in (400, 302)  # refused, or sent back without the lookup
+    if response.status_code == 302:
+        assert lookup not in response["Location"]
+
+
 def test_a_dispatch_page_at_scale_is_one_lookup(big_site: Site) -> None:
     html, sqls = _queries(big_site, f"{big_site.base}{FIXTURE_ID}/change/")
     assert "order-1233" in html

@@ -161,6 +161,7 @@ def _make_engine(alias: str) -> Engine:
         **dialect_options,
     )
     event.listen(engine, "invalidate", _on_invalidate)
+    event.listen(engine, "handle_error", partial(_mark_for_rollback, alias))
     return mark_borrowed(
         engine,
         Borrowed(
@@ -248,6 +249,19 @@ class _BorrowedConnection:
 def _on_invalidate(dbapi_connection: Any, _record: Any, _exception: Any) -> None:
     if isinstance(dbapi_connection, _BorrowedConnection):
         dbapi_connection.discard()
+
+
+def _mark_for_rollback(alias: str, _context: Any) -> None:
+    """A ledger statement failed inside the caller's atomic block: tell Django, as its
+    own cursor does. PostgreSQL has aborted the transaction; unmarked, Django would
+    commit (which the server turns into a rollback) and run the block's on_commit
+    callbacks for work that never committed. Marked, the block rolls back and its
+    callbacks are dropped, even if the caller catches the error."""
+    from django.db import connections  # noqa: PLC0415
+
+    wrapper = connections[alias]
+    if wrapper.in_atomic_block:
+        wrapper.needs_rollback = True
 
 
 def _idle(alias: str) -> None:

@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 import django
+import django.utils.timezone
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "proj.settings")
 django.setup()
@@ -118,10 +119,41 @@ def die(tag: str) -> dict[str, Any]:
     raise AssertionError("the on_commit callback should have ended the process")
 
 
+def swallowed(tag: str) -> dict[str, Any]:
+    """A ledger statement fails inside an atomic block and the caller catches it: the
+    block must roll back (and drop its on_commit callbacks), not commit half of it."""
+    from questpie_celery.errors import QuestpieError  # noqa: PLC0415
+
+    exclusive = questpie.queue["shop.exclusive"]
+    first = exclusive.publish({"tag": f"{tag}-1"}, singleton_key=tag)
+    with connections["default"].cursor() as cursor:  # it ended: its slot is free again
+        cursor.execute(
+            "UPDATE questpie_queue_dispatch SET status = 'failed', finished_at = %s WHERE id = %s",
+            [django.utils.timezone.now(), first],
+        )
+    exclusive.publish({"tag": f"{tag}-2"}, singleton_key=tag)  # takes the slot
+    fired: list[bool] = []
+    caught = ""
+    with contextlib.suppress(Exception), transaction.atomic():
+        Order.objects.create(tag=tag)
+        transaction.on_commit(lambda: fired.append(True))
+        try:
+            questpie.operator.requeue(first or "")  # meets the taken slot's index
+        except QuestpieError as exc:
+            caught = type(exc).__name__
+    return {
+        "caught": caught,
+        "fired": bool(fired),
+        "order": Order.objects.filter(tag=tag).exists(),
+    }
+
+
 def publish(tag: str) -> dict[str, Any]:
     return {"id": questpie.queue["shop.record"].publish({"tag": tag}, idempotency_key=tag)}
 
 
 if __name__ == "__main__":
-    scenario = {f.__name__: f for f in (atomic, features, receipt, die, publish)}[sys.argv[1]]
+    scenario = {f.__name__: f for f in (atomic, features, receipt, die, publish, swallowed)}[
+        sys.argv[1]
+    ]
     print(json.dumps(scenario(sys.argv[2])), flush=True)
