@@ -84,6 +84,8 @@ def database(url: str | None) -> dict[str, object]:
         "PASSWORD": unquote(parts.password or ""),
         "HOST": parts.hostname or "",
         "PORT": str(parts.port or ""),
+        # CONN_MAX_AGE is left at 0, Django's default; a positive value is fine in
+        # production, but not under pytest-django (docs/django.md, "Testing").
     }
 
 
