@@ -82,10 +82,21 @@ class AcceptanceRecorder:
             )
 
     def _loop(self) -> None:
+        failing: str | None = None
         while not self._closed:
             time.sleep(FLUSH_INTERVAL_SECONDS)
-            self.flush()
-            self.ledger.idle()
+            try:
+                self.flush()
+                self.ledger.idle()
+            except Exception as exc:
+                # Not the ledger's own errors (flush logs those): something refusing the
+                # database outright (a test harness's blocker, say). The thread lives on,
+                # and says so once per kind of failure.
+                if failing != type(exc).__name__:
+                    failing = type(exc).__name__
+                    log.warning("recording broker acceptance failed (%s); retrying", failing)
+            else:
+                failing = None
 
     def _forked(self) -> None:
         # The parent flushes its own batch; the child starts empty, with a fresh lock.
