@@ -258,6 +258,7 @@ class Questpie:
                 exc,
             )
         self.sync_job_schedules()
+        self._ledger.idle()  # as in _record_policies
 
     def sync_job_schedules(self) -> bool:
         """Store the schedules that registered jobs declare with `options={"cron": ...}`
@@ -506,7 +507,12 @@ class Questpie:
         return self._keyring
 
     def _record_policies(self) -> None:
-        self._policies.record_all(self._registry.definitions().values())
+        try:
+            self._policies.record_all(self._registry.definitions().values())
+        finally:
+            # Called where no task runs (a worker's main thread, as it starts): nothing
+            # else would let Django close the connection used (CONN_MAX_AGE).
+            self._ledger.idle()
 
     # --- Celery hooks ---------------------------------------------------------------------
 

@@ -236,6 +236,15 @@ def test_keys_policies_secrets_and_schedules_on_djangos_connection(
     assert len(project.runs(f"{tag}-s")) == 1
 
 
+def test_a_schedule_fires_once_on_djangos_connection(project: DjangoProject) -> None:
+    tag = f"s{uuid.uuid4().hex[:8]}"
+    seen = project.scenario("fire", tag)
+    assert seen["dispatch"] is not None
+    project.wait_status(seen["dispatch"], "completed")
+    time.sleep(1)
+    assert len(project.runs(tag)) == 1
+
+
 def test_a_ledger_error_caught_inside_atomic_rolls_the_block_back(
     project: DjangoProject,
 ) -> None:
@@ -286,3 +295,54 @@ def test_a_worker_whose_connections_were_killed_goes_on(
     project.wait_status(second, "completed")
     assert len(project.runs(tag)) == 1
     assert project.worker.alive()
+
+
+@pytest.mark.parametrize("max_age", [0, 600])
+def test_the_workers_connections_follow_conn_max_age(
+    max_age: int, request: pytest.FixtureRequest, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """With `CONN_MAX_AGE = 0` no connection of the worker (its children's, its relay's)
+    outlives a unit of work; with a positive one they are kept and reused. The relay's
+    LISTEN connection is its own, held for good, and left out."""
+    postgres: PostgresServer = request.getfixturevalue("postgres")
+    url = postgres.create_database("dj")
+    env = {
+        "DJ_DB": url,
+        "DJ_BROKER": redis_server.url(redis_server.new_db()),
+        "DJANGO_SETTINGS_MODULE": "proj.settings",
+        "DJ_CONN_MAX_AGE": str(max_age),
+    }
+    worker = Worker(env, app="proj", cwd=PROJECT, pythonpath=PYTHONPATH)
+    ledger = open_ledger(url)
+    made = DjangoProject(env, url, worker, ledger, create_engine(url, pool_pre_ping=True))
+    try:
+        assert made.run("manage.py", "migrate", "-v0").returncode == 0
+        worker.start()
+        for _ in range(3):
+            dispatch_id = made.scenario("publish", f"m{uuid.uuid4().hex[:8]}")["id"]
+            made.wait_status(dispatch_id, "completed")
+        ledger.close()  # this test's own connections: only the worker's are left
+        time.sleep(6)  # three relay passes, no work
+        database = url.rsplit("/", 1)[1]
+        with made.engine.connect() as conn:
+            ages = (
+                conn.execute(
+                    text(
+                        "SELECT extract(epoch FROM now() - backend_start) FROM pg_stat_activity "
+                        "WHERE datname = :db AND pid <> pg_backend_pid() "
+                        "AND query NOT LIKE 'LISTEN%'"
+                    ),
+                    {"db": database},
+                )
+                .scalars()
+                .all()
+            )
+        oldest = max((float(age) for age in ages), default=0.0)
+        if max_age == 0:
+            assert oldest < 5, f"a connection {oldest:.1f} s old with CONN_MAX_AGE=0"
+        else:
+            assert oldest >= 5, f"no connection kept with CONN_MAX_AGE={max_age}: {ages}"
+    finally:
+        worker.stop()
+        ledger.close()
+        made.engine.dispose()

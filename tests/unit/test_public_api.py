@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import pkgutil
 import subprocess
 import sys
@@ -193,10 +194,26 @@ def test_get_status_describes_a_ledgered_dispatch_and_none_an_unledgered_one(
         idle.close()
 
 
+def test_a_questpie_without_a_ledger_is_refused_outside_django() -> None:
+    """In a fresh process: the suite's Django admin tests configure Django in theirs, and
+    there a Questpie with no ledger given lives in Django's database."""
+    code = (
+        "from celery import Celery\n"
+        "from questpie_celery import ConfigurationError, Questpie\n"
+        "try:\n"
+        "    Questpie(Celery('api', broker='memory://'))\n"
+        "except ConfigurationError as exc:\n"
+        "    assert 'exactly one' in str(exc), exc\n"
+        "    assert 'INSTALLED_APPS' in str(exc), exc  # and how a Django project does it\n"
+        "else:\n"
+        "    raise SystemExit('no ConfigurationError')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=Path(__file__).parents[2])
+
+
 def test_configuration_errors() -> None:
     app = Celery("api", broker="memory://")
-    with pytest.raises(QuestpieError, match="exactly one"):
-        Questpie(app)
     with pytest.raises(QuestpieError, match="exactly one"):
         Questpie(app, ledger_url="sqlite://", engine=create_ledger_engine("sqlite://"))
     with pytest.raises(QuestpieError):

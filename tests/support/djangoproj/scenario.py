@@ -148,12 +148,36 @@ def swallowed(tag: str) -> dict[str, Any]:
     }
 
 
+def fire(tag: str) -> dict[str, Any]:
+    """A schedule's due tick fired on the Django ledger, as `celery beat` fires it: the
+    tick is made due now (rather than waiting for the next minute), then fired twice,
+    as two beats would."""
+    record = questpie.queue["shop.record"]
+    record.schedule({"tag": tag}, "* * * * *")
+    # In the ledger's own layout of times: the database's clock, a minute ago.
+    minute_ago = (
+        "now() - interval '1 minute'"
+        if connections["default"].vendor == "postgresql"
+        else "strftime('%Y-%m-%d %H:%M:%f000', 'now', '-1 minute')"
+    )
+    with connections["default"].cursor() as cursor:
+        cursor.execute(
+            f"UPDATE questpie_schedule SET next_fire_at = {minute_ago} WHERE job_name = %s",
+            ["shop.record"],
+        )
+    questpie.schedules.fire_due()
+    questpie.schedules.fire_due()
+    [info] = [i for i in questpie.schedules.list() if i.job_name == "shop.record"]
+    record.unschedule()
+    return {"dispatch": info.last_dispatch_id}
+
+
 def publish(tag: str) -> dict[str, Any]:
     return {"id": questpie.queue["shop.record"].publish({"tag": tag}, idempotency_key=tag)}
 
 
 if __name__ == "__main__":
-    scenario = {f.__name__: f for f in (atomic, features, receipt, die, publish, swallowed)}[
+    scenario = {f.__name__: f for f in (atomic, features, receipt, die, publish, swallowed, fire)}[
         sys.argv[1]
     ]
     print(json.dumps(scenario(sys.argv[2])), flush=True)
