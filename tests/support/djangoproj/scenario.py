@@ -131,7 +131,8 @@ def swallowed(tag: str) -> dict[str, Any]:
             "UPDATE questpie_queue_dispatch SET status = 'failed', finished_at = %s WHERE id = %s",
             [django.utils.timezone.now(), first],
         )
-    exclusive.publish({"tag": f"{tag}-2"}, singleton_key=tag)  # takes the slot
+    # Takes the slot, and keeps it: no worker reads that queue.
+    exclusive.publish({"tag": f"{tag}-2"}, singleton_key=tag, queue="nobody-reads-this")
     fired: list[bool] = []
     caught = ""
     with contextlib.suppress(Exception), transaction.atomic():
