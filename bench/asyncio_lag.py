@@ -17,12 +17,15 @@ ASGI server's does. Each round, interleaved:
 - `raw apply_async`: N raw sends, for scale.
 
 Printed: median wall time per mode with min-max over the rounds, and the lag's p50,
-p99 and max over all of a mode's ticks.
+p99 and max over all of a mode's ticks. `BENCH_GC_FREEZE=1` calls `gc.freeze()` once
+the app is loaded, as a server can after start-up: the rare full collection of the
+objects loaded at start then no longer lands in a round.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import importlib
 import os
 import statistics
@@ -146,6 +149,8 @@ def main() -> None:
         os.environ["BENCH_LEDGER"] = postgres.url()
         bench_app = importlib.import_module("bench.app")
         bench_app.questpie.migrate()
+        if os.environ.get("BENCH_GC_FREEZE"):
+            gc.freeze()  # what a server can do once started: see docs/asyncio.md
         times, lags = asyncio.run(rounds(bench_app))
         bench_app.questpie.close()
     finally:
