@@ -232,7 +232,7 @@ class AsyncPublisher:
         policy = await self._policy(definition, options, span)
         ids: list[str | None] = []
         chunks = publisher.chunks(
-            definition.name, bodies, options, policy, keyring, None, None, size=FLUSH_SIZE
+            definition.name, bodies, options, policy, keyring, None, size=FLUSH_SIZE
         )
         for chunk in chunks:
             inserted = await self._ledger.insert_many(chunk.rows)
@@ -264,7 +264,7 @@ class AsyncPublisher:
         keyring = self._publisher.keyring_for(options)
         body, wanted.payload = definition.to_json(wanted.payload), None
         policy = await self._policy(definition, [options], wanted.span)
-        route = self._publisher.route(definition.name, body, options, policy, keyring, None, None)
+        route = self._publisher.route(definition.name, body, options, policy, keyring, None)
         if route.new is None:
             route.plain = (body, options)
         return route

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -24,7 +25,6 @@ from .errors import BrokerError, PayloadValidationError
 from .ids import derive_dispatch_id, random_dispatch_id
 from .jobs import JobDefinition
 from .ledger import (
-    AmbientTransaction,
     Ledger,
     NewDispatch,
     caller_connection,
@@ -43,6 +43,16 @@ BATCH_SIZE = 1000
 
 #: `Session.info` key: how to send the rows of a session an `AsyncSession` drives.
 ASYNC_SEND = "questpie_async_send"
+
+
+@dataclass(frozen=True)
+class CallerTransaction:
+    """The caller's transaction a publish writes its rows in: its connection, and what
+    sends those rows once it commits (None for a bare Connection, which has no commit
+    hook: the relay sends them, woken by the commit where the database can say so)."""
+
+    connection: Connection
+    after_commit: Callable[[Sequence[str]], None] | None
 
 
 @dataclass
@@ -140,70 +150,29 @@ class Publisher:
     ) -> list[str | None]:
         if not options:
             return []
-        # Inside the caller's transaction of the framework that owns the ledger's
-        # connections (Django's atomic block), the rows are written there, as with session=.
-        open_ambient = self._ledger.ambient
-        if session is None and connection is None and open_ambient is not None:
-            with open_ambient() as ambient:
-                if ambient is not None:
-                    return self._publish_many_in(
-                        definition, payloads, options, None, None, span, ambient
-                    )
-        return self._publish_many_in(definition, payloads, options, session, connection, span)
-
-    def _publish_many_in(
-        self,
-        definition: JobDefinition[Any],
-        payloads: Sequence[Any],
-        options: Sequence[DispatchOptions],
-        session: Session | None,
-        connection: Connection | None,
-        span: telemetry.Span,
-        ambient: AmbientTransaction | None = None,
-    ) -> list[str | None]:
         keyring, bodies = self.validate_many(definition, payloads, options)
-        caller = (
-            ambient.connection
-            if ambient is not None
-            else caller_connection(self._ledger, session, connection)
-        )
-        if self._sender.eager:
-            # Eager mode runs each dispatch as it is published, so a later item can see
-            # an earlier one finished (its policy slot free again): one by one, then.
-            return [
-                self._publish(definition, payload, item, session, connection, span)
-                for payload, item in zip(payloads, options, strict=True)
-            ]
-        policy = self.policy(definition, options, span)
-        ids: list[str | None] = []
-        chunks = self.chunks(
-            definition.name,
-            bodies,
-            options,
-            policy,
-            keyring,
-            caller,
-            session,
-            hooked=ambient is not None,
-        )
-        for chunk in chunks:
-            inserted = self._ledger.insert_many(chunk.rows, caller)
-            contested = chunk.contested(inserted)
-            known = self._ledger.existing(contested, caller) if contested else set()
-            to_send = self.settle(chunk, inserted, known)
-            if chunk.first.publisher_sends and to_send:
-                if ambient is not None:
-                    ambient.after_commit(list(to_send), self._outbox.send_committed)
-                elif session is not None:
-                    send_after_commit(session, list(to_send), self.committed_sender(session))
-                elif caller is None:
-                    self._outbox.send_many(list(to_send.values()))
-            elif chunk.first.wake_relays and caller is not None and to_send:
-                self._ledger.wake_relays(caller)
-            if chunk.plain:
-                self.send_plain(definition.name, chunk.plain)
-            ids += chunk.ids
-        return ids
+        with self._caller(session, connection) as caller:
+            if self._sender.eager:
+                # Eager mode runs each dispatch as it is published, so a later item can
+                # see an earlier one finished (its policy slot free again): one by one.
+                return [
+                    self._publish_in(definition, body, item, keyring, caller, span)
+                    for body, item in zip(bodies, options, strict=True)
+                ]
+            policy = self.policy(definition, options, span)
+            ids: list[str | None] = []
+            for chunk in self.chunks(definition.name, bodies, options, policy, keyring, caller):
+                conn = caller.connection if caller is not None else None
+                inserted = self._ledger.insert_many(chunk.rows, conn)
+                contested = chunk.contested(inserted)
+                known = self._ledger.existing(contested, conn) if contested else set()
+                to_send = self.settle(chunk, inserted, known)
+                if to_send:
+                    self._hand_over(chunk.first, caller, list(to_send.values()))
+                if chunk.plain:
+                    self.send_plain(definition.name, chunk.plain)
+                ids += chunk.ids
+            return ids
 
     def validate_many(
         self,
@@ -259,22 +228,14 @@ class Publisher:
         options: Sequence[DispatchOptions],
         policy: QueuePolicy,
         keyring: Keyring | None,
-        caller: Connection | None,
-        session: Session | None,
+        caller: CallerTransaction | None,
         *,
         size: int = BATCH_SIZE,
-        hooked: bool = False,
     ) -> Iterator[Chunk]:
-        """The items `size` at a time: each chunk with its rows, plain messages and ids.
-
-        `hooked`: `caller` is an ambient transaction that sends after its commit."""
+        """The items `size` at a time: each chunk with its rows, plain messages and ids."""
         shared = options[0]  # the items differ in their keys only
         now = datetime.now(UTC)
-        first = self._outbox.first_send(
-            shared.start_after,
-            now,
-            after_commit_hook=caller is None or session is not None or hooked,
-        )
+        first = self._first_send(shared, caller, now)
         plain_ok = self._may_skip_ledger(shared, policy, caller, now)
         stored = shared.stored()
         for start in range(0, len(bodies), size):
@@ -312,7 +273,7 @@ class Publisher:
         self,
         options: DispatchOptions,
         policy: QueuePolicy,
-        caller: Connection | None,
+        caller: CallerTransaction | None,
         now: datetime,
     ) -> bool:
         """An unkeyed dispatch with these options needs no ledger row: a plain message."""
@@ -400,63 +361,79 @@ class Publisher:
         connection: Connection | None,
         span: telemetry.Span,
     ) -> str | None:
-        # Inside the caller's transaction of the framework that owns the ledger's
-        # connections (Django's atomic block), the rows are written there, as with session=.
-        open_ambient = self._ledger.ambient
-        if session is None and connection is None and open_ambient is not None:
-            with open_ambient() as ambient:
-                if ambient is not None:
-                    return self._publish_in(definition, payload, options, None, None, span, ambient)
-        return self._publish_in(definition, payload, options, session, connection, span)
+        keyring = self.keyring_for(options)
+        body = definition.to_json(payload)
+        with self._caller(session, connection) as caller:
+            return self._publish_in(definition, body, options, keyring, caller, span)
 
     def _publish_in(
         self,
         definition: JobDefinition[Any],
-        payload: Any,
+        body: dict[str, Any],
         options: DispatchOptions,
-        session: Session | None,
-        connection: Connection | None,
+        keyring: Keyring | None,
+        caller: CallerTransaction | None,
         span: telemetry.Span,
-        ambient: AmbientTransaction | None = None,
     ) -> str | None:
-        """Publish one dispatch; in `ambient`'s transaction when given (then `session`
-        and `connection` are None)."""
-        keyring = self.keyring_for(options)
-        body = definition.to_json(payload)
-        caller = (
-            ambient.connection
-            if ambient is not None
-            else caller_connection(self._ledger, session, connection)
-        )
+        """Publish one validated dispatch, in `caller`'s transaction when there is one."""
         policy = self.policy(definition, [options], span)
-        route = self.route(
-            definition.name,
-            body,
-            options,
-            policy,
-            keyring,
-            caller,
-            session,
-            hooked=ambient is not None,
-        )
+        route = self.route(definition.name, body, options, policy, keyring, caller)
         if route.new is None:
             self.send_unledgered(definition.name, route.dispatch_id, body, options)
             return route.dispatch_id
-        new, first = route.new, route.first
-        if not self._ledger.insert(new, caller):
-            known = self.needs_existence_check(new) and self._ledger.exists(new.id, caller)
+        new = route.new
+        conn = caller.connection if caller is not None else None
+        if not self._ledger.insert(new, conn):
+            known = self.needs_existence_check(new) and self._ledger.exists(new.id, conn)
             return self.not_inserted(new, known)
-        if ambient is not None:
-            if first.publisher_sends:
-                ambient.after_commit([new.id], self._outbox.send_committed)
-        elif session is not None:
-            if first.publisher_sends:
-                send_after_commit(session, [new.id], self.committed_sender(session))
-        elif first.publisher_sends:
-            self._outbox.send(new, attempt=1)
-        elif first.wake_relays and caller is not None:
-            self._ledger.wake_relays(caller)
+        self._hand_over(route.first, caller, [new])
         return new.id
+
+    def _hand_over(
+        self, first: FirstSend, caller: CallerTransaction | None, rows: list[NewDispatch]
+    ) -> None:
+        """Send newly inserted rows now, after the caller's commit, or leave them to the
+        relay (woken by the commit where the database can say so)."""
+        if first.publisher_sends:
+            if caller is None:
+                if len(rows) == 1:
+                    self._outbox.send(rows[0], attempt=1)
+                else:
+                    self._outbox.send_many(rows)
+            else:
+                assert caller.after_commit is not None  # publisher_sends: it has a hook
+                caller.after_commit([row.id for row in rows])
+        elif first.wake_relays and caller is not None:
+            self._ledger.wake_relays(caller.connection)
+
+    @contextmanager
+    def _caller(
+        self, session: Session | None, connection: Connection | None
+    ) -> Iterator[CallerTransaction | None]:
+        """The caller's transaction a publish writes in, if any: the `session=` or
+        `connection=` passed, or, with neither, a transaction of the framework that owns
+        the ledger's connections (Django's atomic block), which counts as a session."""
+        with ExitStack() as stack:
+            open_ambient = self._ledger.ambient
+            ambient = (
+                stack.enter_context(open_ambient())
+                if session is None and connection is None and open_ambient is not None
+                else None
+            )
+            if ambient is not None:
+                send = self._outbox.send_committed
+                yield CallerTransaction(
+                    ambient.connection, lambda ids: ambient.after_commit(ids, send)
+                )
+                return
+            conn = caller_connection(self._ledger, session, connection)
+            if conn is None:
+                yield None
+            elif session is not None:
+                sender = self.committed_sender(session)
+                yield CallerTransaction(conn, lambda ids: send_after_commit(session, ids, sender))
+            else:
+                yield CallerTransaction(conn, None)  # a Connection has no commit hook
 
     def route(
         self,
@@ -465,24 +442,21 @@ class Publisher:
         options: DispatchOptions,
         policy: QueuePolicy,
         keyring: Keyring | None,
-        caller: Connection | None,
-        session: Session | None,
-        *,
-        hooked: bool = False,
+        caller: CallerTransaction | None,
     ) -> Route:
-        """Where one validated dispatch goes: a plain message, or a ledger row first.
-
-        `hooked`: `caller` is an ambient transaction that sends after its commit."""
+        """Where one validated dispatch goes: a plain message, or a ledger row first."""
         now = datetime.now(UTC)
         if options.idempotency_key is None and self._may_skip_ledger(options, policy, caller, now):
             return Route(random_dispatch_id())
-        first = self._outbox.first_send(
-            options.start_after,
-            now,
-            after_commit_hook=caller is None or session is not None or hooked,
-        )
+        first = self._first_send(options, caller, now)
         new = self._new_dispatch(job_name, body, options, policy, keyring, first)
         return Route(new.id, new, first)
+
+    def _first_send(
+        self, options: DispatchOptions, caller: CallerTransaction | None, now: datetime
+    ) -> FirstSend:
+        hooked = caller is None or caller.after_commit is not None
+        return self._outbox.first_send(options.start_after, now, after_commit_hook=hooked)
 
     @staticmethod
     def needs_existence_check(new: NewDispatch) -> bool:
