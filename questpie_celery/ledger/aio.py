@@ -28,7 +28,7 @@ from sqlalchemy.sql import Executable
 
 from ..errors import ConfigurationError
 from .engine import create_async_ledger_engine, runs_in_autocommit
-from .errors import SlotTaken, is_disconnect, translate_errors, was_rolled_back
+from .errors import Reruns, SlotTaken, translate_errors
 from .rows import DispatchRow, NewDispatch
 from .store import Ledger, batch_params, row_params
 
@@ -142,23 +142,19 @@ class AsyncLedger:
     ) -> tuple[Any, bool]:
         """As `Ledger._run`: one statement in autocommit, once more on a fresh connection
         if its connection was found dead, again if the server undid it in a deadlock."""
-        reconnected, deadlocks = False, 0
+        reruns = Reruns(after_rollback=rerun_if_rolled_back)
         with translate_errors():
             while True:
                 try:
                     async with self._connected(durable) as conn:
                         result = await conn.execute(stmt, params)
                         rows = result.mappings().all() if result.returns_rows else result.rowcount
-                        return rows, reconnected
+                        return rows, reruns.reconnected
                 except exc.IntegrityError:
                     raise SlotTaken() from None
                 except exc.DBAPIError as error:
-                    if rerun_if_rolled_back and was_rolled_back(error) and deadlocks < 3:
-                        deadlocks += 1
-                        continue
-                    if reconnected or not is_disconnect(error):
+                    if not reruns.again(error):
                         raise
-                    reconnected = True
 
     @asynccontextmanager
     async def _connected(self, durable: bool) -> AsyncIterator[AsyncConnection]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -30,6 +31,32 @@ def was_rolled_back(error: BaseException) -> bool:
 def is_disconnect(error: BaseException) -> bool:
     """The statement's connection was found dead (the server restarted or killed it)."""
     return isinstance(error, exc.DBAPIError) and error.connection_invalidated
+
+
+class Reruns:
+    """When one ledger statement runs again: once on a fresh connection when its
+    connection was found dead, and (`after_rollback`) up to three times when the server
+    undid it to break a deadlock, which a multi-row insert meeting another in the
+    opposite order can cause. Nothing of an undone statement was written."""
+
+    def __init__(self, *, after_rollback: bool, log: logging.Logger | None = None) -> None:
+        self._after_rollback = after_rollback
+        self._log = log  # where a reconnect is told, if anywhere
+        self._deadlocks = 0
+        #: It ran on a second connection: its first run may have landed unseen.
+        self.reconnected = False
+
+    def again(self, error: exc.DBAPIError) -> bool:
+        """Whether to run the statement again after `error`."""
+        if self._after_rollback and was_rolled_back(error) and self._deadlocks < 3:
+            self._deadlocks += 1
+            return True
+        if self.reconnected or not is_disconnect(error):
+            return False
+        self.reconnected = True
+        if self._log is not None:
+            self._log.info("ledger connection was dropped by the server; reconnecting")
+        return True
 
 
 @contextmanager

@@ -32,7 +32,7 @@ from .engine import (
     dispose_in_children,
     runs_in_autocommit,
 )
-from .errors import SlotTaken, is_disconnect, translate_errors, was_rolled_back
+from .errors import Reruns, SlotTaken, translate_errors
 from .rows import Claim, DispatchRow, NewDispatch, ScheduleRow
 from .schema import (
     LEASE_EXPIRED,
@@ -142,25 +142,20 @@ class Ledger:
         `rerun_if_rolled_back` runs it again when the server undid it to break a
         deadlock: a multi-row insert meeting another in the opposite order can.
         """
-        reconnected, deadlocks = False, 0
+        reruns = Reruns(after_rollback=rerun_if_rolled_back, log=log)
         with translate_errors():
             while True:
                 try:
                     with self._connected(durable) as conn:
                         result = conn.execute(stmt, params)
                         rows = result.mappings().all() if result.returns_rows else result.rowcount
-                        return rows, reconnected
+                        return rows, reruns.reconnected
                 except exc.IntegrityError:
                     # Only the queue-policy slot indexes can refuse these statements.
                     raise SlotTaken() from None
                 except exc.DBAPIError as error:
-                    if rerun_if_rolled_back and was_rolled_back(error) and deadlocks < 3:
-                        deadlocks += 1  # nothing of it was written: run it again
-                        continue
-                    if reconnected or not is_disconnect(error):
+                    if not reruns.again(error):
                         raise
-                    reconnected = True
-                    log.info("ledger connection was dropped by the server; reconnecting")
 
     @contextmanager
     def _connected(self, durable: bool) -> Iterator[Connection]:
