@@ -25,31 +25,18 @@ from questpie_celery import (
     LedgerUnavailableError,
     PayloadValidationError,
     PublishOptionsError,
-    Questpie,
     derive_dispatch_id,
 )
 from questpie_celery.ledger import dispatch_table, open_ledger
 from tests.integration.conftest import new_stack
 from tests.integration.test_faults import closed_ledger_url, depth
 from tests.support import jobapp
+from tests.support.aio import run
 from tests.support.brokers import capture, queue_depth
 from tests.support.services import RedisServer, free_port
 from tests.support.stack import Stack, tag
 
 T = TypeVar("T")
-
-
-def run(questpie: Questpie, body: Callable[[], Awaitable[T]]) -> T:
-    """Run `body` in a fresh event loop, closing that loop's ledger connections after."""
-
-    async def main() -> T:
-        try:
-            return await body()
-        finally:
-            await questpie.aclose()
-
-    return asyncio.run(main())
-
 
 SECRET = "an asyncio test secret of at least 32 bytes"
 

@@ -8,9 +8,8 @@ and nothing written for a rejected call.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 from celery import Celery
@@ -27,20 +26,9 @@ from questpie_celery import (
     job,
 )
 from questpie_celery.ledger.aio import AsyncLedger
+from tests.support.aio import run
 from tests.unit.helpers import IdleApp
 from tests.unit.test_eager import charge, runs
-
-T = TypeVar("T")
-
-
-def run(questpie: Questpie, body: Callable[[], Awaitable[T]]) -> T:
-    async def main() -> T:
-        try:
-            return await body()
-        finally:
-            await questpie.aclose()
-
-    return asyncio.run(main())
 
 
 def test_gathered_calls_answer_as_sequential_publishes_would(idle: IdleApp) -> None:
