@@ -363,6 +363,9 @@ class Publisher:
     ) -> str | None:
         keyring = self.keyring_for(options)
         body = definition.to_json(payload)
+        if session is None and connection is None and self._ledger.ambient is None:
+            # The common case, on every plain publish: no caller's transaction to look for.
+            return self._publish_in(definition, body, options, keyring, None, span)
         with self._caller(session, connection) as caller:
             return self._publish_in(definition, body, options, keyring, caller, span)
 
