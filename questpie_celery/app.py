@@ -23,7 +23,7 @@ from celery import Celery
 from celery.signals import worker_init
 from sqlalchemy import Engine
 
-from .apublish import AsyncPublisher, SendThreads
+from .apublish import AsyncPublisher
 from .bootstep import relay_step
 from .broker import Sender, configure_app, use_ledger_scheduler, visibility_timeout
 from .client import JobClient, JobRegistry, Lookups, QueueClient
@@ -46,6 +46,7 @@ from .recorded_policy import PolicyBook
 from .relay import DEFAULT_RELAY_INTERVAL_SECONDS, Relay
 from .retention import DEFAULT_RETENTION_SECONDS, Pruned, Retention
 from .schedules import DEFAULT_FIRE_RETENTION_SECONDS, Schedules
+from .send_threads import SendThreads
 from .slots import Slots
 from .worker import Runner
 
