@@ -91,6 +91,9 @@ def test_stuck_names_each_reason(make_stack: StackFactory) -> None:
         publish({"tag": t}, idempotency_key=f"{t}:{n}", queue=idle) for n in range(3)
     )
     assert never_sent and lapsed and unclaimed
+    # The broker's acceptance is written off the publish path: let it land first, or
+    # it would turn the `pending` row set below back into `queued`.
+    stack.questpie.close()
     long_ago = datetime.now(UTC) - timedelta(hours=3)
     # States a relay would repair at once, set up behind its back.
     set_row(stack, never_sent, status="pending", next_send_at=long_ago, queued_at=None)
