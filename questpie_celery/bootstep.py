@@ -10,13 +10,15 @@ from typing import Any, ClassVar
 from celery import bootsteps
 
 from .errors import QuestpieError
+from .hub_timer import purge_regularly
 from .relay import Relay
 
 log = logging.getLogger(__name__)
 
 
 class RelayStep(bootsteps.StartStopStep):  # type: ignore[misc]  # celery is untyped
-    """Runs the relay in the worker's main process, after the pool has forked.
+    """Runs the relay in the worker's main process, after the pool has forked, and
+    keeps the event loop's timer clear of cancelled time limits (see `hub_timer`).
 
     Before the relay starts, it records the queue policy of every job the worker
     serves, so publishers and workers agree on them. Celery creates the step
@@ -42,6 +44,9 @@ class RelayStep(bootsteps.StartStopStep):  # type: ignore[misc]  # celery is unt
             target=self.relay.run_forever, args=(self._stop,), name="questpie-relay", daemon=True
         )
         self._thread.start()
+        hub = getattr(worker, "hub", None)  # the event loop of prefork on Redis or AMQP
+        if hub is not None:
+            purge_regularly(hub)
 
     def stop(self, worker: Any) -> None:
         self._stop.set()

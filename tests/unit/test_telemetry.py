@@ -210,3 +210,31 @@ def test_apublish_many_carries_the_callers_trace(
             message.ack()
             assert message.headers["traceparent"].split("-")[1] == f"{trace_id:032x}"
     questpie.close()
+
+
+def test_each_publish_many_carries_its_own_callers_trace(
+    tmp_path: Path, spans: InMemorySpanExporter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A batch reads the caller's trace context once: two calls from one thread, under two
+    # spans, must not share the first one's.
+    questpie = make(tmp_path, monkeypatch, eager=False)
+    queue = questpie.celery_app.conf.task_default_queue
+    tracer = PROVIDER.get_tracer("test")
+    expected: dict[str, int] = {}
+    for call in range(2):
+        with tracer.start_as_current_span(f"bulk-{call}") as outer:
+            ids = questpie.queue.traced.publish_many(
+                [{"tag": f"{call}-{n}"} for n in range(3)],
+                idempotency_keys=[f"many-{call}-{n}" if n else None for n in range(3)],
+            )
+            for dispatch_id in ids:
+                assert dispatch_id is not None
+                expected[dispatch_id] = outer.get_span_context().trace_id
+    with Connection("memory://") as conn:
+        simple = conn.SimpleQueue(queue)
+        for _ in range(6):
+            message = simple.get(timeout=5)
+            message.ack()
+            carried = message.headers["traceparent"].split("-")[1]
+            assert carried == f"{expected[message.headers['id']]:032x}"
+    questpie.close()
