@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
+import pytest
 from celery.result import AsyncResult
 
 from questpie_celery import derive_dispatch_id
+from tests.integration.conftest import StackFactory
 from tests.support.brokers import capture, deliver, queue_depth
 from tests.support.jobapp import Work
 from tests.support.stack import Stack, tag
@@ -250,3 +254,33 @@ def test_expire_in_seconds_caps_a_run(stack: Stack) -> None:
     assert (row.attempt, row.last_error) == (1, "SoftTimeLimitExceeded")
     assert row.finished_at is not None and row.started_at is not None
     assert row.finished_at - row.started_at < timedelta(seconds=30)
+
+
+@pytest.mark.parametrize("broker", ["redis", "rabbitmq"])
+def test_the_worker_drops_the_time_limits_of_finished_runs(
+    make_stack: StackFactory, broker: str, tmp_path: Path
+) -> None:
+    # Every ledgered message carries time limits; the pool schedules each run's soft limit
+    # on the main process's event-loop timer and cancels it when the run ends, and kombu
+    # would keep the cancelled entry until its time (15 minutes later by default).
+    report = tmp_path / "cancelled-timers"
+    stack = make_stack(
+        broker, env={"QP_TEST_TIMER_FILE": str(report), "QP_TEST_PURGE": "3"}, concurrency=1
+    )
+    t = tag()
+    ids = stack.questpie.queue.record.publish_many(
+        [{"tag": t}] * 150, idempotency_keys=[f"{t}-{n}" for n in range(150)]
+    )
+    assert None not in ids
+    stack.wait_ends(t, 150, timeout=60)
+    seen: list[tuple[int, int]] = []
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        if report.exists():
+            now, most = (int(n) for n in report.read_text().split())
+            seen.append((now, most))
+            if now == 0 and most > 0:
+                break
+        time.sleep(0.2)
+    # The finished runs' entries were there, and then, purged, none are.
+    assert seen and seen[-1][0] == 0 and seen[-1][1] >= 20, seen

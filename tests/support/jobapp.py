@@ -12,6 +12,9 @@ build the same app:
 - QP_TEST_SECRET, QP_TEST_PREVIOUS (comma-separated): the secret and older ones
 - QP_TEST_EXTENDED: turn on result_extended, task events and track_started
 - QP_TEST_RETENTION, QP_TEST_FIRE_RETENTION: retention periods in seconds
+- QP_TEST_TIMER_FILE: the worker's main process writes there, twice a second, how many
+  cancelled entries its event loop's timer holds, and the most it held; QP_TEST_PURGE:
+  how often it drops them
 
 Handlers record each run in `test_runs`, so tests observe what really ran. A
 handler given a `gate` (a file path) records its start and then waits until the
@@ -27,7 +30,7 @@ import os
 import time
 from typing import Any
 
-from celery import Celery
+from celery import Celery, signals
 from kombu import Queue
 from pydantic import BaseModel, ConfigDict
 from sqlalchemy import (
@@ -43,7 +46,7 @@ from sqlalchemy import (
     insert,
 )
 
-from questpie_celery import JobContext, PermanentFailure, Questpie, job
+from questpie_celery import JobContext, PermanentFailure, Questpie, hub_timer, job
 
 runs_metadata = MetaData()
 runs_table = Table(
@@ -314,6 +317,30 @@ def build_from_env() -> tuple[Celery, Questpie]:
 def _optional_float(value: str | None) -> float | None:
     return float(value) if value else None
 
+
+def _report_cancelled_timers(sender: Any, **_: Any) -> None:
+    """In the worker's main process: keep QP_TEST_TIMER_FILE up to date with how many
+    cancelled entries (finished runs' time limits) the event loop's timer holds."""
+    path, hub = os.environ.get("QP_TEST_TIMER_FILE"), getattr(sender, "hub", None)
+    if not path or hub is None:
+        return
+
+    most = 0
+
+    def write() -> None:
+        nonlocal most
+        cancelled = sum(1 for item in hub.timer._queue if item[2].canceled)
+        most = max(most, cancelled)
+        with open(path + ".tmp", "w") as out:
+            out.write(f"{cancelled} {most}")
+        os.replace(path + ".tmp", path)
+
+    hub.call_repeatedly(0.5, write)
+
+
+if os.environ.get("QP_TEST_PURGE"):
+    hub_timer.PURGE_EVERY_SECONDS = float(os.environ["QP_TEST_PURGE"])
+signals.worker_ready.connect(_report_cancelled_timers, weak=False)
 
 # What `celery -A tests.jobapp:celery_app worker` runs; tests build their own with build().
 celery_app, questpie = build_from_env()
