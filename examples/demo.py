@@ -158,8 +158,15 @@ def main() -> None:
         )
         time.sleep(1)  # let the unledgered run land in the log too
     finally:
-        os.killpg(worker.pid, signal.SIGTERM)
-        worker.wait(30)
+        # A warm shutdown: SIGTERM to the main process only, which stops its pool children
+        # itself. Sent to the whole group, it can kill a child that holds the pool's queue
+        # lock, and the main process then waits for that lock for ever at exit.
+        worker.send_signal(signal.SIGTERM)
+        try:
+            worker.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(worker.pid, signal.SIGKILL)
+            worker.wait()
 
     print("\nwhat the worker ran (its log):")
     for line in log_path.read_text().splitlines():

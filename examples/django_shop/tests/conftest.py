@@ -65,5 +65,12 @@ def worker(project_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
         yield log
     finally:
         # Stopped before pytest-django drops the test database (it holds connections).
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(30)
+        # SIGTERM to the main process only (a warm shutdown, which stops the pool's
+        # children itself): sent to the whole group, it can kill a child holding the
+        # pool's queue lock, and the main process then waits for it for ever at exit.
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
