@@ -268,7 +268,10 @@ class Sender:
                         getattr(producer, "supports_batch_publish", False)
                     )
                     self._batch.connected = False  # set once a buffered send went through
-                    # One call's sends share the caller's trace context: read it once.
+                    # One call's sends share the caller's trace context: read it once,
+                    # for the sends made in that same context (not, say, a publish a
+                    # signal handler makes under its own span while the batch is open).
+                    self._batch.context = telemetry.current_context()
                     self._batch.trace = telemetry.carrier()
                     with batched(max_size=size) if batched else nullcontext():
                         try:
@@ -318,10 +321,12 @@ class Sender:
         headers = {**carried.pop("headers", {}), HEADER: stamped}
         producer = getattr(self._batch, "producer", None)  # set only when not eager
         # The consumer's span continues the sender's trace.
-        if trace is None and producer is None:
-            telemetry.inject(headers)
+        if trace is not None:
+            headers.update(trace)
+        elif producer is not None and telemetry.current_context() is self._batch.context:
+            headers.update(self._batch.trace)
         else:
-            headers.update(trace if trace is not None else self._batch.trace)
+            telemetry.inject(headers)
         if producer is None and self.eager:
             # Celery's eager mode ignores ETAs as well; what the handler raises propagates
             # exactly as it would from apply_async() when task_eager_propagates is set.

@@ -78,6 +78,12 @@ def inject(headers: MutableMapping[str, Any]) -> None:
         propagate.inject(headers)
 
 
+def current_context() -> object:
+    """An identity of the current trace context (the same object until a span or an
+    `attach` changes it); None when tracing is off."""
+    return otel_context.get_current() if trace is not None else None
+
+
 def carrier() -> dict[str, str]:
     """The current trace context as headers, to send later from another context (a send
     thread); empty when tracing is off."""

@@ -9,9 +9,10 @@ import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
-from celery import Celery
+from celery import Celery, signals
 from kombu import Connection
 from opentelemetry import trace
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
@@ -238,3 +239,47 @@ def test_each_publish_many_carries_its_own_callers_trace(
             carried = message.headers["traceparent"].split("-")[1]
             assert carried == f"{expected[message.headers['id']]:032x}"
     questpie.close()
+
+
+def test_a_publish_made_while_a_batch_is_open_carries_its_own_trace(
+    tmp_path: Path, spans: InMemorySpanExporter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A `before_task_publish` handler that publishes under a span of its own, while a
+    # publish_many's batch is open on the thread: its message must not carry the batch's
+    # trace (found by a reviewer).
+    questpie = make(tmp_path, monkeypatch, eager=False)
+    queue = questpie.celery_app.conf.task_default_queue
+    tracer = PROVIDER.get_tracer("test")
+    inner: dict[str, Any] = {}
+
+    def audit(sender: object = None, **_: object) -> None:
+        if sender == "traced" and not inner:
+            with tracer.start_as_current_span("audit") as span:
+                inner["span"] = span.get_span_context().span_id
+                inner["dispatch"] = questpie.queue.traced.publish(
+                    {"tag": "nested"}, idempotency_key="nested"
+                )
+
+    signals.before_task_publish.connect(audit, weak=False)
+    try:
+        with tracer.start_as_current_span("bulk"):
+            questpie.queue.traced.publish_many(
+                [{"tag": "a"}, {"tag": "b"}], idempotency_keys=["a", "b"]
+            )
+    finally:
+        signals.before_task_publish.disconnect(audit)
+    carried: dict[str, str] = {}
+    with Connection("memory://") as conn:
+        simple = conn.SimpleQueue(queue)
+        for _ in range(3):
+            message = simple.get(timeout=5)
+            message.ack()
+            carried[message.headers["id"]] = message.headers["traceparent"].split("-")[2]
+    questpie.close()
+    [own] = [
+        s
+        for s in named(spans, "questpie.publish")
+        if s.parent is not None and s.parent.span_id == inner["span"]
+    ]
+    assert own.context is not None
+    assert carried[inner["dispatch"]] == f"{own.context.span_id:016x}"
