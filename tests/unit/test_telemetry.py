@@ -69,6 +69,20 @@ def attrs(span: ReadableSpan) -> dict[str, object]:
     return dict(span.attributes or {})
 
 
+def carried(queue: str, count: int) -> dict[str, tuple[str, str]]:
+    """(trace id, parent span id) from the `traceparent` header of each of the next
+    `count` messages on `queue` of the in-memory broker, by dispatch id."""
+    found: dict[str, tuple[str, str]] = {}
+    with Connection("memory://") as conn:
+        simple = conn.SimpleQueue(queue)
+        for _ in range(count):
+            message = simple.get(timeout=5)
+            message.ack()
+            _, trace_id, span_id, _ = message.headers["traceparent"].split("-")
+            found[message.headers["id"]] = (trace_id, span_id)
+    return found
+
+
 def test_a_delivery_continues_the_publish_trace(
     tmp_path: Path, spans: InMemorySpanExporter, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -106,13 +120,10 @@ def test_the_trace_context_travels_in_the_message(
 ) -> None:
     questpie = make(tmp_path, monkeypatch, eager=False)
     queue = questpie.celery_app.conf.task_default_queue
-    questpie.queue.traced.publish({"tag": "carried"}, idempotency_key="trace-2")
+    dispatch_id = questpie.queue.traced.publish({"tag": "carried"}, idempotency_key="trace-2")
     [publish] = named(spans, "questpie.publish")
-    with Connection("memory://") as conn:
-        message = conn.SimpleQueue(queue).get(timeout=5)
-        message.ack()
-    traceparent = message.headers["traceparent"]
-    assert traceparent.split("-")[1] == f"{publish.context.trace_id:032x}"
+    assert publish.context is not None and dispatch_id is not None
+    assert carried(queue, 1)[dispatch_id][0] == f"{publish.context.trace_id:032x}"
     questpie.close()
 
 
@@ -176,13 +187,8 @@ def test_gathered_apublish_calls_each_carry_their_own_trace(
             await questpie.aclose()
 
     traces = {dispatch_id: trace_id for trace_id, dispatch_id in asyncio.run(main())}
-    with Connection("memory://") as conn:
-        simple = conn.SimpleQueue(queue)
-        for _ in range(4):
-            message = simple.get(timeout=5)
-            message.ack()
-            carried = message.headers["traceparent"].split("-")[1]
-            assert carried == f"{traces[message.headers['id']]:032x}"
+    for dispatch_id, (trace_id, _) in carried(queue, 4).items():
+        assert trace_id == f"{traces[dispatch_id]:032x}"
     questpie.close()
 
 
@@ -204,12 +210,7 @@ def test_apublish_many_carries_the_callers_trace(
             await questpie.aclose()
 
     trace_id = asyncio.run(main())
-    with Connection("memory://") as conn:
-        simple = conn.SimpleQueue(queue)
-        for _ in range(2):
-            message = simple.get(timeout=5)
-            message.ack()
-            assert message.headers["traceparent"].split("-")[1] == f"{trace_id:032x}"
+    assert [found for found, _ in carried(queue, 2).values()] == [f"{trace_id:032x}"] * 2
     questpie.close()
 
 
@@ -231,13 +232,8 @@ def test_each_publish_many_carries_its_own_callers_trace(
             for dispatch_id in ids:
                 assert dispatch_id is not None
                 expected[dispatch_id] = outer.get_span_context().trace_id
-    with Connection("memory://") as conn:
-        simple = conn.SimpleQueue(queue)
-        for _ in range(6):
-            message = simple.get(timeout=5)
-            message.ack()
-            carried = message.headers["traceparent"].split("-")[1]
-            assert carried == f"{expected[message.headers['id']]:032x}"
+    for dispatch_id, (trace_id, _) in carried(queue, 6).items():
+        assert trace_id == f"{expected[dispatch_id]:032x}"
     questpie.close()
 
 
@@ -268,13 +264,7 @@ def test_a_publish_made_while_a_batch_is_open_carries_its_own_trace(
             )
     finally:
         signals.before_task_publish.disconnect(audit)
-    carried: dict[str, str] = {}
-    with Connection("memory://") as conn:
-        simple = conn.SimpleQueue(queue)
-        for _ in range(3):
-            message = simple.get(timeout=5)
-            message.ack()
-            carried[message.headers["id"]] = message.headers["traceparent"].split("-")[2]
+    parents = {dispatch_id: span_id for dispatch_id, (_, span_id) in carried(queue, 3).items()}
     questpie.close()
     [own] = [
         s
@@ -282,4 +272,4 @@ def test_a_publish_made_while_a_batch_is_open_carries_its_own_trace(
         if s.parent is not None and s.parent.span_id == inner["span"]
     ]
     assert own.context is not None
-    assert carried[inner["dispatch"]] == f"{own.context.span_id:016x}"
+    assert parents[inner["dispatch"]] == f"{own.context.span_id:016x}"
