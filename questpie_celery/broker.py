@@ -233,6 +233,24 @@ def _short_repr(payload: dict[str, Any] | None) -> str:
     return text if len(text) <= ARGSREPR_MAX_LENGTH else text[: ARGSREPR_MAX_LENGTH - 3] + "..."
 
 
+@dataclass
+class _OpenBatch:
+    """What the sends of one thread's open `Sender.batch` share."""
+
+    producer: Any
+    #: The transport buffers the sends until the batch is flushed (Redis pipelines them).
+    buffered: bool
+    #: A `task_routes` router may route each message by its arguments.
+    routed: bool
+    #: The caller's trace context when the batch opened, and its headers.
+    context: object
+    trace: Mapping[str, str]
+    #: A buffered send went through, so the channel is open and later ones do no I/O.
+    connected: bool = False
+    #: Routes whose queue (and, on Redis, binding) an earlier send declared.
+    declared: set[tuple[Any, ...]] = field(default_factory=set)
+
+
 class Sender:
     """Sends questpie messages through the app's producer pool.
 
@@ -242,7 +260,7 @@ class Sender:
 
     def __init__(self, app: Celery) -> None:
         self.app = app
-        self._batch = threading.local()  # the producer of this thread's open batch
+        self._local = threading.local()  # `.open`: this thread's open batch, if any
         self._kind: str | None = None
 
     @contextmanager
@@ -253,26 +271,26 @@ class Sender:
         Raises `BrokerError` on leaving when the broker may not have taken every send
         made inside: with pipelining, which of them arrived is unknown.
         """
-        if self.eager or getattr(self._batch, "producer", None) is not None:
+        if self.eager or self._open() is not None:
             yield
             return
         raised: BaseException | None = None  # by the caller's block: passed on untouched
         try:
             with self.app.producer_or_acquire() as producer:
-                self._batch.producer, self._batch.declared = producer, set()
-                self._batch.routed = bool(self.app.conf.task_routes)
                 try:
                     batched = getattr(producer, "batch", None)  # kombu 5.7 and later
-                    # kombu's answer, read without connecting.
-                    self._batch.buffered = batched is not None and bool(
-                        getattr(producer, "supports_batch_publish", False)
+                    self._local.open = _OpenBatch(
+                        producer,
+                        # kombu's answer, read without connecting.
+                        buffered=batched is not None
+                        and bool(getattr(producer, "supports_batch_publish", False)),
+                        routed=bool(self.app.conf.task_routes),
+                        # One call's sends share the caller's trace context: read once,
+                        # for the sends made in that same context (not, say, a publish a
+                        # signal handler makes under its own span while the batch is open).
+                        context=telemetry.current_context(),
+                        trace=telemetry.carrier(),
                     )
-                    self._batch.connected = False  # set once a buffered send went through
-                    # One call's sends share the caller's trace context: read it once,
-                    # for the sends made in that same context (not, say, a publish a
-                    # signal handler makes under its own span while the batch is open).
-                    self._batch.context = telemetry.current_context()
-                    self._batch.trace = telemetry.carrier()
                     with batched(max_size=size) if batched else nullcontext():
                         try:
                             yield
@@ -280,7 +298,7 @@ class Sender:
                             raised = exc
                             raise
                 finally:
-                    self._batch.producer = None
+                    self._local.open = None
         except Exception as exc:
             if exc is raised or isinstance(exc, BrokerError):
                 raise
@@ -291,6 +309,10 @@ class Sender:
     def forget_broker(self) -> None:
         """The app's broker settings changed (a test's): read the broker's kind again."""
         self._kind = None
+
+    def _open(self) -> _OpenBatch | None:
+        opened: _OpenBatch | None = getattr(self._local, "open", None)
+        return opened
 
     @property
     def eager(self) -> bool:
@@ -319,15 +341,15 @@ class Sender:
         # Stamped at each send: how old the message is, for a fence that meets no row.
         stamped = {**header.to_dict(), "sent": round(time.time(), 3)}
         headers = {**carried.pop("headers", {}), HEADER: stamped}
-        producer = getattr(self._batch, "producer", None)  # set only when not eager
+        batch = self._open()  # only ever open when not eager
         # The consumer's span continues the sender's trace.
         if trace is not None:
             headers.update(trace)
-        elif producer is not None and telemetry.current_context() is self._batch.context:
-            headers.update(self._batch.trace)
+        elif batch is not None and telemetry.current_context() is batch.context:
+            headers.update(batch.trace)
         else:
             telemetry.inject(headers)
-        if producer is None and self.eager:
+        if batch is None and self.eager:
             # Celery's eager mode ignores ETAs as well; what the handler raises propagates
             # exactly as it would from apply_async() when task_eager_propagates is set.
             task = self.app.tasks[job_name]
@@ -353,7 +375,7 @@ class Sender:
             options["priority"] = mapped
         if queue is not None and not any(name in carried for name in ROUTING_OPTIONS):
             options["queue"] = queue
-        if producer is None or not self._batch.connected:
+        if batch is None or not batch.connected:
             # The first send of a batch opens the producer's channel: under this policy,
             # so a broker that is down fails it in about a second, not kombu's default.
             options["retry"], options["retry_policy"] = True, dict(PUBLISH_RETRY_POLICY)
@@ -362,27 +384,27 @@ class Sender:
             # a whole, so kombu's per-send retry could never fire; it cost ~8% of a bulk
             # publish.
             options["retry"] = False
-        if producer is not None:
-            options["producer"] = producer
+        if batch is not None:
+            options["producer"] = batch.producer
             # Within a batch, the first send on a route declares its queue (and, on Redis,
             # its binding); declaring it again for every message would only cost time.
             # Only where the route is known here: a `task_routes` router may route each
             # message by its arguments, to a queue no earlier send declared.
             route = (job_name, *(options.get(name) for name in ROUTING_OPTIONS))
             known = any(options.get(name) for name in ROUTING_OPTIONS)
-            if known or not self._batch.routed:
-                if route in self._batch.declared:
+            if known or not batch.routed:
+                if route in batch.declared:
                     options["declare"] = []
                 else:
-                    self._batch.declared.add(route)
+                    batch.declared.add(route)
         if countdown is not None and countdown > 0:
             options["countdown"] = countdown
         elif eta is not None:
             options["eta"] = eta
         try:
             self.app.send_task(job_name, args=[payload], **options)
-            if producer is not None:
-                self._batch.connected = self._batch.buffered
+            if batch is not None:
+                batch.connected = batch.buffered
         except Exception as exc:
             # kombu raises OperationalError, socket errors, or transport-specific ones;
             # the caller decides whether that loses anything (it does not for a ledgered
