@@ -11,8 +11,8 @@ the stack tests (`pooled_stack`) run a real worker, its relay and publishers thr
 from __future__ import annotations
 
 import asyncio
-import re
 import hashlib
+import re
 import threading
 import time
 import uuid
