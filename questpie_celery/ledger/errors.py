@@ -95,7 +95,8 @@ def _translate(error: exc.DBAPIError) -> LedgerError:
         return LedgerUnavailableError(
             "a prepared statement went missing or met another client's between "
             "statements: the ledger's database is reached through a connection pooler "
-            f"in transaction mode (PgBouncer); {POOLED_HINT}"
+            f"in transaction mode (PgBouncer); {POOLED_HINT}, and make an engine= of "
+            "your own with connect_args={'prepare_threshold': None}"
         )
     if sqlstate == _PG_UNDEFINED_TABLE or "no such table" in str(error.orig):
         return LedgerSchemaError()

@@ -147,7 +147,7 @@ def in_own_transaction(settings: Mapping[str, str]) -> ColumnElement[bool]:
         # Our own constants, rendered in the statement's text: the parameters stay the
         # caller's, also in an executemany.
         if not (name.replace("_", "").isalpha() and value.replace("_", "").isalnum()):
-            raise ValueError(f"unexpected setting {name}={value}")
+            raise LedgerError(f"a setting the ledger cannot carry in a statement: {name}={value}")
         checks.append(
             func.set_config(
                 literal_column(f"'{name}'"), literal_column(f"'{value}'"), true(), type_=Text
