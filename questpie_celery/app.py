@@ -88,6 +88,12 @@ class Questpie:
     `ctx.app`. It may return a plain object, a context manager or an async context
     manager, entered before each run and exited after it (see `questpie_celery.context`).
     Without it, `ctx.app` is None. Tests swap it with `override_context(...)`.
+
+    `pooled=True` says the PostgreSQL ledger is reached through a connection pooler in
+    transaction mode (PgBouncer, RDS Proxy, Supavisor): no connection then keeps state
+    from one transaction to the next, and relays poll every `relay_interval` instead of
+    listening for commits (see docs/operations.md, "Behind a pooler"). On Django,
+    `QUESTPIE_POOLED = True` does the same.
     """
 
     def __init__(
@@ -107,6 +113,7 @@ class Questpie:
         durability: Durability = "durable",
         retention: float | timedelta | None = DEFAULT_RETENTION_SECONDS,
         context: ContextFactory | None = None,
+        pooled: bool = False,
     ) -> None:
         if not isinstance(celery_app, Celery):
             raise ConfigurationError("celery_app must be a celery.Celery application")
@@ -133,6 +140,8 @@ class Questpie:
             raise ConfigurationError("ledger_url must be a str")
         if durability not in ("durable", "relaxed"):
             raise ConfigurationError("durability must be 'durable' or 'relaxed'")
+        if not isinstance(pooled, bool):
+            raise ConfigurationError("pooled must be True or False")
         if durability == "relaxed" and engine is not None:
             raise ConfigurationError(
                 "durability='relaxed' sets how the ledger's own connections commit, so it "
@@ -164,14 +173,16 @@ class Questpie:
         relaxed = durability == "relaxed"
         if django_database is not None:
             # Imported only here: Django is an optional extra.
-            from .contrib.django.binding import django_ledger_engine  # noqa: PLC0415
+            from .contrib.django.binding import django_ledger_engine, pooled_setting  # noqa: PLC0415
 
             engine = django_ledger_engine(django_database)
+            pooled = pooled or pooled_setting()
         self._ledger = Ledger(
             engine
             if engine is not None
-            else create_ledger_engine(ledger_url or "", relaxed=relaxed),
+            else create_ledger_engine(ledger_url or "", relaxed=relaxed, pooled=pooled),
             relaxed=relaxed,
+            pooled=pooled,
         )
         sender = self._sender = Sender(celery_app)
         self._outbox = Outbox(self._ledger, sender, self._redeliver_after)
@@ -367,7 +378,7 @@ class Questpie:
         database are forgotten, and acceptance marks batched for it are written to it
         first. Never use it in production, nor while this process runs handlers, a relay
         or publishes in another thread: those would finish against the other database.
-        Other processes are not told. `durability` stays as configured.
+        Other processes are not told. `durability` and `pooled` stay as configured.
         """
         if (ledger_url is None) == (engine is None):
             raise ConfigurationError("pass exactly one of ledger_url= and engine=")
@@ -375,7 +386,9 @@ class Questpie:
             raise ConfigurationError("engine must be a sqlalchemy.Engine")
         if ledger_url is not None and not isinstance(ledger_url, str):
             raise ConfigurationError("ledger_url must be a str")
-        new = engine or create_ledger_engine(ledger_url or "", relaxed=self._ledger.relaxed)
+        new = engine or create_ledger_engine(
+            ledger_url or "", relaxed=self._ledger.relaxed, pooled=self._ledger.pooled
+        )
         previous = self._ledger.engine
         self._outbox.flush()
         self._ledger.rebind(new)

@@ -16,7 +16,7 @@ import click
 
 from .app import Questpie
 from .errors import QuestpieError
-from .ledger import Status, open_ledger
+from .ledger import Ledger, Status, open_ledger
 from .operations import DispatchDetail, Operator
 from .policies import QueuePolicy
 from .retention import DEFAULT_RETENTION_SECONDS, Pruned, Retention
@@ -43,10 +43,37 @@ class _Admin(Protocol):
     def close(self) -> None: ...
 
 
+#: Where `--pooled` is kept for the command's ledger (a context's meta is shared with
+#: the contexts of its group).
+_POOLED = "questpie_celery.pooled"
+
+
+def _remember_pooled(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    ctx.meta[_POOLED] = value
+
+
+def _pooled_option(function: Callable[..., None]) -> Callable[..., None]:
+    """`--pooled` (or QUESTPIE_POOLED=1) for the ledger a `--ledger-url` opens."""
+    return click.option(
+        "--pooled",
+        is_flag=True,
+        envvar="QUESTPIE_POOLED",
+        expose_value=False,
+        callback=_remember_pooled,
+        help="the --ledger-url reaches PostgreSQL through a pooler in transaction mode "
+        "(PgBouncer); with --app, the app's Questpie(pooled=...) decides",
+    )(function)
+
+
+def _url_ledger(ledger_url: str) -> Ledger:
+    pooled = bool(click.get_current_context().meta.get(_POOLED))
+    return open_ledger(ledger_url, pooled=pooled)
+
+
 def _admin(app: str | None, ledger_url: str | None) -> _Admin:
     if (app is None) == (ledger_url is None):
         raise click.UsageError("pass exactly one of --app and --ledger-url")
-    admin: _Admin = load_questpie(app) if app is not None else open_ledger(str(ledger_url))
+    admin: _Admin = load_questpie(app) if app is not None else _url_ledger(str(ledger_url))
     # Close the pool when the command ends, not at interpreter exit.
     click.get_current_context().call_on_close(admin.close)
     return admin
@@ -60,6 +87,7 @@ def main() -> None:
 @main.command()
 @click.option("-A", "--app", help="module:attribute of your Questpie instance")
 @click.option("--ledger-url", envvar="QUESTPIE_LEDGER_URL", help="SQLAlchemy URL of the ledger")
+@_pooled_option
 def migrate(app: str | None, ledger_url: str | None) -> None:
     """Create or upgrade the ledger schema (safe to run again)."""
     try:
@@ -79,6 +107,7 @@ def policy() -> None:
 @click.argument("policy_name", metavar="POLICY", type=click.Choice([str(p) for p in QueuePolicy]))
 @click.option("-A", "--app", help="module:attribute of your Questpie instance")
 @click.option("--ledger-url", envvar="QUESTPIE_LEDGER_URL", help="SQLAlchemy URL of the ledger")
+@_pooled_option
 def policy_set(job_name: str, policy_name: str, app: str | None, ledger_url: str | None) -> None:
     """Record POLICY for JOB_NAME; dispatches accepted from now on follow it."""
     try:
@@ -92,6 +121,7 @@ def policy_set(job_name: str, policy_name: str, app: str | None, ledger_url: str
 @click.argument("job_name")
 @click.option("-A", "--app", help="module:attribute of your Questpie instance")
 @click.option("--ledger-url", envvar="QUESTPIE_LEDGER_URL", help="SQLAlchemy URL of the ledger")
+@_pooled_option
 def policy_show(job_name: str, app: str | None, ledger_url: str | None) -> None:
     """Print the policy recorded for JOB_NAME (standard when none is)."""
     try:
@@ -131,7 +161,7 @@ def _operator(app: str | None, ledger_url: str | None) -> Operator:
         questpie = load_questpie(app)
         click.get_current_context().call_on_close(questpie.close)
         return questpie.operator
-    ledger = open_ledger(str(ledger_url))
+    ledger = _url_ledger(str(ledger_url))
     click.get_current_context().call_on_close(ledger.close)
     return Operator(ledger)
 
@@ -139,6 +169,7 @@ def _operator(app: str | None, ledger_url: str | None) -> Operator:
 def _target(function: Callable[..., None]) -> Callable[..., None]:
     """The options every `dispatches` command takes."""
     function = click.option("--json", "as_json", is_flag=True, help="print JSON")(function)
+    function = _pooled_option(function)
     function = click.option(
         "--ledger-url", envvar="QUESTPIE_LEDGER_URL", help="SQLAlchemy URL of the ledger"
     )(function)
@@ -284,6 +315,7 @@ def schedules(app: str | None, ledger_url: str | None, as_json: bool) -> None:
 @click.argument("job_name")
 @click.option("-A", "--app", help="module:attribute of your Questpie instance")
 @click.option("--ledger-url", envvar="QUESTPIE_LEDGER_URL", help="SQLAlchemy URL of the ledger")
+@_pooled_option
 def unschedule(job_name: str, app: str | None, ledger_url: str | None) -> None:
     """Remove every schedule of JOB_NAME, also of a job deleted from the code (an
     options.cron schedule of a job still declared comes back when a worker starts)."""
@@ -295,6 +327,7 @@ def unschedule(job_name: str, app: str | None, ledger_url: str | None) -> None:
 @main.command()
 @click.option("-A", "--app", help="module:attribute of your Questpie instance")
 @click.option("--ledger-url", envvar="QUESTPIE_LEDGER_URL", help="SQLAlchemy URL of the ledger")
+@_pooled_option
 @click.option(
     "--older-than",
     type=click.FloatRange(min=0),
@@ -318,7 +351,7 @@ def prune(app: str | None, ledger_url: str | None, older_than: float | None) -> 
                 )
             result = questpie.prune(period)
         else:
-            ledger = open_ledger(str(ledger_url))
+            ledger = _url_ledger(str(ledger_url))
             click.get_current_context().call_on_close(ledger.close)
             period = older_than if older_than is not None else DEFAULT_RETENTION_SECONDS
             result = Retention(ledger, period).prune(period)
@@ -339,6 +372,7 @@ def _schedule_json(info: ScheduleInfo) -> dict[str, object]:
 @main.command()
 @click.option("-A", "--app", help="module:attribute of your Questpie instance")
 @click.option("--ledger-url", envvar="QUESTPIE_LEDGER_URL", help="SQLAlchemy URL of the ledger")
+@_pooled_option
 @click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on")
 @click.option("--port", type=int, default=8700, show_default=True)
 @click.option(

@@ -166,8 +166,8 @@ class AsyncLedger:
         # A relaxed ledger still waits for the disk where a secret's only copy is written.
         transactional = engine.execution_options(isolation_level="READ COMMITTED")
         async with transactional.begin() as conn:
-            await conn.execute(self._sql.commit_durably)
             yield conn
+            await conn.execute(self._sql.commit_durably)  # after the statement, as in `Ledger`
 
     def _engine(self) -> AsyncEngine:
         loop = asyncio.get_running_loop()
@@ -178,6 +178,8 @@ class AsyncLedger:
                     "publishing from asyncio on a PostgreSQL ledger needs greenlet: "
                     "pip install 'questpie-celery[asyncio]'"
                 )
-            engine = create_async_ledger_engine(self._ledger.engine, relaxed=self._ledger.relaxed)
+            engine = create_async_ledger_engine(
+                self._ledger.engine, relaxed=self._ledger.relaxed, pooled=self._ledger.pooled
+            )
             self._engines[loop] = engine
         return engine

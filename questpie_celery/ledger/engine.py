@@ -5,6 +5,13 @@ trips would be pure cost. There is no `pool_pre_ping` either (a round trip per
 checkout): a statement that meets a connection the server dropped is retried
 once on a fresh one by the store, which SQLAlchemy provides after invalidating
 the pool.
+
+A pooled engine (`pooled=True`: PostgreSQL reached through a pooler in transaction
+mode, such as PgBouncer) keeps no state between transactions, since its next one
+may run on another client's server connection: no startup parameters and no
+server-side prepared statements. The settings an unpooled engine gives each
+connection at startup are then set by each write statement for its own
+transaction (see `statement_settings` and `Statements`).
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ PG_LOCK_TIMEOUT_MS = 5_000
 _AUTOCOMMIT_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 
-def create_ledger_engine(url: str, *, relaxed: bool = False) -> Engine:
+def create_ledger_engine(url: str, *, relaxed: bool = False, pooled: bool = False) -> Engine:
     """Create an engine tuned for the ledger's access pattern on its dialect.
 
     `relaxed` trades the last moment of commits before a database server crash for
@@ -42,6 +49,10 @@ def create_ledger_engine(url: str, *, relaxed: bool = False) -> Engine:
     default, and never corrupts) and SQLite's `synchronous=NORMAL` in WAL mode (a power
     loss may roll back the last commits). Without it, every commit is on disk when it
     returns.
+
+    `pooled` is for a PostgreSQL server reached through a pooler in transaction mode: the
+    engine sends no startup parameters and prepares no statements on the server (see the
+    module's docstring). It changes nothing on SQLite.
     """
     try:
         parsed = make_url(url)
@@ -65,7 +76,7 @@ def create_ledger_engine(url: str, *, relaxed: bool = False) -> Engine:
             )
         engine = create_engine(
             parsed,
-            connect_args=_pg_connect_args(relaxed=relaxed),
+            connect_args=_pg_connect_args(relaxed=relaxed, pooled=pooled),
             isolation_level="AUTOCOMMIT",
             hide_parameters=True,  # errors name no statement value: no payload in logs
         )
@@ -75,7 +86,7 @@ def create_ledger_engine(url: str, *, relaxed: bool = False) -> Engine:
     return engine
 
 
-def create_async_ledger_engine(engine: Engine, *, relaxed: bool) -> AsyncEngine:
+def create_async_ledger_engine(engine: Engine, *, relaxed: bool, pooled: bool) -> AsyncEngine:
     """The asyncio twin of a PostgreSQL ledger engine made by `create_ledger_engine`:
     psycopg's async driver, the same server settings, autocommit.
 
@@ -86,19 +97,29 @@ def create_async_ledger_engine(engine: Engine, *, relaxed: bool) -> AsyncEngine:
 
     return create_async_engine(
         engine.url,
-        connect_args=_pg_connect_args(relaxed=relaxed),
+        connect_args=_pg_connect_args(relaxed=relaxed, pooled=pooled),
         isolation_level="AUTOCOMMIT",
         hide_parameters=True,
     )
 
 
-def _pg_connect_args(*, relaxed: bool) -> dict[str, Any]:
-    return {
-        "connect_timeout": PG_CONNECT_TIMEOUT_SECONDS,
+def statement_settings(*, relaxed: bool) -> dict[str, str]:
+    """The server settings the ledger's own PostgreSQL connections run with: at startup
+    on an unpooled engine, and set by each write statement for its own transaction on a
+    pooled one (a pooler in transaction mode carries no session state)."""
+    settings = {
         # A caller's long transaction that holds a policy slot row makes a publish
-        # wait this long at most, then fail with a LedgerError.
-        "options": f"-c lock_timeout={PG_LOCK_TIMEOUT_MS}"
-        + (" -c synchronous_commit=off" if relaxed else ""),
+        # wait this long at most, then fail with a LedgerBusyError.
+        "lock_timeout": str(PG_LOCK_TIMEOUT_MS),
+    }
+    if relaxed:
+        settings["synchronous_commit"] = "off"
+    return settings
+
+
+def _pg_connect_args(*, relaxed: bool, pooled: bool) -> dict[str, Any]:
+    args: dict[str, Any] = {
+        "connect_timeout": PG_CONNECT_TIMEOUT_SECONDS,
         # A connection whose server vanished without a word (a host gone, a network
         # cut) is found dead in about 30 s, not after the kernel's two hours: the
         # lease renewer must not hang on one while leases lapse.
@@ -107,6 +128,19 @@ def _pg_connect_args(*, relaxed: bool) -> dict[str, Any]:
         "keepalives_interval": 5,
         "keepalives_count": 3,
     }
+    if pooled:
+        # psycopg prepares a statement on the server after its fifth run, under a name
+        # that only the server connection it ran on knows: through a pooler, the next
+        # run may land on another one ("prepared statement ... does not exist"), or
+        # meet another client's statement of the same name ("... already exists").
+        args["prepare_threshold"] = None
+    else:
+        # A pooler refuses startup parameters it does not know (PgBouncer's stock
+        # settings refuse `options`), and would hand them to other clients otherwise.
+        args["options"] = " ".join(
+            f"-c {name}={value}" for name, value in statement_settings(relaxed=relaxed).items()
+        )
+    return args
 
 
 def runs_in_autocommit(engine: Engine) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -17,6 +18,14 @@ _PG_ROLLED_BACK = ("40P01", "40001")
 _PG_UNDEFINED_TABLE = "42P01"
 #: A server that only reads: a standby, or a primary being demoted mid-failover.
 _PG_READ_ONLY = "25006"
+#: A server-side prepared statement that this server connection has under the same name
+#: already, or has not: what a pooler in transaction mode does to psycopg's prepared
+#: statements (the ledger prepares none by name of its own).
+_PG_PREPARED_STATEMENT = ("42P05", "26000")
+#: How PgBouncer (and poolers that copy it) refuses a startup parameter it does not know.
+_REFUSED_STARTUP = re.compile(r"unsupported startup parameter:?\s*(\w*)")
+#: What to do about either, in every entry point's words.
+POOLED_HINT = "pass pooled=True (--pooled, QUESTPIE_POOLED)"
 
 
 class SlotTaken(Exception):
@@ -72,6 +81,23 @@ def translate_errors() -> Iterator[None]:
 
 def _translate(error: exc.DBAPIError) -> LedgerError:
     sqlstate = getattr(error.orig, "sqlstate", None)
+    refused = _REFUSED_STARTUP.search(str(error.orig))
+    if refused is not None:
+        # Permanent, but a LedgerUnavailableError all the same: a worker then sends its
+        # delivery back to the broker instead of acknowledging it unrun.
+        parameter = f" {refused.group(1)!r}" if refused.group(1) else ""
+        return LedgerUnavailableError(
+            f"the ledger's database refused the startup parameter{parameter}: it is "
+            f"reached through a connection pooler in transaction mode (PgBouncer); "
+            f"{POOLED_HINT}"
+        )
+    if sqlstate in _PG_PREPARED_STATEMENT:
+        return LedgerUnavailableError(
+            "a prepared statement went missing or met another client's between "
+            "statements: the ledger's database is reached through a connection pooler "
+            f"in transaction mode (PgBouncer); {POOLED_HINT}, and make an engine= of "
+            "your own with connect_args={'prepare_threshold': None}"
+        )
     if sqlstate == _PG_UNDEFINED_TABLE or "no such table" in str(error.orig):
         return LedgerSchemaError()
     if sqlstate == _PG_LOCK_NOT_AVAILABLE:

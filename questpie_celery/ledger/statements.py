@@ -12,6 +12,7 @@ against one clock.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from sqlalchemy import (
@@ -36,10 +37,12 @@ from sqlalchemy import (
     func,
     insert,
     literal,
+    literal_column,
     null,
     or_,
     select,
     text,
+    true,
     tuple_,
     update,
 )
@@ -127,7 +130,33 @@ def upsert(dialect: str, table: Table, keys: list[str], values: dict[str, Any]) 
     return stmt.on_conflict_do_update(index_elements=keys, set_=changed)
 
 
-def insert_batch(dialect: str) -> Insert:
+def in_own_transaction(settings: Mapping[str, str]) -> ColumnElement[bool]:
+    """True, once each of `settings` is in force for the rest of the statement's own
+    transaction (`set_config(..., true)`: local to it), for a ledger behind a pooler in
+    transaction mode, where a setting made for a session would stay on a server
+    connection that other clients use next.
+
+    In autocommit a statement is its own transaction, so the settings end with it. It is
+    evaluated before the statement can wait: in a WHERE, on each row before that row is
+    locked or updated; in an inserted value, before the row meets another's uncommitted
+    row under the same key or slot. PostgreSQL's lock timeout is read when a lock wait
+    starts, so a wait inside the same statement honours it (tested through PgBouncer).
+    """
+    checks = []
+    for name, value in settings.items():
+        # Our own constants, rendered in the statement's text: the parameters stay the
+        # caller's, also in an executemany.
+        if not (name.replace("_", "").isalpha() and value.replace("_", "").isalnum()):
+            raise LedgerError(f"a setting the ledger cannot carry in a statement: {name}={value}")
+        checks.append(
+            func.set_config(
+                literal_column(f"'{name}'"), literal_column(f"'{value}'"), true(), type_=Text
+            ).is_not(None)
+        )
+    return and_(*checks)
+
+
+def insert_batch(dialect: str, preamble: ColumnElement[bool] | None = None) -> Insert:
     """Many new rows in one statement, each inserted or skipped as `insert` would, in order.
 
     The values a batch shares (job, status, policy, options, times) are single
@@ -177,6 +206,8 @@ def insert_batch(dialect: str) -> Insert:
     # In the order given: a later row conflicts with an earlier one, as it would if
     # published after it.
     chosen = select(*values.values()).order_by(rows.c.ord)
+    if preamble is not None:  # `in_own_transaction`, before any row is inserted
+        chosen = chosen.where(preamble)
     return (
         postgresql.insert(dispatch_table)
         .from_select(list(values), chosen)
@@ -186,9 +217,18 @@ def insert_batch(dialect: str) -> Insert:
 
 
 class Statements:
-    """The ledger's statements for one dialect."""
+    """The ledger's statements for one dialect.
 
-    def __init__(self, dialect: str) -> None:
+    With `settings` (a pooled PostgreSQL ledger's own connections), every write that can
+    wait on another transaction's row, or that commits on the hot path, sets them for its
+    own transaction first (its preamble, `in_own_transaction`): what an unpooled engine
+    sets once per connection at startup. Statements run in a caller's transaction must
+    come from a `Statements` without settings, or the caller's transaction would keep
+    them.
+    """
+
+    def __init__(self, dialect: str, settings: Mapping[str, str] | None = None) -> None:
+        preamble = in_own_transaction(settings) if settings else None
         t = dispatch_table.c
         now = db_time()
         by_id = t.id == bindparam("dispatch_id")
@@ -226,7 +266,9 @@ class Statements:
             .returning(t.id)
         )
         # On a relaxed ledger, what makes one write durable anyway: on PostgreSQL, run
-        # first in its own transaction; on SQLite, around it on its connection.
+        # after it in its own transaction, before the commit (where the setting counts,
+        # and after a pooled statement's preamble turned it off); on SQLite, around it
+        # on its connection.
         self.commit_durably: TextClause = (
             text("SET LOCAL synchronous_commit TO on")
             if dialect == "postgresql"
@@ -236,7 +278,7 @@ class Statements:
             None if dialect == "postgresql" else text("PRAGMA synchronous=NORMAL")
         )
         self.insert_batch: Insert | None = (
-            insert_batch(dialect) if dialect == "postgresql" else None
+            insert_batch(dialect, preamble) if dialect == "postgresql" else None
         )
         self.existing: Select[Any] = select(t.id).where(
             t.id.in_(bindparam("dispatch_ids", expanding=True))
@@ -511,6 +553,26 @@ class Statements:
         self.ledger_id: Select[Any] = select(info_table.c.value).where(
             info_table.c.key == LEDGER_ID_KEY
         )
+        if preamble is not None:
+            self._add_preamble(preamble)
+
+    def _add_preamble(self, preamble: ColumnElement[bool]) -> None:
+        """`preamble` in every write that may wait on a row another transaction holds (a
+        key, a policy slot, a row lock), or that commits on the hot path (a relaxed
+        ledger's `synchronous_commit`). The rare ones (schedules, retention, policies,
+        backlog samples) commit with the server's defaults."""
+        # In a value: the insert evaluates its row before checking its keys and slots.
+        self.insert = self.insert.values(created_at=case((preamble, db_time())))
+        for name in _PREAMBLE_UPDATES:
+            update_: Update = getattr(self, name)
+            setattr(self, name, update_.where(preamble))
+
+
+#: The updates `Statements._add_preamble` gives the pooled ledger's settings.
+_PREAMBLE_UPDATES = (
+    "mark_queued", "claim", "renew", "finish", "retry", "lapse_retry", "lapse_fail", "park",
+    "unpark", "take_due", "give_back", "give_up", "send_soon", "advance_schedule", "requeue",
+)  # fmt: skip
 
 
 def _relay_backoff() -> ColumnElement[Any]:

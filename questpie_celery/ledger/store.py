@@ -31,6 +31,7 @@ from .engine import (
     create_ledger_engine,
     dispose_in_children,
     runs_in_autocommit,
+    statement_settings,
 )
 from .errors import Reruns, SlotTaken, translate_errors
 from .rows import Claim, DispatchRow, NewDispatch, ScheduleRow
@@ -59,10 +60,13 @@ RETENTION_SCHEMA_VERSION = 4
 class Ledger:
     """The dispatch ledger in one database."""
 
-    def __init__(self, engine: Engine, *, relaxed: bool = False) -> None:
+    def __init__(self, engine: Engine, *, relaxed: bool = False, pooled: bool = False) -> None:
         #: Commits may not be on disk when they return (see `create_ledger_engine`): the
         #: fence then takes back a delivery whose row a database crash lost.
         self.relaxed = relaxed
+        #: The database is reached through a pooler in transaction mode: no statement
+        #: leaves state on its connection, and relays poll instead of listening.
+        self.pooled = pooled
         self.rebind(engine)
 
     def rebind(self, engine: Engine) -> None:
@@ -85,7 +89,15 @@ class Ledger:
             # An engine the caller passed in is left as it is; ours run in autocommit.
             self._autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
             self._transactional = engine
-        self._sql = Statements(engine.dialect.name)
+        settings = None
+        if self.pooled and runs_in_autocommit(engine) and engine.dialect.name == "postgresql":
+            # Our pooled engine starts its connections with no settings: each write sets
+            # them for its own transaction instead (an engine passed in, or Django's,
+            # gets none, as it gets no startup settings unpooled).
+            settings = statement_settings(relaxed=self.relaxed)
+        self._sql = Statements(engine.dialect.name, settings)
+        #: The statements run in a caller's transaction, which must not keep our settings.
+        self._in_caller = Statements(engine.dialect.name) if settings else self._sql
         self._ledger_id: str | None = None
         self._retention_ready = False  # the schema was seen at RETENTION_SCHEMA_VERSION
         dispose_in_children(engine)
@@ -167,8 +179,8 @@ class Ledger:
         if relax_again is None:
             # PostgreSQL: a transaction of its own, told to wait for the disk at commit.
             with self._transactional.begin() as conn:
-                conn.execute(self._sql.commit_durably)
                 yield conn
+                conn.execute(self._sql.commit_durably)
             return
         # SQLite: this connection syncs every commit until the write is done.
         with self._autocommit.connect() as conn:
@@ -277,7 +289,7 @@ class Ledger:
         # The caller's connection reaches the ledger's own database (checked by
         # transactions.caller_connection), so the ledger's statements fit its dialect.
         with translate_errors():
-            return conn.execute(self._sql.insert, params).first() is not None
+            return conn.execute(self._in_caller.insert, params).first() is not None
 
     def insert_many(self, batch: Sequence[NewDispatch], conn: Connection | None = None) -> set[str]:
         """Insert the rows in order, each unless its id or policy slot is taken (by an
@@ -290,10 +302,11 @@ class Ledger:
             return set()
         stmt: Executable
         params: Any
-        if self._sql.insert_batch is not None:
-            stmt, params = self._sql.insert_batch, batch_params(batch)
+        sql = self._sql if conn is None else self._in_caller
+        if sql.insert_batch is not None:
+            stmt, params = sql.insert_batch, batch_params(batch)
         else:
-            stmt, params = self._sql.insert, [row_params(new) for new in batch]
+            stmt, params = sql.insert, [row_params(new) for new in batch]
         if conn is not None:
             with translate_errors():
                 return {row.id for row in conn.execute(stmt, params)}
@@ -576,7 +589,11 @@ class Ledger:
 
     def send_wakeups(self) -> SendWakeups | None:
         """A listener for `wake_relays`, or None where the ledger cannot listen (SQLite,
-        or a driver other than psycopg 3.2 or later)."""
+        a driver other than psycopg 3.2 or later, or a pooled ledger: a pooler in
+        transaction mode would leave the LISTEN on a server connection other clients
+        use, and deliver nothing to ours)."""
+        if self.pooled:
+            return None
         if self._borrowed is not None:
             listener = self._borrowed.listener()
             return SendWakeups.for_engine(listener) if listener is not None else None
@@ -805,9 +822,12 @@ def _allow_pruned_options(conn: Connection) -> None:
     conn.exec_driver_sql(f"DROP TABLE {old}")
 
 
-def open_ledger(url: str, *, relaxed: bool = False) -> Ledger:
-    """A `Ledger` on an engine of its own, for tools that have a URL and no `Questpie`."""
-    return Ledger(create_ledger_engine(url, relaxed=relaxed), relaxed=relaxed)
+def open_ledger(url: str, *, relaxed: bool = False, pooled: bool = False) -> Ledger:
+    """A `Ledger` on an engine of its own, for tools that have a URL and no `Questpie`
+    (`pooled`: the URL reaches PostgreSQL through a pooler in transaction mode)."""
+    return Ledger(
+        create_ledger_engine(url, relaxed=relaxed, pooled=pooled), relaxed=relaxed, pooled=pooled
+    )
 
 
 def row_params(new: NewDispatch) -> dict[str, Any]:

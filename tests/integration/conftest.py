@@ -13,15 +13,25 @@ from typing import Any
 import pytest
 
 from questpie_celery.ledger import Ledger, dispatch_table, open_ledger
-from tests.support.services import PostgresServer, RabbitServer, RedisServer
+from tests.support.services import PgBouncerServer, PostgresServer, RabbitServer, RedisServer
 from tests.support.stack import Stack, build_stack
 
 StackFactory = Callable[..., Stack]
+#: The secret of `pooled_stack`.
+POOLED_SECRET = "pooled " * 6
 
 
 @pytest.fixture(scope="session")
 def postgres() -> Iterator[PostgresServer]:
     server = PostgresServer().start()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="session")
+def pgbouncer(postgres: PostgresServer) -> Iterator[PgBouncerServer]:
+    """PgBouncer in transaction mode, stock settings otherwise, in front of `postgres`."""
+    server = PgBouncerServer(postgres).start()
     yield server
     server.close()
 
@@ -68,6 +78,14 @@ def new_stack(
     settings = broker_env(request, broker, folder)
     if ledger == "postgresql":
         settings["QP_TEST_LEDGER"] = request.getfixturevalue("postgres").create_database()
+    elif ledger == "pooled":
+        # The ledger through PgBouncer; the handlers' own table of runs (the tests'
+        # plumbing, not under test) directly.
+        direct = request.getfixturevalue("postgres").create_database()
+        pooler: PgBouncerServer = request.getfixturevalue("pgbouncer")
+        settings["QP_TEST_LEDGER"] = pooler.url(direct)
+        settings["QP_TEST_RUNS"] = direct
+        settings["QP_TEST_POOLED"] = "1"
     else:
         settings["QP_TEST_LEDGER"] = f"sqlite:///{folder / 'ledger.sqlite3'}"
     settings.update(env or {})
@@ -107,6 +125,23 @@ def pg_redis(
 ) -> Iterator[Stack]:
     """PostgreSQL ledger, Redis broker and result backend, a prefork worker."""
     made = new_stack(request, tmp_path_factory.mktemp("stack"), "redis")
+    yield made
+    made.close()
+
+
+@pytest.fixture(scope="module")
+def pooled_stack(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
+    """PostgreSQL ledger through PgBouncer in transaction mode (`pooled=True`), Redis, a
+    prefork worker, a secret: the pooled lane (tests/integration/test_pooled.py)."""
+    made = new_stack(
+        request,
+        tmp_path_factory.mktemp("pooled"),
+        "redis",
+        ledger="pooled",
+        env={"QP_TEST_SECRET": POOLED_SECRET},
+    )
     yield made
     made.close()
 

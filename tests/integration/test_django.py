@@ -5,7 +5,9 @@ worker` finds the `@job`s of `shop/tasks.py` without a list; `publish()` inside
 `transaction.atomic()` writes in that transaction and sends after the outermost commit;
 keys, a policy, a secret payload and schedules work on Django's connection; a
 publisher that dies between its commit and its send is made good by the relay; a worker
-whose database connections were killed goes on working.
+whose database connections were killed goes on working. Behind PgBouncer in transaction
+mode (`QUESTPIE_POOLED = True`) the project works, and its system check refuses
+prepared statements.
 
 The Django side runs in subprocesses (`manage.py`, `scenario.py`, the worker): Django's
 settings are per process. This process looks at the database with SQLAlchemy only.
@@ -20,7 +22,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC
 from pathlib import Path
 from typing import Any
@@ -41,7 +43,7 @@ from sqlalchemy import (
 )
 
 from questpie_celery.ledger import Ledger, dispatch_table, metadata, open_ledger
-from tests.support.services import ROOT, PostgresServer, RedisServer, Worker
+from tests.support.services import ROOT, PgBouncerServer, PostgresServer, RedisServer, Worker
 
 PROJECT = ROOT / "tests" / "support" / "djangoproj"
 PYTHONPATH = f"{PROJECT}{os.pathsep}{ROOT}"
@@ -346,3 +348,57 @@ def test_the_workers_connections_follow_conn_max_age(
         worker.stop()
         ledger.close()
         made.engine.dispose()
+
+
+# --- behind a pooler -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pooled_project(
+    postgres: PostgresServer, pgbouncer: PgBouncerServer, redis_server: RedisServer
+) -> Iterator[DjangoProject]:
+    """The project on PostgreSQL through PgBouncer in transaction mode, with its stock
+    settings, and `QUESTPIE_POOLED = True`."""
+    direct = postgres.create_database("djpooled")
+    env = {
+        "DJ_DB": pgbouncer.url(direct),
+        "DJ_POOLED": "1",
+        "DJ_BROKER": redis_server.url(redis_server.new_db()),
+        "DJANGO_SETTINGS_MODULE": "proj.settings",
+    }
+    worker = Worker(env, app="proj", cwd=PROJECT, pythonpath=PYTHONPATH)
+    ledger = open_ledger(direct)
+    made = DjangoProject(env, direct, worker, ledger, create_engine(direct, pool_pre_ping=True))
+    migrated = made.run("manage.py", "migrate", "-v0")
+    assert migrated.returncode == 0, migrated.stderr
+    worker.start()
+    yield made
+    worker.stop()
+    ledger.close()
+    made.engine.dispose()
+
+
+def test_a_pooled_project_works_through_pgbouncer(pooled_project: DjangoProject) -> None:
+    checked = pooled_project.run("manage.py", "check", "--database", "default")
+    assert checked.returncode == 0, checked.stderr
+    assert pooled_project.scenario("listens", "-") == {"listens": False}  # its relays poll
+    tag = f"p{uuid.uuid4().hex[:8]}"
+    seen = pooled_project.scenario("features", tag)
+    first, again = seen["key"]
+    assert first == again == seen["key_after"]
+    kept, suppressed = seen["exclusive"]
+    assert kept is not None and suppressed is None
+    for dispatch_id in (first, kept, seen["secret"]):
+        pooled_project.wait_status(dispatch_id, "completed")
+    assert len(pooled_project.runs(f"{tag}-k")) == 1
+    assert len(pooled_project.runs(f"{tag}-s")) == 1
+
+
+def test_the_system_check_refuses_prepared_statements_behind_a_pooler(
+    pooled_project: DjangoProject,
+) -> None:
+    preparing = replace(pooled_project, env={**pooled_project.env, "DJ_PREPARE_THRESHOLD": "5"})
+    checked = preparing.run("manage.py", "check", "--database", "default")
+    assert checked.returncode != 0
+    assert "questpie_celery.E005" in checked.stderr
+    assert "prepare_threshold" in checked.stderr

@@ -6,6 +6,8 @@ build the same app:
 - QP_TEST_BROKER: Celery broker URL (for `filesystem://`, QP_TEST_FS_DIR is the folder)
 - QP_TEST_BACKEND: optional result backend URL
 - QP_TEST_LEDGER: SQLAlchemy URL of the ledger
+- QP_TEST_POOLED: set when that URL goes through a pooler in transaction mode
+  (PgBouncer): the ledger is then opened with `pooled=True`
 - QP_TEST_RUNS: SQLAlchemy URL of the `test_runs` table (default: the ledger's database)
 - QP_TEST_QUEUE: the default queue (each stack has its own)
 - QP_TEST_LEASE: lease length in seconds; QP_TEST_RELAY: relay interval
@@ -270,6 +272,7 @@ def build(
     durability: str = "durable",
     fire_retention: float | None = None,
     retention: float | None = None,
+    pooled: bool = False,
 ) -> tuple[Celery, Questpie]:
     app = make_celery(broker, backend, fs_dir, queue, extended, priority_queue)
     if visibility_timeout is not None:
@@ -287,6 +290,7 @@ def build(
         previous_secrets=previous_secrets,
         redeliver_after=redeliver_after,
         durability="relaxed" if durability == "relaxed" else "durable",
+        pooled=pooled,
         **({"fire_retention": fire_retention} if fire_retention is not None else {}),
         **({"retention": retention} if retention is not None else {}),
     )
@@ -311,6 +315,7 @@ def build_from_env() -> tuple[Celery, Questpie]:
         durability=os.environ.get("QP_TEST_DURABILITY", "durable"),
         fire_retention=_optional_float(os.environ.get("QP_TEST_FIRE_RETENTION")),
         retention=_optional_float(os.environ.get("QP_TEST_RETENTION")),
+        pooled=bool(os.environ.get("QP_TEST_POOLED")),
     )
 
 

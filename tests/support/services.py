@@ -138,6 +138,74 @@ class PostgresServer:
         shutil.rmtree(self.base, ignore_errors=True)
 
 
+class PgBouncerServer:
+    """A PgBouncer of its own in front of `postgres`, in transaction mode, with its stock
+    settings otherwise: no `ignore_startup_parameters`, no prepared statements, as a
+    fleet's pooler (or a managed one) runs. Every database of the server is reachable
+    under its own name. PgBouncer refuses to run as root, so as root it runs as the
+    `postgres` user."""
+
+    def __init__(self, postgres: PostgresServer) -> None:
+        binary = shutil.which("pgbouncer") or shutil.which("pgbouncer", path="/usr/sbin")
+        if binary is None:
+            raise RuntimeError("pgbouncer is not installed (apt-get install pgbouncer)")
+        self.binary = binary
+        self.postgres = postgres
+        self.base = Path(tempfile.mkdtemp(prefix="qp-pgbouncer-"))
+        self.port = free_port()
+        self.config = self.base / "pgbouncer.ini"
+        users = self.base / "userlist.txt"
+        users.write_text(f'"{postgres.user}" ""\n')
+        self.config.write_text(
+            "[databases]\n"
+            f"* = host=127.0.0.1 port={postgres.port}\n"
+            "[pgbouncer]\n"
+            "listen_addr = 127.0.0.1\n"
+            f"listen_port = {self.port}\n"
+            "unix_socket_dir =\n"
+            "pool_mode = transaction\n"
+            "auth_type = trust\n"
+            f"auth_file = {users}\n"
+            f"logfile = {self.base / 'log'}\n"
+            f"pidfile = {self.base / 'pid'}\n"
+        )
+        self._run_as = ["-u", "postgres"] if postgres.as_root else []
+        if postgres.as_root:
+            for path in (self.base, users, self.config):
+                shutil.chown(path, "postgres", "postgres")
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> PgBouncerServer:
+        self.proc = subprocess.Popen(
+            [self.binary, *self._run_as, "-q", str(self.config)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        try:
+            wait_for_port(self.port)
+        except RuntimeError:
+            raise RuntimeError(f"pgbouncer did not start:\n{self.log()}") from None
+        return self
+
+    def url(self, database_url: str) -> str:
+        """The URL of `database_url`'s database (on `postgres`) through this pooler."""
+        name = database_url.rsplit("/", 1)[1]
+        return f"postgresql+psycopg://{self.postgres.user}@127.0.0.1:{self.port}/{name}"
+
+    def log(self) -> str:
+        path = self.base / "log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        shutil.rmtree(self.base, ignore_errors=True)
+
+
 class RedisServer:
     """A Redis server of its own, with 256 databases so every stack gets one."""
 

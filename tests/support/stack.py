@@ -157,6 +157,7 @@ def build_stack(
         visibility_timeout=float(env["QP_TEST_VISIBILITY"])
         if env.get("QP_TEST_VISIBILITY")
         else None,
+        pooled=bool(env.get("QP_TEST_POOLED")),
     )
     questpie.migrate()
     runs_engine = create_engine(env.get("QP_TEST_RUNS") or env["QP_TEST_LEDGER"])
@@ -168,7 +169,7 @@ def build_stack(
         env=env,
         celery_app=celery_app,
         questpie=questpie,
-        ledger=open_ledger(env["QP_TEST_LEDGER"]),
+        ledger=open_ledger(env["QP_TEST_LEDGER"], pooled=bool(env.get("QP_TEST_POOLED"))),
         runs_engine=runs_engine,
         worker=process,
         folder=folder,

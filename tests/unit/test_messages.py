@@ -6,11 +6,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 from celery import Celery
+from sqlalchemy import exc
 
 from questpie_celery import ConfigurationError, LedgerUnavailableError, Questpie, UnknownJobError
 from questpie_celery.ledger import create_ledger_engine, open_ledger
+from questpie_celery.ledger.errors import translate_errors
 from tests.support import jobapp
 from tests.support.services import free_port
 from tests.unit.helpers import row_count
@@ -91,3 +94,38 @@ def test_an_unreachable_ledger_says_why() -> None:
     assert str(port) in message
     assert "secretpw" not in message
     questpie.close()
+
+
+@pytest.mark.parametrize(
+    ("wrapper", "orig", "says"),
+    [
+        (
+            exc.OperationalError,
+            psycopg.OperationalError(
+                'connection failed: connection to server at "10.0.0.1", port 6432 failed: '
+                "FATAL:  unsupported startup parameter: options"
+            ),
+            "refused the startup parameter 'options'",
+        ),
+        (
+            exc.ProgrammingError,
+            psycopg.errors.DuplicatePreparedStatement('prepared statement "_pg3_0" already exists'),
+            "prepared statement",
+        ),
+        (
+            exc.ProgrammingError,
+            psycopg.errors.InvalidSqlStatementName('prepared statement "_pg3_3" does not exist'),
+            "prepared statement",
+        ),
+    ],
+)
+def test_a_poolers_refusal_names_the_setting_to_pass(
+    wrapper: type[exc.DBAPIError], orig: Exception, says: str
+) -> None:
+    """A ledger reached through a pooler in transaction mode without pooled=True: the
+    error says what to pass, as an unavailable ledger (a worker sends its delivery back
+    to the broker rather than acknowledging it unrun)."""
+    with pytest.raises(LedgerUnavailableError) as caught, translate_errors():
+        raise wrapper("SELECT 1", {}, orig)
+    assert "pass pooled=True (--pooled, QUESTPIE_POOLED)" in str(caught.value)
+    assert says in str(caught.value)

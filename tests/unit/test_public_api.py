@@ -19,6 +19,7 @@ from sqlalchemy import inspect
 
 import questpie_celery
 from questpie_celery import (
+    ConfigurationError,
     DispatchStatus,
     HandlerAbortedError,
     JobContext,
@@ -220,6 +221,18 @@ def test_configuration_errors() -> None:
         Questpie(app, ledger_url="sqlite://", lease_seconds=0)
     with pytest.raises(QuestpieError):
         Questpie("not an app", ledger_url="sqlite://")
+
+
+def test_pooled_is_a_flag_and_a_pooled_ledger_never_listens() -> None:
+    app = Celery("api", broker="memory://")
+    with pytest.raises(ConfigurationError, match="pooled"):
+        Questpie(app, ledger_url="sqlite://", pooled="yes")  # type: ignore[arg-type]
+    url = "postgresql+psycopg://app@127.0.0.1:1/app"  # never connected to
+    unpooled, pooled = open_ledger(url), open_ledger(url, pooled=True)
+    # A LISTEN through a pooler in transaction mode stays on a server connection that
+    # other clients use next, and delivers nothing: a pooled ledger's relays poll.
+    assert pooled.pooled and pooled.send_wakeups() is None
+    assert unpooled.send_wakeups() is not None
 
 
 def test_redis_apps_get_ten_priority_steps() -> None:

@@ -54,6 +54,8 @@ APP_NAME = "questpie_celery.contrib.django"
 #: The setting naming the DATABASES alias the ledger lives in.
 DATABASE_SETTING = "QUESTPIE_DATABASE"
 DEFAULT_DATABASE = "default"
+#: The setting saying that database is reached through a pooler in transaction mode.
+POOLED_SETTING = "QUESTPIE_POOLED"
 
 _ENGINES: dict[tuple[str, str], Engine] = {}
 _LISTENERS: dict[str, Engine] = {}
@@ -86,6 +88,18 @@ def ledger_database() -> str:
     if not isinstance(alias, str):
         raise ConfigurationError(f"{DATABASE_SETTING} must be an alias of DATABASES (a str)")
     return alias
+
+
+def pooled_setting() -> bool:
+    """`settings.QUESTPIE_POOLED`, or False: the ledger's database is reached through a
+    pooler in transaction mode, so its relays poll instead of holding a LISTEN (Django's
+    own connections must be pooler-safe too: see the system check)."""
+    from django.conf import settings  # noqa: PLC0415
+
+    pooled = getattr(settings, POOLED_SETTING, False)
+    if not isinstance(pooled, bool):
+        raise ConfigurationError(f"{POOLED_SETTING} must be True or False")
+    return pooled
 
 
 def django_ledger_engine(alias: str) -> Engine:

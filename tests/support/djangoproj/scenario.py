@@ -177,8 +177,13 @@ def publish(tag: str) -> dict[str, Any]:
     return {"id": questpie.queue["shop.record"].publish({"tag": tag}, idempotency_key=tag)}
 
 
+def listens(tag: str) -> dict[str, Any]:
+    """Whether this project's relays would hold a LISTEN (not behind a pooler)."""
+    return {"listens": questpie._ledger.send_wakeups() is not None}
+
+
 if __name__ == "__main__":
-    scenario = {f.__name__: f for f in (atomic, features, receipt, die, publish, swallowed, fire)}[
-        sys.argv[1]
-    ]
+    scenario = {
+        f.__name__: f for f in (atomic, features, receipt, die, publish, swallowed, fire, listens)
+    }[sys.argv[1]]
     print(json.dumps(scenario(sys.argv[2])), flush=True)

@@ -41,6 +41,12 @@ else:
             "CONN_MAX_AGE": _max_age,
         }
     }
+    if os.environ.get("DJ_PREPARE_THRESHOLD"):  # a project that turned prepares back on
+        DATABASES["default"]["OPTIONS"] = {
+            "prepare_threshold": int(os.environ["DJ_PREPARE_THRESHOLD"])
+        }
+# DJ_DB goes through PgBouncer in transaction mode.
+QUESTPIE_POOLED = bool(os.environ.get("DJ_POOLED"))
 
 CELERY_BROKER_URL = os.environ["DJ_BROKER"]
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
