@@ -33,6 +33,7 @@ from .broker import HEADER, MessageHeader, carry_for_retry, carry_from_request
 from .context import AppContext
 from .crypto import Keyring, Sealed
 from .errors import (
+    DispatchIdError,
     HandlerAbortedError,
     LedgerBusyError,
     LedgerUnavailableError,
@@ -41,6 +42,7 @@ from .errors import (
     SecretDecryptionError,
     SecretJobError,
 )
+from .ids import unstorable_id
 from .jobs import JobContext, JobDefinition
 from .leases import LeaseKeeper
 from .ledger import Claim, DispatchRow, Ledger, NewDispatch
@@ -108,6 +110,22 @@ class Fence:
         payload: Any,
     ) -> Any:
         """Take an unledgered delivery of a policy-limited job into the ledger, then run it."""
+        refused = unstorable_id(task.request.id)
+        if refused is not None:
+            # No row can hold it, so its policy cannot hold: refused, not run unfenced.
+            # Failing it (not ignoring it) stores the error as Celery's result of the call.
+            log.error(
+                "a plain call of job %s has task id %s, which cannot be a dispatch id (%s); "
+                "refused, not run",
+                definition.name,
+                shown_id(task.request.id),
+                refused,
+                extra={"job_name": definition.name},
+            )
+            raise DispatchIdError(
+                f"task id {shown_id(task.request.id)} of job {definition.name!r} cannot be a "
+                f"dispatch id ({refused}); the call was not run"
+            )
         body = definition.to_json(payload)  # a malformed payload fails the message
         options = resolve_options(definition.options, {})
         # Sent back while the ledger was away, the delivery says so (with its token), and
@@ -168,6 +186,17 @@ class Fence:
         `policy` reads the job's policy in force, asked only when a relaxed ledger lost
         the delivery's row.
         """
+        refused = unstorable_id(task.request.id)
+        if refused is not None:
+            # No ledger row can have this id: not a message questpie sent.
+            log.warning(
+                "a delivery of job %s has task id %s, which cannot be a dispatch id (%s); skipped",
+                definition.name,
+                shown_id(task.request.id),
+                refused,
+                extra={"job_name": definition.name},
+            )
+            raise Ignore()
         # One token for every try of this delivery, also across a trip back to the broker
         # while the ledger was unreachable: a try whose reply was lost is recognised.
         back = MessageHeader(
@@ -458,6 +487,12 @@ class Fence:
             dispatch_id=row.id,
         )
         return definition.validate(plaintext)
+
+
+def shown_id(task_id: object) -> str:
+    """A task id as a log line shows it: quoted, and cut short when long."""
+    text = task_id if isinstance(task_id, str) else str(task_id)
+    return repr(text) if len(text) <= 80 else f"{text[:80]!r}... ({len(text)} characters)"
 
 
 def _not_taken_back(dispatch_id: str, job_name: str, why: str) -> bool:

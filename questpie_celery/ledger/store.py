@@ -206,9 +206,10 @@ class Ledger:
         """Create or upgrade the schema; safe to run again. Returns the schema version."""
         with translate_errors(), self._begin() as conn:
             metadata.create_all(conn, checkfirst=True)
-            # Committed on its own: on PostgreSQL its exclusive lock (which stops reads
-            # too) then lasts a moment, not as long as the index builds below.
+            # Committed on its own: on PostgreSQL their exclusive locks (which stop reads
+            # too) then last a moment, not as long as the index builds below.
             _allow_pruned_options(conn)
+            _widen_dispatch_ids(conn)
         with translate_errors(), self._begin() as conn:
             # create_all adds missing tables only; indexes added by a later version too.
             for table in metadata.sorted_tables:
@@ -803,6 +804,29 @@ def _allow_pruned_options(conn: Connection) -> None:
     columns = ", ".join(column.name for column in dispatch_table.columns)
     conn.exec_driver_sql(f"INSERT INTO {name} ({columns}) SELECT {columns} FROM {old}")
     conn.exec_driver_sql(f"DROP TABLE {old}")
+
+
+#: The columns that hold a dispatch id, unbounded since schema version 5 (String(36) before).
+_DISPATCH_ID_COLUMNS = ((dispatch_table.name, "id"), (schedule_table.name, "last_dispatch_id"))
+
+
+def _widen_dispatch_ids(conn: Connection) -> None:
+    """Schema version 5: a dispatch id may be any task id a plain Celery call carries
+    (see `ids.unstorable_id`), not only a 36-character UUID.
+
+    On PostgreSQL, `varchar(36)` to `text` is a change to the catalog only: the two are
+    binary-compatible, so neither the table nor its indexes are rewritten, and the
+    exclusive lock lasts a moment. SQLite never enforced the length, so nothing changes
+    there: its tables made before version 5 keep `VARCHAR(36)` in their definition and
+    store ids of any length all the same.
+    """
+    if conn.dialect.name == "sqlite":
+        return
+    inspector = inspect(conn)
+    for table, name in _DISPATCH_ID_COLUMNS:
+        column = next(c for c in inspector.get_columns(table) if c["name"] == name)
+        if getattr(column["type"], "length", None) is not None:
+            conn.exec_driver_sql(f"ALTER TABLE {table} ALTER COLUMN {name} TYPE text")
 
 
 def open_ledger(url: str, *, relaxed: bool = False) -> Ledger:

@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import inspect, update
+from sqlalchemy import delete, insert, inspect, text, update
 
-from questpie_celery import LedgerSchemaError, LedgerUnavailableError, metadata
-from questpie_celery.ids import random_dispatch_id
+from questpie_celery import LedgerError, LedgerSchemaError, LedgerUnavailableError, metadata
+from questpie_celery.ids import MAX_DISPATCH_ID_BYTES, random_dispatch_id, unstorable_id
 from questpie_celery.ledger import (
     LEASE_EXPIRED,
     SCHEMA_VERSION,
@@ -23,6 +23,8 @@ from questpie_celery.ledger import (
     dispatch_table,
     open_ledger,
 )
+from questpie_celery.ledger.schema import schema_version_table
+from questpie_celery.ledger.statements import db_time
 from questpie_celery.options import RunOptions, StoredOptions
 from tests.support.services import PostgresServer, free_port
 from tests.unit.helpers import wait_until
@@ -452,3 +454,95 @@ def test_pruning_records_how_far_back_rows_may_be_gone_and_never_moves_it_back(
     ledger.prune_ended(keyed=True, older_than=60, limit=10, spare_key_prefix="x")
     later = ledger.pruned_before()
     assert later is not None and later > first
+
+
+# --- dispatch ids of any shape (a plain Celery call keeps its own task id) -----------------
+
+#: Task ids Celery accepts and the ledger stores: long, unicode, punctuation, whitespace.
+ODD_IDS = [
+    "x" * 37,
+    "é" * (MAX_DISPATCH_ID_BYTES // 2),  # two bytes each: the longest that fits
+    "order 42 / retry #3 \t(ünïcödé) 🚀 'quoted' \"too\" ; DROP TABLE x; --",
+    " \n ",
+    "%_\\",  # what LIKE would take for patterns
+]
+
+
+@pytest.mark.parametrize("odd", ODD_IDS, ids=range(len(ODD_IDS)))
+def test_a_dispatch_id_of_any_storable_shape_is_a_row_like_any_other(
+    ledger: Ledger, odd: str
+) -> None:
+    assert unstorable_id(odd) is None
+    new = _new(odd, idempotency_key=None)
+    assert ledger.insert(new) is True
+    assert ledger.insert(new) is False
+    assert ledger.exists(odd) and ledger.existing([odd, "other"]) == {odd}
+    claim = ledger.claim(odd, JOB, 1, 60)
+    assert claim.outcome == "claimed" and claim.token is not None
+    assert ledger.claim(odd, JOB, 1, 60).outcome == "busy"
+    assert ledger.finish(odd, claim.token, "completed", None)
+    assert _row(ledger, odd).status == "completed"
+    assert ledger.claim(odd, JOB, 1, 60).outcome == "done"
+
+
+def test_ids_the_ledger_cannot_store_are_named_with_the_reason() -> None:
+    assert unstorable_id("a\0b") is not None and "NUL" in (unstorable_id("a\0b") or "")
+    assert "surrogate" in (unstorable_id("a\udc80") or "")
+    assert "bytes" in (unstorable_id("x" * (MAX_DISPATCH_ID_BYTES + 1)) or "")
+    assert unstorable_id("") is not None and unstorable_id(None) is not None
+    assert unstorable_id("x" * MAX_DISPATCH_ID_BYTES) is None
+
+
+def test_migrating_a_version_4_ledger_widens_its_dispatch_ids(ledger: Ledger) -> None:
+    """A ledger made before version 5 held ids of at most 36 characters."""
+    kept = _new()
+    assert ledger.insert(kept)
+    before = _make_version_4(ledger)
+    assert ledger.migrate() == SCHEMA_VERSION == 5
+    assert ledger.migrate() == 5
+    if ledger.dialect == "postgresql":
+        inspector = inspect(ledger.engine)
+        for table, name in (
+            ("questpie_queue_dispatch", "id"),
+            ("questpie_schedule", "last_dispatch_id"),
+        ):
+            column = next(c for c in inspector.get_columns(table) if c["name"] == name)
+            assert getattr(column["type"], "length", 0) is None, (table, name)
+        # A change to the catalog only: neither the table nor its indexes were rewritten.
+        assert _storage(ledger) == before
+    long_id = "plain-call-" + "x" * 200
+    assert ledger.insert(_new(long_id, idempotency_key=None))
+    assert ledger.claim(long_id, JOB, 1, 60).outcome == "claimed"
+    assert _row(ledger, kept.id).payload == kept.payload  # the old row came through
+
+
+def _storage(ledger: Ledger) -> dict[str, int]:
+    """The files of the dispatch table and its indexes (PostgreSQL): a rewrite changes them."""
+    with ledger.engine.connect() as conn:
+        rows = conn.execute(
+            text(
+                "SELECT c.relname, c.relfilenode FROM pg_class c WHERE c.oid = "
+                "'questpie_queue_dispatch'::regclass OR c.oid IN (SELECT indexrelid FROM "
+                "pg_index WHERE indrelid = 'questpie_queue_dispatch'::regclass)"
+            )
+        ).all()
+    return {name: int(node) for name, node in rows}
+
+
+def _make_version_4(ledger: Ledger) -> dict[str, int]:
+    """Turn a migrated ledger back into what version 4 created: ids of `VARCHAR(36)`.
+    Returns the table's storage (PostgreSQL), to compare with after the migration."""
+    with ledger.engine.begin() as conn:
+        conn.execute(delete(schema_version_table).where(schema_version_table.c.version == 5))
+        conn.execute(insert(schema_version_table).values(version=4, applied_at=db_time()))
+        if ledger.dialect == "postgresql":
+            for table, name in (
+                ("questpie_queue_dispatch", "id"),
+                ("questpie_schedule", "last_dispatch_id"),
+            ):
+                conn.execute(text(f"ALTER TABLE {table} ALTER COLUMN {name} TYPE varchar(36)"))
+    if ledger.dialect != "postgresql":
+        return {}
+    with pytest.raises(LedgerError, match="StringDataRightTruncation"):
+        ledger.insert(_new("y" * 37, idempotency_key=None))
+    return _storage(ledger)
