@@ -88,8 +88,10 @@ def _row(ledger: Ledger, dispatch_id: str) -> DispatchRow:
     return row
 
 
-def _prune(ledger: Ledger, older_than: float = WEEK) -> tuple[int, int]:
-    done = Retention(ledger, older_than).prune(older_than)
+def _prune(
+    ledger: Ledger, older_than: float = WEEK, redeliver_after: float = 3600
+) -> tuple[int, int]:
+    done = Retention(ledger, older_than, redeliver_after=lambda: redeliver_after).prune(older_than)
     assert done.done
     return done.deleted, done.pruned
 
@@ -172,6 +174,26 @@ def test_a_row_that_has_not_ended_is_never_touched_whatever_its_age(ledger: Ledg
     assert {r.status for r in before.values()} == {"pending", "queued", "active", "retry", "parked"}
     assert _prune(ledger, older_than=0) == (0, 0)
     assert {i: _row(ledger, i) for i in ids.values()} == before
+
+
+def test_an_unkeyed_row_stays_while_a_copy_of_its_message_may_come_again(
+    ledger: Ledger,
+) -> None:
+    """Its id may be a plain call's, taken into the ledger: a copy the broker hands out
+    again is refused only while the row says it ran."""
+    hour = 3600.0
+    minutes_ago = _ended(ledger, "completed", days_ago=120 / DAY)
+    hours_ago = _ended(ledger, "failed", days_ago=2 * hour / DAY)
+    keyed = _ended(ledger, "completed", key="k", days_ago=120 / DAY)
+    retention = Retention(ledger, 60, redeliver_after=lambda: hour)
+    assert (retention.prune(60).deleted, retention.prune(0).deleted) == (1, 0)
+    assert ledger.get(hours_ago) is None
+    assert _row(ledger, minutes_ago).status == "completed"
+    assert ledger.claim(minutes_ago, JOB, 1, 60).outcome == "done"  # a copy is refused
+    assert _row(ledger, keyed).pruned  # a keyed row keeps its id anyway: the period holds
+    # The period still counts when it is the longer one.
+    assert Retention(ledger, WEEK, redeliver_after=lambda: 60).prune(WEEK).deleted == 0
+    assert Retention(ledger, 60, redeliver_after=lambda: 60).prune(60).deleted == 1
 
 
 def test_the_period_is_honoured(ledger: Ledger) -> None:
@@ -384,6 +406,39 @@ def test_a_worker_prunes_and_a_pruned_key_never_runs_again(
     assert _row(stack.ledger, dispatch_id).status == "completed"
 
 
+@pytest.mark.parametrize(
+    ("broker", "env"),
+    [("redis", {"QP_TEST_VISIBILITY": "7200"}), ("rabbitmq", {})],
+    ids=["redis-visibility-2h", "rabbitmq"],
+)
+def test_pruning_never_lets_a_plain_calls_redelivered_copy_run_again(
+    make_stack: StackFactory, broker: str, env: dict[str, str]
+) -> None:
+    """A plain call of a policy job runs under a row of its message's id. Retention keeps
+    that row while the broker may still hand the message out again: at least
+    `redeliver_after` (an hour here) and the broker's visibility timeout (Redis: 2 h)."""
+    stack = make_stack(broker, env={"QP_TEST_RETENTION": "60", **env})
+    window = 7200.0 if broker == "redis" else 3600.0
+    t, idle = tag(), f"idle-{tag()}"
+    sent = stack.questpie.tasks["policy.short"].apply_async(args=[{"tag": t}], queue=idle)
+    message = capture(stack, idle)
+    assert "questpie" not in message.headers  # a plain Celery message
+    deliver(stack, message)
+    assert stack.wait_status(sent.id, "completed").idempotency_key is None
+    # Long past the app's retention, not yet past the window: kept, by the relay's
+    # retention and by an explicit prune alike.
+    _age(stack.ledger, sent.id, window - 600)
+    assert stack.questpie.prune().deleted == 0
+    assert stack.questpie.prune(older_than=0).deleted == 0
+    deliver(stack, message)  # the same message again, byte for byte: a redelivery
+    stack.wait_log(sent.id, "skipped (done)")
+    assert [(r["dispatch_id"], r["attempt"]) for r in stack.runs(t)] == [(sent.id, 1)]
+    # Past the window, it goes like any ended unkeyed dispatch.
+    _age(stack.ledger, sent.id, window + 600)
+    assert stack.questpie.prune().deleted == 1
+    assert stack.ledger.get(sent.id) is None
+
+
 def test_a_relaxed_fence_takes_back_no_stale_copy_of_a_row_retention_deleted(
     make_stack: StackFactory,
 ) -> None:
@@ -405,7 +460,7 @@ def test_a_relaxed_fence_takes_back_no_stale_copy_of_a_row_retention_deleted(
     stack.worker.start()
     stack.wait_status(dispatch_id, "completed")
     time.sleep(4.5)
-    assert _prune(stack.ledger, older_than=4) == (1, 0)
+    assert _prune(stack.ledger, older_than=4, redeliver_after=4) == (1, 0)
     deliver(stack, message)  # a stale duplicate: a redelivery, a copy the relay sent
     stack.wait_log(dispatch_id, "older than rows the ledger has pruned")
     assert len(stack.runs(t)) == 1
