@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import string
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
@@ -29,6 +30,14 @@ MAX_START_AFTER_SECONDS = 10 * 365 * 86400
 MAX_RETRY_DELAY_SECONDS = 365 * 86400
 MAX_EXPIRE_IN_SECONDS = 7 * 86400
 MAX_QUEUE_NAME_LENGTH = 255
+#: The idempotency key of a schedule's fire names its source and tick after this prefix
+#: (`schedules.fire_key`); the beat deletes the fires it made, by this prefix.
+FIRE_KEY_PREFIX = "questpie-schedule:"
+#: Key namespaces the package writes keys in itself, so a publish may not: a key there
+#: would be taken for one of ours (a fire's row, deleted by the beat's pruning, after
+#: which the key would lose its id and run again). Compared without regard to ASCII
+#: case, as SQLite's LIKE, which that pruning uses, compares.
+RESERVED_KEY_PREFIXES = (FIRE_KEY_PREFIX,)
 
 
 class JobOptions(TypedDict, total=False):
@@ -244,7 +253,7 @@ def resolve_many_options(
             if key is not None or single is not None:
                 item = replace(
                     shared,
-                    idempotency_key=None if key is None else _key(key, "idempotency_key"),
+                    idempotency_key=None if key is None else _idempotency_key(key),
                     singleton_key=(
                         shared.singleton_key if single is None else _key(single, "singleton_key")
                     ),
@@ -344,6 +353,20 @@ def _key(value: object, name: str) -> str:
     return value
 
 
+def _idempotency_key(value: object) -> str:
+    key = _key(value, "idempotency_key")
+    for prefix in RESERVED_KEY_PREFIXES:
+        if key[: len(prefix)].translate(_ASCII_LOWER) == prefix:
+            raise PublishOptionsError(
+                f"idempotency_key must not start with {prefix!r}: questpie writes its own "
+                "keys there"
+            )
+    return key
+
+
+_ASCII_LOWER = str.maketrans(string.ascii_uppercase, string.ascii_lowercase)
+
+
 def _start_after(value: object, now: datetime) -> datetime:
     if isinstance(value, bool):
         raise PublishOptionsError("start_after must be seconds, an ISO-8601 string or a datetime")
@@ -391,7 +414,7 @@ def _queue(value: object) -> str:
 
 
 _VALIDATORS: dict[str, Any] = {
-    "idempotency_key": lambda v, _now: _key(v, "idempotency_key"),
+    "idempotency_key": lambda v, _now: _idempotency_key(v),
     "singleton_key": lambda v, _now: _key(v, "singleton_key"),
     "queue_policy": lambda v, _now: _policy(v),
     "secret_payload": lambda v, _now: _bool(v, "secret_payload"),

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 from .errors import LedgerSchemaError, QuestpieError
 from .ledger import Ledger
+from .options import FIRE_KEY_PREFIX
 from .outbox import DEFAULT_REDELIVER_AFTER_SECONDS
-from .schedules import FIRE_KEY_PREFIX
 
 log = logging.getLogger(__name__)
 

@@ -28,9 +28,8 @@ from questpie_celery.ledger import DispatchRow, Ledger, NewDispatch, dispatch_ta
 from questpie_celery.ledger.schema import SCHEMA_VERSION, schema_version_table
 from questpie_celery.ledger.statements import db_time
 from questpie_celery.operations import Operator
-from questpie_celery.options import RunOptions, StoredOptions
+from questpie_celery.options import FIRE_KEY_PREFIX, RunOptions, StoredOptions
 from questpie_celery.retention import Retention
-from questpie_celery.schedules import FIRE_KEY_PREFIX
 from tests.integration.conftest import StackFactory
 from tests.support.brokers import capture, deliver
 from tests.support.stack import tag

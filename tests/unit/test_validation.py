@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 from datetime import datetime
 from typing import Any
 
 import pytest
 
 from questpie_celery import PayloadValidationError, PublishOptionsError, QuestpieError
+from questpie_celery.options import FIRE_KEY_PREFIX
 from tests.unit.helpers import IdleApp
 
 VALID = {"tag": "v"}
@@ -62,6 +64,34 @@ def test_invalid_publish_writes_nothing(
     assert isinstance(caught.value, QuestpieError)
     assert isinstance(caught.value, ValueError)
     assert idle.written() == before
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        f"{FIRE_KEY_PREFIX}call:2026-01-01T06:00:00Z",  # exactly what a fire's key looks like
+        "QUESTPIE-Schedule:mine",  # SQLite's LIKE, which the beat's pruning uses, ignores case
+        FIRE_KEY_PREFIX,
+    ],
+)
+def test_a_key_in_a_namespace_questpie_writes_in_itself_is_refused(idle: IdleApp, key: str) -> None:
+    """A key there would be taken for a schedule fire's, whose row the beat deletes once
+    it ended: the key would lose its id, and run again."""
+    client = idle.questpie.queue.record
+    before = idle.written()
+    reserved = "questpie writes its own keys there"
+    with pytest.raises(PublishOptionsError, match=reserved):
+        client.publish(VALID, idempotency_key=key)
+    with pytest.raises(PublishOptionsError, match=f"item 1: .*{reserved}"):
+        client.publish_many([VALID, VALID], idempotency_keys=["fine", key])
+    with pytest.raises(PublishOptionsError, match=reserved):
+        asyncio.run(client.apublish(VALID, idempotency_key=key))
+    with pytest.raises(PublishOptionsError, match=reserved):
+        asyncio.run(client.apublish_many([VALID], idempotency_keys=[key]))
+    assert idle.written() == before
+    # Only the namespace itself: keys that merely look alike are anyone's.
+    for near in ("questpie-schedule", "my-questpie-schedule:x", "questpie-schedules:x"):
+        assert client.publish(VALID, idempotency_key=near) is not None
 
 
 def test_unknown_keyword_is_a_type_error(idle: IdleApp) -> None:
