@@ -67,6 +67,14 @@ MAX_PAUSE_SECONDS = 5.0
 SENDER_CLOCK_MARGIN_SECONDS = 60.0
 #: How long before a run's soft time limit a delivery stops waiting for the ledger.
 SOFT_LIMIT_MARGIN_SECONDS = 2.0
+#: A delivery at most this early for its row (by the database's clock) waits until the
+#: row is due and then claims; one earlier still is dropped, and the relay sends the row
+#: when it is due. Covers the hosts' clocks disagreeing with the database's by a little.
+EARLY_WAIT_SECONDS = 5.0
+#: Slept past the due time, so the claim after the wait finds the row due.
+EARLY_MARGIN_SECONDS = 0.05
+#: How often one delivery waits for its row to be due (the row may move meanwhile).
+EARLY_TRIES = 3
 
 
 @dataclass
@@ -228,10 +236,15 @@ class Fence:
 
             def claim_it() -> Claim:
                 return self._ledger.claim(
-                    dispatch_id, definition.name, attempt, self._leases.lease_seconds, token
+                    dispatch_id,
+                    definition.name,
+                    attempt,
+                    self._leases.lease_seconds,
+                    token,
+                    any_time=bool(task.request.is_eager),
                 )
 
-            claim = self._patiently(task, claim_it, back)
+            claim = self._when_due(task, self._patiently(task, claim_it, back), claim_it, back)
             read_policy = policy
             if (
                 claim.outcome == "unknown"
@@ -252,6 +265,8 @@ class Fence:
             )
             delivery.set(outcome="parked")
             raise Ignore()
+        if claim.outcome == "early":
+            self._drop_early(task, definition, attempt, claim, back)
         if claim.outcome != "claimed" or claim.row is None:
             delivery.set(outcome=f"skipped: {claim.outcome}")
             log.info(
@@ -296,6 +311,46 @@ class Fence:
         if result == "retrying":
             raise Retry(exc=ending.visible, when=row.options.run.delay_before_retry(row.attempt))
         raise Ignore()
+
+    def _when_due(
+        self, task: Task, claim: Claim, claim_it: Callable[[], Claim], back: MessageHeader
+    ) -> Claim:
+        """Claim again once the row is due, for a delivery a little early: a retry's
+        countdown or an ETA that a clock ahead of the database's judged. Never past the
+        run's soft time limit."""
+        for _ in range(EARLY_TRIES):
+            if claim.outcome != "early" or claim.due_in > min(
+                EARLY_WAIT_SECONDS, _time_before_soft_limit(task)
+            ):
+                return claim
+            time.sleep(claim.due_in + EARLY_MARGIN_SECONDS)
+            claim = self._patiently(task, claim_it, back)
+        return claim
+
+    def _drop_early(
+        self,
+        task: Task,
+        definition: JobDefinition[Any],
+        attempt: int,
+        claim: Claim,
+        back: MessageHeader,
+    ) -> None:
+        """A delivery far too early for its row (a forged or stale copy; or the row's own
+        message, judged by a clock far ahead): acknowledged without running, and the row
+        due for the relay at its start, so it runs then even if this was its message."""
+        dispatch_id: str = task.request.id
+        self._patiently(
+            task, lambda: self._ledger.send_when_due(dispatch_id, definition.name, attempt), back
+        )
+        log.warning(
+            "dispatch %s of job %s: delivery for attempt %d came %.1f s before the row is "
+            "due; dropped, and the relay sends the row when it is due",
+            dispatch_id,
+            definition.name,
+            attempt,
+            claim.due_in,
+            extra={"dispatch_id": dispatch_id, "job_name": definition.name},
+        )
 
     def _take_back(
         self,

@@ -16,6 +16,7 @@ from typing import Any
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     ColumnElement,
     Float,
     Insert,
@@ -261,7 +262,11 @@ class Statements:
                 queued_at=func.coalesce(t.queued_at, now),
                 status=case((still_pending, "queued"), else_=t.status),
                 next_send_at=case(
-                    (still_pending, db_time(seconds("redeliver_in"))), else_=t.next_send_at
+                    (
+                        and_(still_pending, ~_made_due_at_start()),
+                        db_time(seconds("redeliver_in")),
+                    ),
+                    else_=t.next_send_at,
                 ),
             )
         )
@@ -276,9 +281,13 @@ class Statements:
             claimable,
             t.attempt == bindparam("previous"),
         )
+        # Never before the row is due: a message that carries the id of a dispatch that
+        # waits for its start or its retry (a forged one, a stale copy) runs nothing early.
+        # Eager mode runs everything at once, as Celery's does (`any_time`).
+        started = or_(bindparam("any_time", type_=Boolean), t.run_after <= now)
         self.claim: Update = (
             update(dispatch_table)
-            .where(deliverable)
+            .where(deliverable, started)
             .values(
                 status="active",
                 attempt=t.attempt + 1,
@@ -291,6 +300,24 @@ class Statements:
         )
         self.renew: Update = (
             update(dispatch_table).where(held).values(lease_expires_at=db_time(seconds("lease")))
+        )
+        # Why a claim took nothing, and how long before the row is due, on one clock.
+        self.get_and_now: Select[Any] = select(dispatch_table, now.label("now")).where(by_id)
+        # An early delivery dropped: the relay sends the row when it is due, whatever time
+        # it was to look at the row next (a retry sent at once looks only after
+        # `redeliver_after`, trusting the message the early delivery may have been).
+        # (Equal to `run_after` from then on: the acceptance mark of a publish that comes
+        # later leaves it so; see `_made_due_at_start`.)
+        self.send_when_due: Update = (
+            update(dispatch_table)
+            .where(
+                by_id,
+                t.job_name == bindparam("job"),
+                claimable,
+                t.attempt == bindparam("previous"),
+                or_(t.next_send_at.is_(None), t.next_send_at > t.run_after),
+            )
+            .values(next_send_at=t.run_after)
         )
         ended: dict[str, Any] = {"lease_expires_at": None, "last_error": bindparam("error")}
         terminal = {
@@ -511,6 +538,18 @@ class Statements:
         self.ledger_id: Select[Any] = select(info_table.c.value).where(
             info_table.c.key == LEDGER_ID_KEY
         )
+
+
+def _made_due_at_start() -> ColumnElement[bool]:
+    """The fence dropped an early delivery of the row and made it due for the relay at its
+    start (`send_when_due`): its next send is exactly its `run_after`. The acceptance
+    mark of its publish, which may come a moment after (it is batched), keeps that rather
+    than putting the next send off by `redeliver_after`: the delivery dropped may have
+    been the very message accepted. No other write sets a next send to `run_after` (they
+    are offsets from the database's now, or a start less the ETA horizon); one equal to
+    it by chance would cost one more send, which the fence drops."""
+    t = dispatch_table.c
+    return and_(t.next_send_at.is_not(None), t.next_send_at == t.run_after)
 
 
 def _relay_backoff() -> ColumnElement[Any]:

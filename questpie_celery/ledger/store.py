@@ -35,6 +35,7 @@ from .engine import (
 from .errors import Reruns, SlotTaken, translate_errors
 from .rows import Claim, DispatchRow, NewDispatch, ScheduleRow
 from .schema import (
+    CLAIMABLE,
     LEASE_EXPIRED,
     LEDGER_ID_KEY,
     RELAY_GAVE_UP,
@@ -359,15 +360,19 @@ class Ledger:
         attempt: int,
         lease_seconds: float,
         token: str | None = None,
+        *,
+        any_time: bool = False,
     ) -> Claim:
         """Take the execution claim for delivery `attempt` of a dispatch of `job_name`.
 
-        Succeeds only when the row belongs to the job, is claimable and has made exactly
-        `attempt - 1` claims: a delivery of an attempt the row has moved past is `stale`,
-        one of a finished dispatch `done`, one that meets a live claim `busy`, one for a
-        row of another job or none at all `unknown`, and one whose policy slot is taken
-        `blocked`. `token` is the delivery's fencing token (a fresh one when None); pass
-        the same on every try of one delivery, so a try whose reply was lost is ours.
+        Succeeds only when the row belongs to the job, is claimable, has made exactly
+        `attempt - 1` claims and is due (its `run_after` has come; `any_time` skips
+        that, for eager mode): a delivery of an attempt the row has moved past is
+        `stale`, one of a finished dispatch `done`, one that meets a live claim `busy`,
+        one for a row of another job or none at all `unknown`, one whose policy slot is
+        taken `blocked`, and one before the row is due `early` (with how early).
+        `token` is the delivery's fencing token (a fresh one when None); pass the same
+        on every try of one delivery, so a try whose reply was lost is ours.
         """
         token = token or str(uuid.uuid4())
         params = {
@@ -376,6 +381,7 @@ class Ledger:
             "previous": attempt - 1,
             "new_token": token,
             "lease": lease_seconds,
+            "any_time": any_time,
         }
         try:
             row = self._row(self._sql.claim, params)
@@ -384,8 +390,9 @@ class Ledger:
         if row is not None:
             return Claim("claimed", row, token)
         # Not claimed: read the row to say why (the answer may be a moment old).
-        found = self.get(dispatch_id)
-        if found is None or found.job_name != job_name:
+        read = self._first(self._sql.get_and_now, {"dispatch_id": dispatch_id})
+        found = DispatchRow.from_mapping(read) if read is not None else None
+        if read is None or found is None or found.job_name != job_name:
             return Claim("unknown")
         if found.claim_token == token and found.status == "active":
             return Claim("claimed", found, token)  # our first try landed; its reply was lost
@@ -393,7 +400,17 @@ class Ledger:
             return Claim("done", found)
         if found.status == "active" and found.attempt == attempt:
             return Claim("busy", found)
+        due_in = (found.run_after - read["now"]).total_seconds()
+        if found.status in CLAIMABLE and found.attempt == attempt - 1 and due_in > 0:
+            return Claim("early", found, due_in=due_in)
         return Claim("stale", found)
+
+    def send_when_due(self, dispatch_id: str, job_name: str, attempt: int) -> bool:
+        """Make the relay send delivery `attempt` of the row at its `run_after` at the
+        latest (an early delivery of it was dropped); False when the row has moved on,
+        or is due for the relay by then anyway."""
+        params = {"dispatch_id": dispatch_id, "job": job_name, "previous": attempt - 1}
+        return bool(self._execute(self._sql.send_when_due, params))
 
     def renew(self, dispatch_id: str, token: str, lease_seconds: float) -> bool:
         """Extend a live claim; False when the claim is no longer ours."""

@@ -18,6 +18,7 @@ import pytest
 from celery.result import AsyncResult
 from sqlalchemy import select
 
+from questpie_celery.fence import EARLY_WAIT_SECONDS
 from tests.integration.conftest import new_stack
 from tests.support import jobapp
 from tests.support.brokers import capture, deliver
@@ -225,3 +226,78 @@ def test_a_retry_keeps_the_deliverys_custom_headers(fence_stack: Stack) -> None:
     row = stack.wait_status(dispatch_id, "completed")
     assert row.attempt == 2
     assert [r["attempt"] for r in stack.runs(t)] == [1, 2]
+
+
+def _forge_first_attempt(stack: Stack, job_name: str, dispatch_id: str) -> None:
+    """A message for attempt 1 of a dispatch, as anyone with the broker could send it:
+    the dispatch's id and questpie's ledger header."""
+    stack.celery_app.send_task(
+        job_name,
+        args=[{}],
+        task_id=dispatch_id,
+        headers={"questpie": {"v": 1, "ledgered": True, "attempt": 1, "run": {}}},
+    )
+
+
+def _publish_delayed(stack: Stack, secret: bool, t: str, start_after: float) -> tuple[str, str]:
+    """(job name, dispatch id) of a keyed dispatch that starts `start_after` s from now."""
+    link = f"https://example.test/once/{uuid.uuid4().hex}"
+    if secret:
+        dispatch_id = stack.questpie.queue.secret_link.publish(
+            {"tag": t, "link": link},
+            idempotency_key=f"early:{t}",
+            secret_payload=True,
+            start_after=start_after,
+        )
+        job_name = "secret.link"
+    else:
+        dispatch_id = stack.questpie.queue.record.publish(
+            {"tag": t}, idempotency_key=f"early:{t}", start_after=start_after
+        )
+        job_name = "record"
+    assert dispatch_id is not None
+    return job_name, dispatch_id
+
+
+@pytest.mark.parametrize("secret", [True, False], ids=["secret", "plain"])
+def test_a_forged_copy_runs_nothing_before_the_dispatch_is_due(
+    fence_stack: Stack, secret: bool
+) -> None:
+    stack = fence_stack
+    t = tag()
+    job_name, dispatch_id = _publish_delayed(stack, secret, t, start_after=600)
+    before = stack.row(dispatch_id)
+    assert before.status == "pending" and before.next_send_at is not None
+    _forge_first_attempt(stack, job_name, dispatch_id)
+    stack.wait_log(dispatch_id, "before the row is due; dropped")
+    assert runs_of(stack, dispatch_id) == []  # not run, and a secret not decrypted
+    # The row is as it was, its secret with it; the relay still sends it 60 s before
+    # its start, as planned.
+    assert stack.row(dispatch_id) == before
+    if secret:
+        assert before.secret_ciphertext is not None and before.secret_wrapped_key is not None
+
+
+@pytest.mark.parametrize("secret", [True, False], ids=["secret", "plain"])
+@pytest.mark.parametrize("start_after", [8.0, 2.0], ids=["too-early", "a-little-early"])
+def test_a_dispatch_due_soon_runs_once_on_time_whatever_copy_comes_first(
+    fence_stack: Stack, secret: bool, start_after: float
+) -> None:
+    """Its own message is a broker ETA; a forged copy comes at once. One too early is
+    dropped (and the row made due for the relay at its start); one a little early waits
+    for the start. Either way, one run, not before the start."""
+    stack = fence_stack
+    t = tag()
+    job_name, dispatch_id = _publish_delayed(stack, secret, t, start_after=start_after)
+    _forge_first_attempt(stack, job_name, dispatch_id)
+    if start_after > EARLY_WAIT_SECONDS:
+        stack.wait_log(dispatch_id, "before the row is due; dropped")
+        assert runs_of(stack, dispatch_id) == []
+        row = stack.row(dispatch_id)
+        assert row.next_send_at is not None and row.next_send_at <= row.run_after
+    row = stack.wait_status(dispatch_id, "completed", timeout=40)
+    assert row.started_at is not None and row.started_at >= row.run_after
+    assert [r["attempt"] for r in runs_of(stack, dispatch_id)] == [1]
+    # Whatever copy comes later (the ETA message, a relay send) runs nothing more.
+    stack.wait_log(dispatch_id, "skipped (")
+    assert [r["attempt"] for r in runs_of(stack, dispatch_id)] == [1]

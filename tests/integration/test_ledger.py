@@ -50,6 +50,16 @@ def _row(ledger: Ledger, dispatch_id: str) -> DispatchRow:
     return row
 
 
+def _due_now(ledger: Ledger, dispatch_id: str) -> None:
+    """Let the row's `run_after` come (a second ago, by the database's clock)."""
+    with ledger.engine.begin() as conn:
+        conn.execute(
+            update(dispatch_table)
+            .where(dispatch_table.c.id == dispatch_id)
+            .values(run_after=db_time(-1))
+        )
+
+
 def _claimed(ledger: Ledger, lease: float = 60) -> tuple[str, str]:
     new = _new()
     assert ledger.insert(new) is True
@@ -167,8 +177,11 @@ def test_retry_releases_the_claim_and_moves_the_attempt_on(ledger: Ledger) -> No
     assert row.lease_expires_at is None
     assert row.run_after > datetime.now(UTC)
     assert row.next_send_at is not None and row.next_send_at > row.run_after
-    # The old delivery (attempt 1) is stale now; the retry's delivery claims attempt 2.
+    # The old delivery (attempt 1) is stale now; the retry's delivery claims attempt 2,
+    # once it is due.
     assert ledger.claim(dispatch_id, JOB, 1, 60).outcome == "stale"
+    assert ledger.claim(dispatch_id, JOB, 2, 60).outcome == "early"
+    _due_now(ledger, dispatch_id)
     second = ledger.claim(dispatch_id, JOB, 2, 60)
     assert second.outcome == "claimed"
     assert second.row is not None and second.row.attempt == 2
@@ -546,3 +559,60 @@ def _make_version_4(ledger: Ledger) -> dict[str, int]:
     with pytest.raises(LedgerError, match="StringDataRightTruncation"):
         ledger.insert(_new("y" * 37, idempotency_key=None))
     return _storage(ledger)
+
+
+# --- never before the row is due -----------------------------------------------------------
+
+
+def test_a_claim_before_the_row_is_due_is_early_and_touches_nothing(ledger: Ledger) -> None:
+    start = ledger.now() + timedelta(seconds=600)
+    new = _new(run_after=start, next_send_at=start - timedelta(seconds=60))
+    assert ledger.insert(new)
+    before = _row(ledger, new.id)
+    early = ledger.claim(new.id, JOB, 1, 60)
+    assert early.outcome == "early" and early.token is None
+    assert 590 < early.due_in <= 600
+    assert _row(ledger, new.id) == before
+    # Its relay time already comes before its start: nothing to change.
+    assert ledger.send_when_due(new.id, JOB, 1) is False
+    assert _row(ledger, new.id) == before
+    # Other reasons come first: another job's id is unknown, another attempt stale.
+    assert ledger.claim(new.id, "other-job", 1, 60).outcome == "unknown"
+    assert ledger.claim(new.id, JOB, 2, 60).outcome == "stale"
+    # Eager mode runs it at once, as Celery's eager mode does.
+    assert ledger.claim(new.id, JOB, 1, 60, any_time=True).outcome == "claimed"
+
+
+def test_an_early_delivery_of_a_retry_makes_the_relay_send_it_when_due(ledger: Ledger) -> None:
+    dispatch_id, token = _claimed(ledger)
+    # A retry sent at once with its countdown: the relay looks only long after it is due.
+    assert ledger.retry(dispatch_id, token, retry_in=600, relay_in=600 + 3600, error="E")
+    waiting = _row(ledger, dispatch_id)
+    assert waiting.next_send_at is not None and waiting.next_send_at > waiting.run_after
+    early = ledger.claim(dispatch_id, JOB, 2, 60)
+    assert early.outcome == "early" and 590 < early.due_in <= 600
+    assert ledger.send_when_due(dispatch_id, JOB, 2) is True
+    row = _row(ledger, dispatch_id)
+    assert row.next_send_at == row.run_after  # due for the relay at its start, no later
+    assert (row.status, row.attempt, row.claim_token) == ("retry", 1, token)
+    assert ledger.send_when_due(dispatch_id, JOB, 3) is False  # not the attempt it waits for
+    _due_now(ledger, dispatch_id)  # once due, the delivery claims
+    assert ledger.claim(dispatch_id, JOB, 2, 60).outcome == "claimed"
+
+
+def test_the_acceptance_mark_after_a_dropped_early_delivery_keeps_it_due_at_start(
+    ledger: Ledger,
+) -> None:
+    """The publisher's acceptance mark is batched: it may come after a worker dropped an
+    early delivery (maybe the very message accepted) and made the row due at its start."""
+    start = ledger.now() + timedelta(seconds=20)
+    dropped, untouched = _new(run_after=start, send_in=30), _new(run_after=start, send_in=30)
+    assert ledger.insert(dropped) and ledger.insert(untouched)
+    assert ledger.claim(dropped.id, JOB, 1, 60).outcome == "early"
+    assert ledger.send_when_due(dropped.id, JOB, 1) is True
+    ledger.mark_queued([dropped.id, untouched.id], redeliver_in=3600)
+    row = _row(ledger, dropped.id)
+    assert (row.status, row.next_send_at) == ("queued", row.run_after)
+    other = _row(ledger, untouched.id)
+    assert other.status == "queued" and other.next_send_at is not None
+    assert other.next_send_at > other.run_after + timedelta(seconds=3000)
