@@ -306,8 +306,8 @@ class Statements:
         # An early delivery dropped: the relay sends the row when it is due, whatever time
         # it was to look at the row next (a retry sent at once looks only after
         # `redeliver_after`, trusting the message the early delivery may have been).
-        # (Equal to `run_after` from then on: the acceptance mark of a publish that comes
-        # later leaves it so; see `_made_due_at_start`.)
+        # (The acceptance mark of a publish that comes later leaves it so; see
+        # `_made_due_at_start`.)
         self.send_when_due: Update = (
             update(dispatch_table)
             .where(
@@ -542,14 +542,17 @@ class Statements:
 
 def _made_due_at_start() -> ColumnElement[bool]:
     """The fence dropped an early delivery of the row and made it due for the relay at its
-    start (`send_when_due`): its next send is exactly its `run_after`. The acceptance
-    mark of its publish, which may come a moment after (it is batched), keeps that rather
-    than putting the next send off by `redeliver_after`: the delivery dropped may have
-    been the very message accepted. No other write sets a next send to `run_after` (they
-    are offsets from the database's now, or a start less the ETA horizon); one equal to
-    it by chance would cost one more send, which the fence drops."""
+    start (`send_when_due`): its next send is exactly its `run_after`, still to come. The
+    acceptance mark of its publish, which may come a moment after (it is batched), keeps
+    that rather than putting the next send off by `redeliver_after`: the delivery dropped
+    may have been the very message accepted.
+
+    Only that write makes the two equal while the start is ahead: an insert's next send
+    equals its start only when both are its now (no `start_after`, `send_in` 0), which has
+    passed by the time of its mark; a far-off start's is the start less the ETA horizon.
+    One equal by chance would cost one more send, which the fence drops."""
     t = dispatch_table.c
-    return and_(t.next_send_at.is_not(None), t.next_send_at == t.run_after)
+    return and_(t.next_send_at == t.run_after, t.run_after > db_time())
 
 
 def _relay_backoff() -> ColumnElement[Any]:
