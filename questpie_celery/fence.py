@@ -37,6 +37,7 @@ from .errors import (
     HandlerAbortedError,
     LedgerBusyError,
     LedgerUnavailableError,
+    MalformedHeaderError,
     PayloadValidationError,
     PermanentFailure,
     SecretDecryptionError,
@@ -108,6 +109,25 @@ class Fence:
         self._keyring = keyring
         self._redeliver_after = redeliver_after
         self._context = context
+
+    def header_of(self, task: Task, definition: JobDefinition[Any]) -> MessageHeader | None:
+        """The delivery's `questpie` header (None for a plain call). One questpie could
+        not have written is refused before anything reads the ledger: logged, and the
+        delivery acknowledged without running. A row under its id stays as it was, so
+        the row's own message (or the relay, when it is due) still runs it."""
+        try:
+            return MessageHeader.from_request(task.request)
+        except MalformedHeaderError as exc:
+            log.warning(
+                "dispatch %s of job %s: its questpie header is malformed (%s); refused, "
+                "nothing ran and its ledger row, if any, is untouched",
+                shown_id(task.request.id),
+                definition.name,
+                exc,
+                extra={"job_name": definition.name},
+            )
+            telemetry.current().set(outcome="skipped: malformed header")
+            raise Ignore() from None
 
     def adopt_and_run(
         self,

@@ -8,7 +8,6 @@ Validation happens before anything is written anywhere.
 from __future__ import annotations
 
 import difflib
-import math
 import string
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -85,27 +84,33 @@ class RunOptions:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> RunOptions:
-        """Rebuild from a header or ledger value; anything malformed falls back to defaults."""
-        if not isinstance(data, Mapping):
-            return cls()
+        """Rebuild from a ledger value; anything malformed falls back to defaults."""
         try:
-            return cls(
-                retry_limit=_int(data.get("retry_limit", DEFAULT_RETRY_LIMIT), "retry_limit", 0),
-                retry_delay=_seconds(
-                    data.get("retry_delay", DEFAULT_RETRY_DELAY),
-                    "retry_delay",
-                    MAX_RETRY_DELAY_SECONDS,
-                ),
-                retry_backoff=_bool(data.get("retry_backoff", False), "retry_backoff"),
-                expire_in_seconds=_int(
-                    data.get("expire_in_seconds", DEFAULT_EXPIRE_IN_SECONDS),
-                    "expire_in_seconds",
-                    1,
-                    MAX_EXPIRE_IN_SECONDS,
-                ),
-            )
+            return cls.parse(data)
         except PublishOptionsError:
             return cls()
+
+    @classmethod
+    def parse(cls, data: object) -> RunOptions:
+        """Rebuild from what `to_dict` wrote (a missing field is its default); raises
+        `PublishOptionsError` naming a field of the wrong type or out of its bounds."""
+        if not isinstance(data, Mapping):
+            raise PublishOptionsError("run options must be a mapping")
+        return cls(
+            retry_limit=_int(data.get("retry_limit", DEFAULT_RETRY_LIMIT), "retry_limit", 0),
+            retry_delay=_seconds(
+                data.get("retry_delay", DEFAULT_RETRY_DELAY),
+                "retry_delay",
+                MAX_RETRY_DELAY_SECONDS,
+            ),
+            retry_backoff=_bool(data.get("retry_backoff", False), "retry_backoff"),
+            expire_in_seconds=_int(
+                data.get("expire_in_seconds", DEFAULT_EXPIRE_IN_SECONDS),
+                "expire_in_seconds",
+                1,
+                MAX_EXPIRE_IN_SECONDS,
+            ),
+        )
 
 
 @dataclass(frozen=True)
@@ -334,7 +339,9 @@ def _int(value: object, name: str, minimum: int, maximum: int | None = None) -> 
 def _seconds(value: object, name: str, maximum: float) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise PublishOptionsError(f"{name} must be a number of seconds")
-    if not math.isfinite(value) or not 0 <= value <= maximum:
+    # A comparison, not math.isfinite: NaN fails it too, and an int too big for a float
+    # cannot overflow it.
+    if not 0 <= value <= maximum:
         raise PublishOptionsError(f"{name} must be a number of seconds from 0 to {maximum:g}")
     return float(value)
 
@@ -371,7 +378,7 @@ def _start_after(value: object, now: datetime) -> datetime:
     if isinstance(value, bool):
         raise PublishOptionsError("start_after must be seconds, an ISO-8601 string or a datetime")
     if isinstance(value, int | float):
-        if not math.isfinite(value) or not 0 <= value <= MAX_START_AFTER_SECONDS:
+        if not 0 <= value <= MAX_START_AFTER_SECONDS:  # NaN too (see `_seconds`)
             raise PublishOptionsError(
                 f"start_after in seconds must be a number from 0 to {MAX_START_AFTER_SECONDS}"
             )

@@ -7,8 +7,10 @@ dispatch under `task_track_started`, handlers that raise `SystemExit` or
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
+import math
 import time
 import uuid
 from collections.abc import Iterator
@@ -16,8 +18,11 @@ from typing import Any
 
 import pytest
 from celery.result import AsyncResult
+from hypothesis import HealthCheck, example, given, reject, settings
+from hypothesis import strategies as st
 from sqlalchemy import select
 
+from questpie_celery.broker import MessageHeader
 from questpie_celery.fence import EARLY_WAIT_SECONDS
 from tests.integration.conftest import new_stack
 from tests.support import jobapp
@@ -301,3 +306,99 @@ def test_a_dispatch_due_soon_runs_once_on_time_whatever_copy_comes_first(
     # Whatever copy comes later (the ETA message, a relay send) runs nothing more.
     stack.wait_log(dispatch_id, "skipped (")
     assert [r["attempt"] for r in runs_of(stack, dispatch_id)] == [1]
+
+
+# --- malformed headers ---------------------------------------------------------------------
+
+#: Values that may stand where questpie writes another (AMQP and JSON can carry them all).
+junk = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**62), 2**62),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=40),
+    st.lists(st.integers(0, 9), max_size=3),
+    st.dictionaries(st.text(max_size=5), st.integers(0, 9), max_size=2),
+)
+
+
+def _not(good: Any) -> st.SearchStrategy[Any]:
+    """Any value `good` is not, of any type (a bool is not an int here)."""
+    return junk.filter(lambda v: type(v) is not type(good) or v != good)
+
+
+def _spoil(field: str, value: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    """A header questpie writes, with one field spoiled (or, for None, dropped)."""
+    return value.map(lambda bad: (field, bad))
+
+
+spoilers = st.one_of(
+    _spoil("v", _not(1)),
+    _spoil("ledgered", junk.filter(lambda v: not isinstance(v, bool))),
+    _spoil(
+        "attempt",
+        st.one_of(
+            junk.filter(lambda v: type(v) is not int),
+            st.integers(-(2**62), 0),
+            st.integers(2**31, 2**62),
+        ),
+    ),
+    _spoil("run", junk.filter(lambda v: not isinstance(v, dict))),
+    _spoil("run.retry_limit", st.one_of(st.integers(-(2**62), -1), st.text(max_size=5))),
+    _spoil("run.retry_delay", st.one_of(st.floats(max_value=-0.001), st.just(math.nan))),
+    _spoil("run.retry_backoff", junk.filter(lambda v: not isinstance(v, bool))),
+    _spoil("run.expire_in_seconds", st.one_of(st.integers(-5, 0), st.integers(10**6, 2**62))),
+    _spoil("token", st.one_of(st.text(max_size=40), st.integers(), st.booleans())),
+    _spoil("sent", st.one_of(st.floats(max_value=0), st.text(max_size=5), st.booleans())),
+    _spoil("header", junk.filter(lambda v: not isinstance(v, dict) and v is not None)),
+)
+
+
+def _spoiled(good: dict[str, Any], field: str, bad: Any) -> Any:
+    if field == "header":
+        return bad
+    header = {**good, "run": dict(good["run"])}
+    if field.startswith("run."):
+        header["run"][field[4:]] = bad
+    elif bad is None and field in header:
+        del header[field]
+    else:
+        header[field] = bad
+    return header
+
+
+@given(spoiler=spoilers)
+@example(spoiler=("attempt", 2**40))  # once a raw NumericValueOutOfRange from the database
+@example(spoiler=("v", 2))
+@example(spoiler=("token", "not-a-token"))
+@example(spoiler=("run.expire_in_seconds", 0))
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_a_malformed_header_runs_nothing_and_leaves_the_row_to_its_own_message(
+    fence_stack: Stack, spoiler: tuple[str, Any]
+) -> None:
+    stack = fence_stack
+    t, idle = tag(), idle_queue()
+    dispatch_id = stack.questpie.queue.record.publish(
+        {"tag": t}, idempotency_key=f"malformed:{t}", queue=idle
+    )
+    assert dispatch_id is not None
+    message = capture(stack, idle)
+    before = stack.wait_status(dispatch_id, "queued")
+    good = message.headers["questpie"]
+    assert MessageHeader.parse(good).ledgered  # what questpie sent reads back
+    forged = copy.copy(message)
+    forged.headers = {**message.headers, "questpie": _spoiled(good, *spoiler)}
+    try:
+        deliver(stack, forged)
+    except Exception:
+        reject()  # the broker cannot carry it (an AMQP header of a type it lacks)
+    stack.wait_log(dispatch_id, "questpie header is malformed")
+    assert runs_of(stack, dispatch_id) == []
+    assert stack.row(dispatch_id) == before  # untouched: no claim, no error recorded
+    lines = stack.worker.log_about(dispatch_id)
+    assert not any("raised unexpected" in line or "LedgerError" in line for line in lines)
+    # The dispatch's own message still runs it, once.
+    deliver(stack, message)
+    assert stack.wait_status(dispatch_id, "completed").attempt == 1
+    assert [r["attempt"] for r in runs_of(stack, dispatch_id)] == [1]
+    assert stack.worker.alive()
