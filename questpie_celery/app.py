@@ -208,7 +208,9 @@ class Questpie:
         self._apublisher = AsyncPublisher(
             self._publisher, self._aledger, self._outbox, sender, self._sends
         )
-        self._retention = Retention(self._ledger, period)
+        self._retention = Retention(
+            self._ledger, period, redeliver_after=lambda: self._outbox.redeliver_after
+        )
         self._relay = Relay(
             self._ledger, self._outbox, outcomes, slots, relay_interval, self._retention
         )
@@ -446,7 +448,9 @@ class Questpie:
     def prune(self, older_than: float | timedelta | None = None) -> Pruned:
         """Apply retention now, until nothing is left: delete the unkeyed dispatches and
         prune the keyed ones that ended over `older_than` seconds ago (default: this
-        app's `retention`). Running relays do the same a little at a time."""
+        app's `retention`); an unkeyed one only once `redeliver_after` has passed since
+        its end too, as a copy of its message may come again until then. Running relays
+        do the same a little at a time."""
         if older_than is None:
             if self._retention.period is None:
                 raise ConfigurationError(

@@ -12,6 +12,7 @@ import json
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from typing import Any
 from celery import Celery
 
 from . import telemetry
-from .errors import BrokerError
+from .errors import BrokerError, MalformedHeaderError, PublishOptionsError
 from .options import MAX_PRIORITY, RunOptions
 
 log = logging.getLogger(__name__)
@@ -71,22 +72,64 @@ class MessageHeader:
 
     @classmethod
     def from_request(cls, request: Any) -> MessageHeader | None:
-        """Read the header from a task request; None for a plain Celery call."""
+        """Read the header from a task request; None for a plain Celery call.
+
+        Raises `MalformedHeaderError` for a header questpie could not have written."""
         raw = getattr(request, HEADER, None)
         if raw is None:
             raw = (getattr(request, "headers", None) or {}).get(HEADER)
+        return None if raw is None else cls.parse(raw)
+
+    @classmethod
+    def parse(cls, raw: object) -> MessageHeader:
+        """The header `to_dict` wrote, read back; `MalformedHeaderError` (saying which
+        field, never its value) for anything else. Fields it does not know are left
+        alone, so a newer sender's additions do not stop an older worker."""
         if not isinstance(raw, Mapping):
-            return None
-        attempt = raw.get("attempt", 1)
+            raise MalformedHeaderError(f"it is a {type(raw).__name__}, not a mapping")
+        version = raw.get("v")
+        if type(version) is not int or version != HEADER_VERSION:
+            raise MalformedHeaderError(f"its version `v` is not {HEADER_VERSION}")
+        ledgered = raw.get("ledgered")
+        if not isinstance(ledgered, bool):
+            raise MalformedHeaderError("`ledgered` is not a bool")
+        attempt = raw.get("attempt")
+        if type(attempt) is not int or not 1 <= attempt <= MAX_ATTEMPT:
+            raise MalformedHeaderError(f"`attempt` is not an int from 1 to {MAX_ATTEMPT}")
+        try:
+            run = RunOptions.parse(raw.get("run"))
+        except PublishOptionsError as exc:
+            raise MalformedHeaderError(f"`run` does not parse: {exc}") from None
         token = raw.get("token")
+        if token is not None and not _is_token(token):
+            raise MalformedHeaderError("`token` is not a UUID")
         sent = raw.get("sent")
+        # (A comparison, not math.isfinite: NaN fails it, and a huge int cannot overflow.)
+        if sent is not None and not (type(sent) in (int, float) and 0 < sent < MAX_SENT_AT):
+            raise MalformedHeaderError("`sent` is not a Unix time")
         return cls(
-            ledgered=raw.get("ledgered") is True,
-            attempt=attempt if isinstance(attempt, int) and attempt >= 1 else 1,
-            run=RunOptions.from_dict(raw.get("run")),
-            token=token if isinstance(token, str) and len(token) == 36 else None,
-            sent_at=float(sent) if isinstance(sent, int | float) and sent > 0 else None,
+            ledgered=ledgered,
+            attempt=attempt,
+            run=run,
+            token=token,
+            sent_at=None if sent is None else float(sent),
         )
+
+
+#: The most claims a header may name: the ledger counts attempts in a 32-bit integer.
+MAX_ATTEMPT = 2**31 - 1
+#: Later than any `sent` stamp (the year 2286): a float that far is not a time.
+MAX_SENT_AT = 1e10
+
+
+def _is_token(value: object) -> bool:
+    """A fencing token as the fence writes them: a UUID in its canonical text form."""
+    if not isinstance(value, str) or len(value) != 36:
+        return False
+    try:
+        return str(uuid.UUID(value)) == value
+    except ValueError:
+        return False
 
 
 def broker_kind(app: Celery) -> str:

@@ -336,7 +336,8 @@ def unschedule(job_name: str, app: str | None, ledger_url: str | None) -> None:
 def prune(app: str | None, ledger_url: str | None, older_than: float | None) -> None:
     """Apply retention now: delete ended unkeyed dispatches and drop the payload and
     options of ended keyed ones (their key keeps its id). Dispatches that have not ended,
-    and schedule fires (the beat's), are left alone."""
+    and schedule fires (the beat's), are left alone; an unkeyed one stays until the app's
+    redeliver_after (with --ledger-url, an hour) has passed since it ended."""
     if (app is None) == (ledger_url is None):
         raise click.UsageError("pass exactly one of --app and --ledger-url")
     with _clear_errors():

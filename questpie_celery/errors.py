@@ -39,6 +39,14 @@ class PublishOptionsError(InvalidInputError):
     """A dispatch option is invalid."""
 
 
+class DispatchIdError(InvalidInputError):
+    """The delivery's task id cannot be a dispatch id in the ledger; it was not run."""
+
+
+class MalformedHeaderError(InvalidInputError):
+    """A delivery's `questpie` header is not one questpie writes; it was not run."""
+
+
 class UnknownJobError(QuestpieError, KeyError):
     """No job of that name is registered."""
 

@@ -33,14 +33,17 @@ from .broker import HEADER, MessageHeader, carry_for_retry, carry_from_request
 from .context import AppContext
 from .crypto import Keyring, Sealed
 from .errors import (
+    DispatchIdError,
     HandlerAbortedError,
     LedgerBusyError,
     LedgerUnavailableError,
+    MalformedHeaderError,
     PayloadValidationError,
     PermanentFailure,
     SecretDecryptionError,
     SecretJobError,
 )
+from .ids import unstorable_id
 from .jobs import JobContext, JobDefinition
 from .leases import LeaseKeeper
 from .ledger import Claim, DispatchRow, Ledger, NewDispatch
@@ -65,6 +68,14 @@ MAX_PAUSE_SECONDS = 5.0
 SENDER_CLOCK_MARGIN_SECONDS = 60.0
 #: How long before a run's soft time limit a delivery stops waiting for the ledger.
 SOFT_LIMIT_MARGIN_SECONDS = 2.0
+#: A delivery at most this early for its row (by the database's clock) waits until the
+#: row is due and then claims; one earlier still is dropped, and the relay sends the row
+#: when it is due. Covers the hosts' clocks disagreeing with the database's by a little.
+EARLY_WAIT_SECONDS = 5.0
+#: Slept past the due time, so the claim after the wait finds the row due.
+EARLY_MARGIN_SECONDS = 0.05
+#: How often one delivery waits for its row to be due (the row may move meanwhile).
+EARLY_TRIES = 3
 
 
 @dataclass
@@ -99,6 +110,25 @@ class Fence:
         self._redeliver_after = redeliver_after
         self._context = context
 
+    def header_of(self, task: Task, definition: JobDefinition[Any]) -> MessageHeader | None:
+        """The delivery's `questpie` header (None for a plain call). One questpie could
+        not have written is refused before anything reads the ledger: logged, and the
+        delivery acknowledged without running. A row under its id stays as it was, so
+        the row's own message (or the relay, when it is due) still runs it."""
+        try:
+            return MessageHeader.from_request(task.request)
+        except MalformedHeaderError as exc:
+            log.warning(
+                "dispatch %s of job %s: its questpie header is malformed (%s); refused, "
+                "nothing ran and its ledger row, if any, is untouched",
+                shown_id(task.request.id),
+                definition.name,
+                exc,
+                extra={"job_name": definition.name},
+            )
+            telemetry.current().set(outcome="skipped: malformed header")
+            raise Ignore() from None
+
     def adopt_and_run(
         self,
         task: Task,
@@ -108,6 +138,22 @@ class Fence:
         payload: Any,
     ) -> Any:
         """Take an unledgered delivery of a policy-limited job into the ledger, then run it."""
+        refused = unstorable_id(task.request.id)
+        if refused is not None:
+            # No row can hold it, so its policy cannot hold: refused, not run unfenced.
+            # Failing it (not ignoring it) stores the error as Celery's result of the call.
+            log.error(
+                "a plain call of job %s has task id %s, which cannot be a dispatch id (%s); "
+                "refused, not run",
+                definition.name,
+                shown_id(task.request.id),
+                refused,
+                extra={"job_name": definition.name},
+            )
+            raise DispatchIdError(
+                f"task id {shown_id(task.request.id)} of job {definition.name!r} cannot be a "
+                f"dispatch id ({refused}); the call was not run"
+            )
         body = definition.to_json(payload)  # a malformed payload fails the message
         options = resolve_options(definition.options, {})
         # Sent back while the ledger was away, the delivery says so (with its token), and
@@ -168,6 +214,17 @@ class Fence:
         `policy` reads the job's policy in force, asked only when a relaxed ledger lost
         the delivery's row.
         """
+        refused = unstorable_id(task.request.id)
+        if refused is not None:
+            # No ledger row can have this id: not a message questpie sent.
+            log.warning(
+                "a delivery of job %s has task id %s, which cannot be a dispatch id (%s); skipped",
+                definition.name,
+                shown_id(task.request.id),
+                refused,
+                extra={"job_name": definition.name},
+            )
+            raise Ignore()
         # One token for every try of this delivery, also across a trip back to the broker
         # while the ledger was unreachable: a try whose reply was lost is recognised.
         back = MessageHeader(
@@ -199,10 +256,15 @@ class Fence:
 
             def claim_it() -> Claim:
                 return self._ledger.claim(
-                    dispatch_id, definition.name, attempt, self._leases.lease_seconds, token
+                    dispatch_id,
+                    definition.name,
+                    attempt,
+                    self._leases.lease_seconds,
+                    token,
+                    any_time=bool(task.request.is_eager),
                 )
 
-            claim = self._patiently(task, claim_it, back)
+            claim = self._when_due(task, self._patiently(task, claim_it, back), claim_it, back)
             read_policy = policy
             if (
                 claim.outcome == "unknown"
@@ -223,6 +285,8 @@ class Fence:
             )
             delivery.set(outcome="parked")
             raise Ignore()
+        if claim.outcome == "early":
+            self._drop_early(task, definition, attempt, claim, back)
         if claim.outcome != "claimed" or claim.row is None:
             delivery.set(outcome=f"skipped: {claim.outcome}")
             log.info(
@@ -267,6 +331,46 @@ class Fence:
         if result == "retrying":
             raise Retry(exc=ending.visible, when=row.options.run.delay_before_retry(row.attempt))
         raise Ignore()
+
+    def _when_due(
+        self, task: Task, claim: Claim, claim_it: Callable[[], Claim], back: MessageHeader
+    ) -> Claim:
+        """Claim again once the row is due, for a delivery a little early: a retry's
+        countdown or an ETA that a clock ahead of the database's judged. Never past the
+        run's soft time limit."""
+        for _ in range(EARLY_TRIES):
+            if claim.outcome != "early" or claim.due_in > min(
+                EARLY_WAIT_SECONDS, _time_before_soft_limit(task)
+            ):
+                return claim
+            time.sleep(claim.due_in + EARLY_MARGIN_SECONDS)
+            claim = self._patiently(task, claim_it, back)
+        return claim
+
+    def _drop_early(
+        self,
+        task: Task,
+        definition: JobDefinition[Any],
+        attempt: int,
+        claim: Claim,
+        back: MessageHeader,
+    ) -> None:
+        """A delivery far too early for its row (a forged or stale copy; or the row's own
+        message, judged by a clock far ahead): acknowledged without running, and the row
+        due for the relay at its start, so it runs then even if this was its message."""
+        dispatch_id: str = task.request.id
+        self._patiently(
+            task, lambda: self._ledger.send_when_due(dispatch_id, definition.name, attempt), back
+        )
+        log.warning(
+            "dispatch %s of job %s: delivery for attempt %d came %.1f s before the row is "
+            "due; dropped, and the relay sends the row when it is due",
+            dispatch_id,
+            definition.name,
+            attempt,
+            claim.due_in,
+            extra={"dispatch_id": dispatch_id, "job_name": definition.name},
+        )
 
     def _take_back(
         self,
@@ -458,6 +562,12 @@ class Fence:
             dispatch_id=row.id,
         )
         return definition.validate(plaintext)
+
+
+def shown_id(task_id: object) -> str:
+    """A task id as a log line shows it: quoted, and cut short when long."""
+    text = task_id if isinstance(task_id, str) else str(task_id)
+    return repr(text) if len(text) <= 80 else f"{text[:80]!r}... ({len(text)} characters)"
 
 
 def _not_taken_back(dispatch_id: str, job_name: str, why: str) -> bool:

@@ -8,7 +8,7 @@ Validation happens before anything is written anywhere.
 from __future__ import annotations
 
 import difflib
-import math
+import string
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
@@ -29,6 +29,14 @@ MAX_START_AFTER_SECONDS = 10 * 365 * 86400
 MAX_RETRY_DELAY_SECONDS = 365 * 86400
 MAX_EXPIRE_IN_SECONDS = 7 * 86400
 MAX_QUEUE_NAME_LENGTH = 255
+#: The idempotency key of a schedule's fire names its source and tick after this prefix
+#: (`schedules.fire_key`); the beat deletes the fires it made, by this prefix.
+FIRE_KEY_PREFIX = "questpie-schedule:"
+#: Key namespaces the package writes keys in itself, so a publish may not: a key there
+#: would be taken for one of ours (a fire's row, deleted by the beat's pruning, after
+#: which the key would lose its id and run again). Compared without regard to ASCII
+#: case, as SQLite's LIKE, which that pruning uses, compares.
+RESERVED_KEY_PREFIXES = (FIRE_KEY_PREFIX,)
 
 
 class JobOptions(TypedDict, total=False):
@@ -76,27 +84,33 @@ class RunOptions:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> RunOptions:
-        """Rebuild from a header or ledger value; anything malformed falls back to defaults."""
-        if not isinstance(data, Mapping):
-            return cls()
+        """Rebuild from a ledger value; anything malformed falls back to defaults."""
         try:
-            return cls(
-                retry_limit=_int(data.get("retry_limit", DEFAULT_RETRY_LIMIT), "retry_limit", 0),
-                retry_delay=_seconds(
-                    data.get("retry_delay", DEFAULT_RETRY_DELAY),
-                    "retry_delay",
-                    MAX_RETRY_DELAY_SECONDS,
-                ),
-                retry_backoff=_bool(data.get("retry_backoff", False), "retry_backoff"),
-                expire_in_seconds=_int(
-                    data.get("expire_in_seconds", DEFAULT_EXPIRE_IN_SECONDS),
-                    "expire_in_seconds",
-                    1,
-                    MAX_EXPIRE_IN_SECONDS,
-                ),
-            )
+            return cls.parse(data)
         except PublishOptionsError:
             return cls()
+
+    @classmethod
+    def parse(cls, data: object) -> RunOptions:
+        """Rebuild from what `to_dict` wrote (a missing field is its default); raises
+        `PublishOptionsError` naming a field of the wrong type or out of its bounds."""
+        if not isinstance(data, Mapping):
+            raise PublishOptionsError("run options must be a mapping")
+        return cls(
+            retry_limit=_int(data.get("retry_limit", DEFAULT_RETRY_LIMIT), "retry_limit", 0),
+            retry_delay=_seconds(
+                data.get("retry_delay", DEFAULT_RETRY_DELAY),
+                "retry_delay",
+                MAX_RETRY_DELAY_SECONDS,
+            ),
+            retry_backoff=_bool(data.get("retry_backoff", False), "retry_backoff"),
+            expire_in_seconds=_int(
+                data.get("expire_in_seconds", DEFAULT_EXPIRE_IN_SECONDS),
+                "expire_in_seconds",
+                1,
+                MAX_EXPIRE_IN_SECONDS,
+            ),
+        )
 
 
 @dataclass(frozen=True)
@@ -244,7 +258,7 @@ def resolve_many_options(
             if key is not None or single is not None:
                 item = replace(
                     shared,
-                    idempotency_key=None if key is None else _key(key, "idempotency_key"),
+                    idempotency_key=None if key is None else _idempotency_key(key),
                     singleton_key=(
                         shared.singleton_key if single is None else _key(single, "singleton_key")
                     ),
@@ -325,7 +339,9 @@ def _int(value: object, name: str, minimum: int, maximum: int | None = None) -> 
 def _seconds(value: object, name: str, maximum: float) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise PublishOptionsError(f"{name} must be a number of seconds")
-    if not math.isfinite(value) or not 0 <= value <= maximum:
+    # A comparison, not math.isfinite: NaN fails it too, and an int too big for a float
+    # cannot overflow it.
+    if not 0 <= value <= maximum:
         raise PublishOptionsError(f"{name} must be a number of seconds from 0 to {maximum:g}")
     return float(value)
 
@@ -344,11 +360,25 @@ def _key(value: object, name: str) -> str:
     return value
 
 
+def _idempotency_key(value: object) -> str:
+    key = _key(value, "idempotency_key")
+    for prefix in RESERVED_KEY_PREFIXES:
+        if key[: len(prefix)].translate(_ASCII_LOWER) == prefix:
+            raise PublishOptionsError(
+                f"idempotency_key must not start with {prefix!r}: questpie writes its own "
+                "keys there"
+            )
+    return key
+
+
+_ASCII_LOWER = str.maketrans(string.ascii_uppercase, string.ascii_lowercase)
+
+
 def _start_after(value: object, now: datetime) -> datetime:
     if isinstance(value, bool):
         raise PublishOptionsError("start_after must be seconds, an ISO-8601 string or a datetime")
     if isinstance(value, int | float):
-        if not math.isfinite(value) or not 0 <= value <= MAX_START_AFTER_SECONDS:
+        if not 0 <= value <= MAX_START_AFTER_SECONDS:  # NaN too (see `_seconds`)
             raise PublishOptionsError(
                 f"start_after in seconds must be a number from 0 to {MAX_START_AFTER_SECONDS}"
             )
@@ -391,7 +421,7 @@ def _queue(value: object) -> str:
 
 
 _VALIDATORS: dict[str, Any] = {
-    "idempotency_key": lambda v, _now: _key(v, "idempotency_key"),
+    "idempotency_key": lambda v, _now: _idempotency_key(v),
     "singleton_key": lambda v, _now: _key(v, "singleton_key"),
     "queue_policy": lambda v, _now: _policy(v),
     "secret_payload": lambda v, _now: _bool(v, "secret_payload"),

@@ -3,7 +3,12 @@
 An ended dispatch (completed or failed) is never sent again, so after the retention
 period (`Questpie(retention=...)`, 7 days by default; None keeps everything):
 
-- an unkeyed one is deleted: its id is random, so nothing can ask for it again;
+- an unkeyed one is deleted: nothing can ask for its id again. Not before
+  `redeliver_after` has passed since it ended (never less than the broker's visibility
+  timeout), though, whatever the period: a plain Celery call of a policy job is taken
+  into the ledger under its message's id, and a copy of that message the broker hands
+  out again (Redis past its visibility timeout, RabbitMQ requeueing an unacknowledged
+  one) is refused only while the row is there to say it ran;
 - a keyed one keeps its id, job, key, status and times, so a publish of the same key
   still gets the same id back and runs nothing, and loses its payload and its options
   (the row is `pruned`); a pruned failed dispatch cannot be requeued.
@@ -22,11 +27,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .errors import LedgerSchemaError, QuestpieError
 from .ledger import Ledger
-from .schedules import FIRE_KEY_PREFIX
+from .options import FIRE_KEY_PREFIX
+from .outbox import DEFAULT_REDELIVER_AFTER_SECONDS
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +57,17 @@ class Pruned:
 
 
 class Retention:
-    def __init__(self, ledger: Ledger, period: float | None) -> None:
+    def __init__(
+        self,
+        ledger: Ledger,
+        period: float | None,
+        *,
+        redeliver_after: Callable[[], float] = lambda: DEFAULT_REDELIVER_AFTER_SECONDS,
+    ) -> None:
         self._ledger = ledger
         self.period = period
+        #: How long after its end a message of an unkeyed dispatch may still come again.
+        self._redeliver_after = redeliver_after
         self._next_run = 0.0  # monotonic; 0: at the relay's first pass
         self._warned = False
 
@@ -64,8 +79,10 @@ class Retention:
         batch: int = RETENTION_BATCH,
     ) -> Pruned:
         """Delete or prune what ended over `older_than` seconds ago, batch after batch,
-        until none is left or `budget` seconds have passed."""
+        until none is left or `budget` seconds have passed. An unkeyed dispatch is
+        deleted only once `redeliver_after` has passed as well."""
         started = time.monotonic()
+        since = {False: max(older_than, self._redeliver_after()), True: older_than}
         deleted = pruned = 0
         left = {False: True, True: True}  # keyed -> a batch may remain
         while any(left.values()):
@@ -75,7 +92,7 @@ class Retention:
                 began = time.monotonic()
                 count = self._ledger.prune_ended(
                     keyed=keyed,
-                    older_than=older_than,
+                    older_than=since[keyed],
                     limit=batch,
                     spare_key_prefix=FIRE_KEY_PREFIX,
                 )

@@ -25,12 +25,11 @@ from .cron import Cron
 from .errors import PayloadValidationError, PublishOptionsError, QuestpieError
 from .jobs import JobDefinition
 from .ledger import Ledger, ScheduleRow, Status
-from .options import DispatchOptions, resolve_options
+from .options import FIRE_KEY_PREFIX, DispatchOptions, resolve_options
 from .publish import Publisher
 
 log = logging.getLogger(__name__)
 
-FIRE_KEY_PREFIX = "questpie-schedule:"
 #: Ended fire dispatches are deleted this long after they ended (a past tick never fires
 #: again, so nothing can ask for its key any more).
 DEFAULT_FIRE_RETENTION_SECONDS = 7 * 86400.0

@@ -74,7 +74,7 @@ class Runner:
             return self._execute(task, definition, payload)
 
     def _execute(self, task: JobTask, definition: JobDefinition[Any], payload: Any) -> Any:
-        header = MessageHeader.from_request(task.request)
+        header = self._fence.header_of(task, definition)
         if header is not None and header.ledgered:
             return self._fence.run(
                 task, definition, header, payload, lambda: self._policies.in_force(definition)

@@ -94,19 +94,22 @@ class NewDispatch:
         return self.singleton_key or ""
 
 
-ClaimOutcome = Literal["claimed", "done", "stale", "busy", "blocked", "unknown"]
+ClaimOutcome = Literal["claimed", "done", "stale", "busy", "blocked", "unknown", "early"]
 
 
 @dataclass(frozen=True)
 class Claim:
     """The result of trying to take the execution claim of one delivery.
 
-    `unknown` covers a row that does not exist and one that belongs to another job.
+    `unknown` covers a row that does not exist and one that belongs to another job;
+    `early` a delivery for the attempt the row waits for, before its `run_after`.
     """
 
     outcome: ClaimOutcome
     row: DispatchRow | None = None
     token: str | None = None
+    #: For `early`: seconds until the row is due, on the database's clock.
+    due_in: float = 0.0
 
 
 @dataclass(frozen=True)

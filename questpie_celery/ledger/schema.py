@@ -46,7 +46,7 @@ from sqlalchemy.types import DateTime, TypeDecorator
 from ..options import StoredOptions
 from ..policies import QueuePolicy
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 Status = Literal["pending", "queued", "parked", "active", "retry", "completed", "failed"]
 #: States from which a delivery may take the execution claim.
@@ -118,8 +118,10 @@ dispatch_table = Table(
     "questpie_queue_dispatch",
     metadata,
     # The id is derived from (job name, idempotency key) when there is a key, so
-    # uniqueness of the id is uniqueness of the pair: no wide index on the key.
-    Column("id", String(36), primary_key=True),
+    # uniqueness of the id is uniqueness of the pair: no wide index on the key. A plain
+    # Celery call taken into the ledger keeps its own task id, of any length (unbounded
+    # since schema version 5; `ids.unstorable_id` says which ids fit at all).
+    Column("id", Text, primary_key=True),
     Column("job_name", String(200), nullable=False),
     Column("idempotency_key", Text, nullable=True),
     Column("singleton_key", Text, nullable=True),
@@ -251,7 +253,7 @@ schedule_table = Table(
     Column("options", StoredOptionsType, nullable=False),
     Column("next_fire_at", UTCDateTime, nullable=False),
     Column("last_fire_at", UTCDateTime, nullable=True),
-    Column("last_dispatch_id", String(36), nullable=True),
+    Column("last_dispatch_id", Text, nullable=True),  # unbounded since version 5, as `id`
     Column("updated_at", UTCDateTime, nullable=False),
     Index("questpie_schedule_due", "next_fire_at"),
 )

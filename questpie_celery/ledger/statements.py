@@ -17,6 +17,7 @@ from typing import Any
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     ColumnElement,
     Float,
     Insert,
@@ -303,7 +304,11 @@ class Statements:
                 queued_at=func.coalesce(t.queued_at, now),
                 status=case((still_pending, "queued"), else_=t.status),
                 next_send_at=case(
-                    (still_pending, db_time(seconds("redeliver_in"))), else_=t.next_send_at
+                    (
+                        and_(still_pending, ~_made_due_at_start()),
+                        db_time(seconds("redeliver_in")),
+                    ),
+                    else_=t.next_send_at,
                 ),
             )
         )
@@ -318,9 +323,13 @@ class Statements:
             claimable,
             t.attempt == bindparam("previous"),
         )
+        # Never before the row is due: a message that carries the id of a dispatch that
+        # waits for its start or its retry (a forged one, a stale copy) runs nothing early.
+        # Eager mode runs everything at once, as Celery's does (`any_time`).
+        started = or_(bindparam("any_time", type_=Boolean), t.run_after <= now)
         self.claim: Update = (
             update(dispatch_table)
-            .where(deliverable)
+            .where(deliverable, started)
             .values(
                 status="active",
                 attempt=t.attempt + 1,
@@ -333,6 +342,24 @@ class Statements:
         )
         self.renew: Update = (
             update(dispatch_table).where(held).values(lease_expires_at=db_time(seconds("lease")))
+        )
+        # Why a claim took nothing, and how long before the row is due, on one clock.
+        self.get_and_now: Select[Any] = select(dispatch_table, now.label("now")).where(by_id)
+        # An early delivery dropped: the relay sends the row when it is due, whatever time
+        # it was to look at the row next (a retry sent at once looks only after
+        # `redeliver_after`, trusting the message the early delivery may have been).
+        # (The acceptance mark of a publish that comes later leaves it so; see
+        # `_made_due_at_start`.)
+        self.send_when_due: Update = (
+            update(dispatch_table)
+            .where(
+                by_id,
+                t.job_name == bindparam("job"),
+                claimable,
+                t.attempt == bindparam("previous"),
+                or_(t.next_send_at.is_(None), t.next_send_at > t.run_after),
+            )
+            .values(next_send_at=t.run_after)
         )
         ended: dict[str, Any] = {"lease_expires_at": None, "last_error": bindparam("error")}
         terminal = {
@@ -573,6 +600,21 @@ _PREAMBLE_UPDATES = (
     "mark_queued", "claim", "renew", "finish", "retry", "lapse_retry", "lapse_fail", "park",
     "unpark", "take_due", "give_back", "give_up", "send_soon", "advance_schedule", "requeue",
 )  # fmt: skip
+
+
+def _made_due_at_start() -> ColumnElement[bool]:
+    """The fence dropped an early delivery of the row and made it due for the relay at its
+    start (`send_when_due`): its next send is exactly its `run_after`, still to come. The
+    acceptance mark of its publish, which may come a moment after (it is batched), keeps
+    that rather than putting the next send off by `redeliver_after`: the delivery dropped
+    may have been the very message accepted.
+
+    Only that write makes the two equal while the start is ahead: an insert's next send
+    equals its start only when both are its now (no `start_after`, `send_in` 0), which has
+    passed by the time of its mark; a far-off start's is the start less the ETA horizon.
+    One equal by chance would cost one more send, which the fence drops."""
+    t = dispatch_table.c
+    return and_(t.next_send_at == t.run_after, t.run_after > db_time())
 
 
 def _relay_backoff() -> ColumnElement[Any]:

@@ -36,6 +36,7 @@ from .engine import (
 from .errors import Reruns, SlotTaken, translate_errors
 from .rows import Claim, DispatchRow, NewDispatch, ScheduleRow
 from .schema import (
+    CLAIMABLE,
     LEASE_EXPIRED,
     LEDGER_ID_KEY,
     RELAY_GAVE_UP,
@@ -218,9 +219,10 @@ class Ledger:
         """Create or upgrade the schema; safe to run again. Returns the schema version."""
         with translate_errors(), self._begin() as conn:
             metadata.create_all(conn, checkfirst=True)
-            # Committed on its own: on PostgreSQL its exclusive lock (which stops reads
-            # too) then lasts a moment, not as long as the index builds below.
+            # Committed on its own: on PostgreSQL their exclusive locks (which stop reads
+            # too) then last a moment, not as long as the index builds below.
             _allow_pruned_options(conn)
+            _widen_dispatch_ids(conn)
         with translate_errors(), self._begin() as conn:
             # create_all adds missing tables only; indexes added by a later version too.
             for table in metadata.sorted_tables:
@@ -371,15 +373,19 @@ class Ledger:
         attempt: int,
         lease_seconds: float,
         token: str | None = None,
+        *,
+        any_time: bool = False,
     ) -> Claim:
         """Take the execution claim for delivery `attempt` of a dispatch of `job_name`.
 
-        Succeeds only when the row belongs to the job, is claimable and has made exactly
-        `attempt - 1` claims: a delivery of an attempt the row has moved past is `stale`,
-        one of a finished dispatch `done`, one that meets a live claim `busy`, one for a
-        row of another job or none at all `unknown`, and one whose policy slot is taken
-        `blocked`. `token` is the delivery's fencing token (a fresh one when None); pass
-        the same on every try of one delivery, so a try whose reply was lost is ours.
+        Succeeds only when the row belongs to the job, is claimable, has made exactly
+        `attempt - 1` claims and is due (its `run_after` has come; `any_time` skips
+        that, for eager mode): a delivery of an attempt the row has moved past is
+        `stale`, one of a finished dispatch `done`, one that meets a live claim `busy`,
+        one for a row of another job or none at all `unknown`, one whose policy slot is
+        taken `blocked`, and one before the row is due `early` (with how early).
+        `token` is the delivery's fencing token (a fresh one when None); pass the same
+        on every try of one delivery, so a try whose reply was lost is ours.
         """
         token = token or str(uuid.uuid4())
         params = {
@@ -388,6 +394,7 @@ class Ledger:
             "previous": attempt - 1,
             "new_token": token,
             "lease": lease_seconds,
+            "any_time": any_time,
         }
         try:
             row = self._row(self._sql.claim, params)
@@ -396,8 +403,9 @@ class Ledger:
         if row is not None:
             return Claim("claimed", row, token)
         # Not claimed: read the row to say why (the answer may be a moment old).
-        found = self.get(dispatch_id)
-        if found is None or found.job_name != job_name:
+        read = self._first(self._sql.get_and_now, {"dispatch_id": dispatch_id})
+        found = DispatchRow.from_mapping(read) if read is not None else None
+        if read is None or found is None or found.job_name != job_name:
             return Claim("unknown")
         if found.claim_token == token and found.status == "active":
             return Claim("claimed", found, token)  # our first try landed; its reply was lost
@@ -405,7 +413,17 @@ class Ledger:
             return Claim("done", found)
         if found.status == "active" and found.attempt == attempt:
             return Claim("busy", found)
+        due_in = (found.run_after - read["now"]).total_seconds()
+        if found.status in CLAIMABLE and found.attempt == attempt - 1 and due_in > 0:
+            return Claim("early", found, due_in=due_in)
         return Claim("stale", found)
+
+    def send_when_due(self, dispatch_id: str, job_name: str, attempt: int) -> bool:
+        """Make the relay send delivery `attempt` of the row at its `run_after` at the
+        latest (an early delivery of it was dropped); False when the row has moved on,
+        or is due for the relay by then anyway."""
+        params = {"dispatch_id": dispatch_id, "job": job_name, "previous": attempt - 1}
+        return bool(self._execute(self._sql.send_when_due, params))
 
     def renew(self, dispatch_id: str, token: str, lease_seconds: float) -> bool:
         """Extend a live claim; False when the claim is no longer ours."""
@@ -820,6 +838,29 @@ def _allow_pruned_options(conn: Connection) -> None:
     columns = ", ".join(column.name for column in dispatch_table.columns)
     conn.exec_driver_sql(f"INSERT INTO {name} ({columns}) SELECT {columns} FROM {old}")
     conn.exec_driver_sql(f"DROP TABLE {old}")
+
+
+#: The columns that hold a dispatch id, unbounded since schema version 5 (String(36) before).
+_DISPATCH_ID_COLUMNS = ((dispatch_table.name, "id"), (schedule_table.name, "last_dispatch_id"))
+
+
+def _widen_dispatch_ids(conn: Connection) -> None:
+    """Schema version 5: a dispatch id may be any task id a plain Celery call carries
+    (see `ids.unstorable_id`), not only a 36-character UUID.
+
+    On PostgreSQL, `varchar(36)` to `text` is a change to the catalog only: the two are
+    binary-compatible, so neither the table nor its indexes are rewritten, and the
+    exclusive lock lasts a moment. SQLite never enforced the length, so nothing changes
+    there: its tables made before version 5 keep `VARCHAR(36)` in their definition and
+    store ids of any length all the same.
+    """
+    if conn.dialect.name == "sqlite":
+        return
+    inspector = inspect(conn)
+    for table, name in _DISPATCH_ID_COLUMNS:
+        column = next(c for c in inspector.get_columns(table) if c["name"] == name)
+        if getattr(column["type"], "length", None) is not None:
+            conn.exec_driver_sql(f"ALTER TABLE {table} ALTER COLUMN {name} TYPE text")
 
 
 def open_ledger(url: str, *, relaxed: bool = False, pooled: bool = False) -> Ledger:

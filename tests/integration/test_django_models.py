@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 from django.apps import apps
 from django.contrib import admin
-from sqlalchemy import Table
+from django.db import models as django_models
+from sqlalchemy import String, Table, Text
 
 from questpie_celery.ledger.schema import dispatch_table, metadata
 from tests.support import django_site
@@ -43,6 +44,14 @@ def test_every_model_maps_existing_columns_of_a_ledger_table(models: list[Any]) 
             assert field.column not in FORBIDDEN, (meta.db_table, field.column)
             if not field.primary_key:
                 assert field.null == column.nullable, (meta.db_table, field.column)
+            # The widths agree: a bounded string is a CharField of its length, an
+            # unbounded one a TextField (a dispatch id, since schema version 5).
+            kind = getattr(column.type, "impl", column.type)
+            if isinstance(field, django_models.CharField):
+                assert isinstance(kind, String) and not isinstance(kind, Text)
+                assert kind.length == field.max_length, (meta.db_table, field.column)
+            if isinstance(field, django_models.TextField):
+                assert isinstance(kind, Text), (meta.db_table, field.column)
 
 
 def test_the_dispatch_model_leaves_out_payload_and_secrets(models: list[Any]) -> None:

@@ -14,7 +14,7 @@ from sqlalchemy import Engine, delete, event, text
 
 from questpie_celery import ConfigurationError, Questpie
 from questpie_celery.ledger import create_ledger_engine, dispatch_table
-from questpie_celery.schedules import FIRE_KEY_PREFIX
+from questpie_celery.options import FIRE_KEY_PREFIX, DispatchOptions, RunOptions
 from tests.support import jobapp
 from tests.support.brokers import capture, deliver
 from tests.support.stack import Stack, tag
@@ -148,7 +148,9 @@ def test_a_stale_copy_of_a_pruned_dispatch_is_not_taken_back(make_stack: StackFa
     stack = make_stack("redis", start_worker=False, env={**RELAXED, "QP_TEST_FIRE_RETENTION": "4"})
     t = tag()
     key = f"{FIRE_KEY_PREFIX}call:{t}"
-    dispatch_id = stack.questpie.queue.record.publish({"tag": t}, idempotency_key=key)
+    # Published as a schedule's fire is (a user's publish may not take a key there).
+    fire = DispatchOptions(run=RunOptions(), idempotency_key=key)
+    dispatch_id = stack.questpie._publisher.publish(jobapp.record_job, {"tag": t}, fire)
     assert dispatch_id is not None
     message = capture(stack, stack.queue_name)
     deliver(stack, message)  # the copy that runs

@@ -7,8 +7,10 @@ dispatch under `task_track_started`, handlers that raise `SystemExit` or
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
+import math
 import time
 import uuid
 from collections.abc import Iterator
@@ -16,8 +18,12 @@ from typing import Any
 
 import pytest
 from celery.result import AsyncResult
+from hypothesis import HealthCheck, example, given, reject, settings
+from hypothesis import strategies as st
 from sqlalchemy import select
 
+from questpie_celery.broker import MessageHeader
+from questpie_celery.fence import EARLY_WAIT_SECONDS
 from tests.integration.conftest import new_stack
 from tests.support import jobapp
 from tests.support.brokers import capture, deliver
@@ -225,3 +231,174 @@ def test_a_retry_keeps_the_deliverys_custom_headers(fence_stack: Stack) -> None:
     row = stack.wait_status(dispatch_id, "completed")
     assert row.attempt == 2
     assert [r["attempt"] for r in stack.runs(t)] == [1, 2]
+
+
+def _forge_first_attempt(stack: Stack, job_name: str, dispatch_id: str) -> None:
+    """A message for attempt 1 of a dispatch, as anyone with the broker could send it:
+    the dispatch's id and questpie's ledger header."""
+    stack.celery_app.send_task(
+        job_name,
+        args=[{}],
+        task_id=dispatch_id,
+        headers={"questpie": {"v": 1, "ledgered": True, "attempt": 1, "run": {}}},
+    )
+
+
+def _publish_delayed(stack: Stack, secret: bool, t: str, start_after: float) -> tuple[str, str]:
+    """(job name, dispatch id) of a keyed dispatch that starts `start_after` s from now."""
+    link = f"https://example.test/once/{uuid.uuid4().hex}"
+    if secret:
+        dispatch_id = stack.questpie.queue.secret_link.publish(
+            {"tag": t, "link": link},
+            idempotency_key=f"early:{t}",
+            secret_payload=True,
+            start_after=start_after,
+        )
+        job_name = "secret.link"
+    else:
+        dispatch_id = stack.questpie.queue.record.publish(
+            {"tag": t}, idempotency_key=f"early:{t}", start_after=start_after
+        )
+        job_name = "record"
+    assert dispatch_id is not None
+    return job_name, dispatch_id
+
+
+@pytest.mark.parametrize("secret", [True, False], ids=["secret", "plain"])
+def test_a_forged_copy_runs_nothing_before_the_dispatch_is_due(
+    fence_stack: Stack, secret: bool
+) -> None:
+    stack = fence_stack
+    t = tag()
+    job_name, dispatch_id = _publish_delayed(stack, secret, t, start_after=600)
+    before = stack.row(dispatch_id)
+    assert before.status == "pending" and before.next_send_at is not None
+    _forge_first_attempt(stack, job_name, dispatch_id)
+    stack.wait_log(dispatch_id, "before the row is due; dropped")
+    assert runs_of(stack, dispatch_id) == []  # not run, and a secret not decrypted
+    # The row is as it was, its secret with it; the relay still sends it 60 s before
+    # its start, as planned.
+    assert stack.row(dispatch_id) == before
+    if secret:
+        assert before.secret_ciphertext is not None and before.secret_wrapped_key is not None
+
+
+@pytest.mark.parametrize("secret", [True, False], ids=["secret", "plain"])
+@pytest.mark.parametrize("start_after", [8.0, 2.0], ids=["too-early", "a-little-early"])
+def test_a_dispatch_due_soon_runs_once_on_time_whatever_copy_comes_first(
+    fence_stack: Stack, secret: bool, start_after: float
+) -> None:
+    """Its own message is a broker ETA; a forged copy comes at once. One too early is
+    dropped (and the row made due for the relay at its start); one a little early waits
+    for the start. Either way, one run, not before the start."""
+    stack = fence_stack
+    t = tag()
+    job_name, dispatch_id = _publish_delayed(stack, secret, t, start_after=start_after)
+    _forge_first_attempt(stack, job_name, dispatch_id)
+    if start_after > EARLY_WAIT_SECONDS:
+        stack.wait_log(dispatch_id, "before the row is due; dropped")
+        assert runs_of(stack, dispatch_id) == []
+        row = stack.row(dispatch_id)
+        assert row.next_send_at is not None and row.next_send_at <= row.run_after
+    row = stack.wait_status(dispatch_id, "completed", timeout=40)
+    assert row.started_at is not None and row.started_at >= row.run_after
+    assert [r["attempt"] for r in runs_of(stack, dispatch_id)] == [1]
+    # Whatever copy comes later (the ETA message, a relay send) runs nothing more.
+    stack.wait_log(dispatch_id, "skipped (")
+    assert [r["attempt"] for r in runs_of(stack, dispatch_id)] == [1]
+
+
+# --- malformed headers ---------------------------------------------------------------------
+
+#: Values that may stand where questpie writes another (AMQP and JSON can carry them all).
+junk = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**62), 2**62),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=40),
+    st.lists(st.integers(0, 9), max_size=3),
+    st.dictionaries(st.text(max_size=5), st.integers(0, 9), max_size=2),
+)
+
+
+def _not(good: Any) -> st.SearchStrategy[Any]:
+    """Any value `good` is not, of any type (a bool is not an int here)."""
+    return junk.filter(lambda v: type(v) is not type(good) or v != good)
+
+
+def _spoil(field: str, value: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    """A header questpie writes, with one field spoiled (or, for None, dropped)."""
+    return value.map(lambda bad: (field, bad))
+
+
+spoilers = st.one_of(
+    _spoil("v", _not(1)),
+    _spoil("ledgered", junk.filter(lambda v: not isinstance(v, bool))),
+    _spoil(
+        "attempt",
+        st.one_of(
+            junk.filter(lambda v: type(v) is not int),
+            st.integers(-(2**62), 0),
+            st.integers(2**31, 2**62),
+        ),
+    ),
+    _spoil("run", junk.filter(lambda v: not isinstance(v, dict))),
+    _spoil("run.retry_limit", st.one_of(st.integers(-(2**62), -1), st.text(max_size=5))),
+    _spoil("run.retry_delay", st.one_of(st.floats(max_value=-0.001), st.just(math.nan))),
+    _spoil("run.retry_backoff", junk.filter(lambda v: not isinstance(v, bool))),
+    _spoil("run.expire_in_seconds", st.one_of(st.integers(-5, 0), st.integers(10**6, 2**62))),
+    _spoil("token", st.one_of(st.text(max_size=40), st.integers(), st.booleans())),
+    _spoil("sent", st.one_of(st.floats(max_value=0), st.text(max_size=5), st.booleans())),
+    _spoil("header", junk.filter(lambda v: not isinstance(v, dict) and v is not None)),
+)
+
+
+def _spoiled(good: dict[str, Any], field: str, bad: Any) -> Any:
+    if field == "header":
+        return bad
+    header = {**good, "run": dict(good["run"])}
+    if field.startswith("run."):
+        header["run"][field[4:]] = bad
+    elif bad is None and field in header:
+        del header[field]
+    else:
+        header[field] = bad
+    return header
+
+
+@given(spoiler=spoilers)
+@example(spoiler=("attempt", 2**40))  # once a raw NumericValueOutOfRange from the database
+@example(spoiler=("v", 2))
+@example(spoiler=("token", "not-a-token"))
+@example(spoiler=("run.expire_in_seconds", 0))
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_a_malformed_header_runs_nothing_and_leaves_the_row_to_its_own_message(
+    fence_stack: Stack, spoiler: tuple[str, Any]
+) -> None:
+    stack = fence_stack
+    t, idle = tag(), idle_queue()
+    dispatch_id = stack.questpie.queue.record.publish(
+        {"tag": t}, idempotency_key=f"malformed:{t}", queue=idle
+    )
+    assert dispatch_id is not None
+    message = capture(stack, idle)
+    before = stack.wait_status(dispatch_id, "queued")
+    good = message.headers["questpie"]
+    assert MessageHeader.parse(good).ledgered  # what questpie sent reads back
+    forged = copy.copy(message)
+    forged.headers = {**message.headers, "questpie": _spoiled(good, *spoiler)}
+    try:
+        deliver(stack, forged)
+    except Exception:
+        reject()  # the broker cannot carry it (an AMQP header of a type it lacks)
+    stack.wait_log(dispatch_id, "questpie header is malformed")
+    assert runs_of(stack, dispatch_id) == []
+    assert stack.row(dispatch_id) == before  # untouched: no claim, no error recorded
+    lines = stack.worker.log_about(dispatch_id)
+    assert not any("raised unexpected" in line or "LedgerError" in line for line in lines)
+    # The dispatch's own message still runs it, once.
+    deliver(stack, message)
+    assert stack.wait_status(dispatch_id, "completed").attempt == 1
+    assert [r["attempt"] for r in runs_of(stack, dispatch_id)] == [1]
+    assert stack.worker.alive()

@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import inspect, update
+from sqlalchemy import delete, insert, inspect, text, update
 
-from questpie_celery import LedgerSchemaError, LedgerUnavailableError, metadata
-from questpie_celery.ids import random_dispatch_id
+from questpie_celery import LedgerError, LedgerSchemaError, LedgerUnavailableError, metadata
+from questpie_celery.ids import MAX_DISPATCH_ID_BYTES, random_dispatch_id, unstorable_id
 from questpie_celery.ledger import (
     LEASE_EXPIRED,
     SCHEMA_VERSION,
@@ -23,6 +23,8 @@ from questpie_celery.ledger import (
     dispatch_table,
     open_ledger,
 )
+from questpie_celery.ledger.schema import schema_version_table
+from questpie_celery.ledger.statements import db_time
 from questpie_celery.options import RunOptions, StoredOptions
 from tests.support.services import PostgresServer, free_port
 from tests.unit.helpers import wait_until
@@ -46,6 +48,16 @@ def _row(ledger: Ledger, dispatch_id: str) -> DispatchRow:
     row = ledger.get(dispatch_id)
     assert row is not None
     return row
+
+
+def _due_now(ledger: Ledger, dispatch_id: str) -> None:
+    """Let the row's `run_after` come (a second ago, by the database's clock)."""
+    with ledger.engine.begin() as conn:
+        conn.execute(
+            update(dispatch_table)
+            .where(dispatch_table.c.id == dispatch_id)
+            .values(run_after=db_time(-1))
+        )
 
 
 def _claimed(ledger: Ledger, lease: float = 60) -> tuple[str, str]:
@@ -165,8 +177,11 @@ def test_retry_releases_the_claim_and_moves_the_attempt_on(ledger: Ledger) -> No
     assert row.lease_expires_at is None
     assert row.run_after > datetime.now(UTC)
     assert row.next_send_at is not None and row.next_send_at > row.run_after
-    # The old delivery (attempt 1) is stale now; the retry's delivery claims attempt 2.
+    # The old delivery (attempt 1) is stale now; the retry's delivery claims attempt 2,
+    # once it is due.
     assert ledger.claim(dispatch_id, JOB, 1, 60).outcome == "stale"
+    assert ledger.claim(dispatch_id, JOB, 2, 60).outcome == "early"
+    _due_now(ledger, dispatch_id)
     second = ledger.claim(dispatch_id, JOB, 2, 60)
     assert second.outcome == "claimed"
     assert second.row is not None and second.row.attempt == 2
@@ -452,3 +467,152 @@ def test_pruning_records_how_far_back_rows_may_be_gone_and_never_moves_it_back(
     ledger.prune_ended(keyed=True, older_than=60, limit=10, spare_key_prefix="x")
     later = ledger.pruned_before()
     assert later is not None and later > first
+
+
+# --- dispatch ids of any shape (a plain Celery call keeps its own task id) -----------------
+
+#: Task ids Celery accepts and the ledger stores: long, unicode, punctuation, whitespace.
+ODD_IDS = [
+    "x" * 37,
+    "é" * (MAX_DISPATCH_ID_BYTES // 2),  # two bytes each: the longest that fits
+    "order 42 / retry #3 \t(ünïcödé) 🚀 'quoted' \"too\" ; DROP TABLE x; --",
+    " \n ",
+    "%_\\",  # what LIKE would take for patterns
+]
+
+
+@pytest.mark.parametrize("odd", ODD_IDS, ids=range(len(ODD_IDS)))
+def test_a_dispatch_id_of_any_storable_shape_is_a_row_like_any_other(
+    ledger: Ledger, odd: str
+) -> None:
+    assert unstorable_id(odd) is None
+    new = _new(odd, idempotency_key=None)
+    assert ledger.insert(new) is True
+    assert ledger.insert(new) is False
+    assert ledger.exists(odd) and ledger.existing([odd, "other"]) == {odd}
+    claim = ledger.claim(odd, JOB, 1, 60)
+    assert claim.outcome == "claimed" and claim.token is not None
+    assert ledger.claim(odd, JOB, 1, 60).outcome == "busy"
+    assert ledger.finish(odd, claim.token, "completed", None)
+    assert _row(ledger, odd).status == "completed"
+    assert ledger.claim(odd, JOB, 1, 60).outcome == "done"
+
+
+def test_ids_the_ledger_cannot_store_are_named_with_the_reason() -> None:
+    assert unstorable_id("a\0b") is not None and "NUL" in (unstorable_id("a\0b") or "")
+    assert "surrogate" in (unstorable_id("a\udc80") or "")
+    assert "bytes" in (unstorable_id("x" * (MAX_DISPATCH_ID_BYTES + 1)) or "")
+    assert unstorable_id("") is not None and unstorable_id(None) is not None
+    assert unstorable_id("x" * MAX_DISPATCH_ID_BYTES) is None
+
+
+def test_migrating_a_version_4_ledger_widens_its_dispatch_ids(ledger: Ledger) -> None:
+    """A ledger made before version 5 held ids of at most 36 characters."""
+    kept = _new()
+    assert ledger.insert(kept)
+    before = _make_version_4(ledger)
+    assert ledger.migrate() == SCHEMA_VERSION == 5
+    assert ledger.migrate() == 5
+    if ledger.dialect == "postgresql":
+        inspector = inspect(ledger.engine)
+        for table, name in (
+            ("questpie_queue_dispatch", "id"),
+            ("questpie_schedule", "last_dispatch_id"),
+        ):
+            column = next(c for c in inspector.get_columns(table) if c["name"] == name)
+            assert getattr(column["type"], "length", 0) is None, (table, name)
+        # A change to the catalog only: neither the table nor its indexes were rewritten.
+        assert _storage(ledger) == before
+    long_id = "plain-call-" + "x" * 200
+    assert ledger.insert(_new(long_id, idempotency_key=None))
+    assert ledger.claim(long_id, JOB, 1, 60).outcome == "claimed"
+    assert _row(ledger, kept.id).payload == kept.payload  # the old row came through
+
+
+def _storage(ledger: Ledger) -> dict[str, int]:
+    """The files of the dispatch table and its indexes (PostgreSQL): a rewrite changes them."""
+    with ledger.engine.connect() as conn:
+        rows = conn.execute(
+            text(
+                "SELECT c.relname, c.relfilenode FROM pg_class c WHERE c.oid = "
+                "'questpie_queue_dispatch'::regclass OR c.oid IN (SELECT indexrelid FROM "
+                "pg_index WHERE indrelid = 'questpie_queue_dispatch'::regclass)"
+            )
+        ).all()
+    return {name: int(node) for name, node in rows}
+
+
+def _make_version_4(ledger: Ledger) -> dict[str, int]:
+    """Turn a migrated ledger back into what version 4 created: ids of `VARCHAR(36)`.
+    Returns the table's storage (PostgreSQL), to compare with after the migration."""
+    with ledger.engine.begin() as conn:
+        conn.execute(delete(schema_version_table).where(schema_version_table.c.version == 5))
+        conn.execute(insert(schema_version_table).values(version=4, applied_at=db_time()))
+        if ledger.dialect == "postgresql":
+            for table, name in (
+                ("questpie_queue_dispatch", "id"),
+                ("questpie_schedule", "last_dispatch_id"),
+            ):
+                conn.execute(text(f"ALTER TABLE {table} ALTER COLUMN {name} TYPE varchar(36)"))
+    if ledger.dialect != "postgresql":
+        return {}
+    with pytest.raises(LedgerError, match="StringDataRightTruncation"):
+        ledger.insert(_new("y" * 37, idempotency_key=None))
+    return _storage(ledger)
+
+
+# --- never before the row is due -----------------------------------------------------------
+
+
+def test_a_claim_before_the_row_is_due_is_early_and_touches_nothing(ledger: Ledger) -> None:
+    start = ledger.now() + timedelta(seconds=600)
+    new = _new(run_after=start, next_send_at=start - timedelta(seconds=60))
+    assert ledger.insert(new)
+    before = _row(ledger, new.id)
+    early = ledger.claim(new.id, JOB, 1, 60)
+    assert early.outcome == "early" and early.token is None
+    assert 590 < early.due_in <= 600
+    assert _row(ledger, new.id) == before
+    # Its relay time already comes before its start: nothing to change.
+    assert ledger.send_when_due(new.id, JOB, 1) is False
+    assert _row(ledger, new.id) == before
+    # Other reasons come first: another job's id is unknown, another attempt stale.
+    assert ledger.claim(new.id, "other-job", 1, 60).outcome == "unknown"
+    assert ledger.claim(new.id, JOB, 2, 60).outcome == "stale"
+    # Eager mode runs it at once, as Celery's eager mode does.
+    assert ledger.claim(new.id, JOB, 1, 60, any_time=True).outcome == "claimed"
+
+
+def test_an_early_delivery_of_a_retry_makes_the_relay_send_it_when_due(ledger: Ledger) -> None:
+    dispatch_id, token = _claimed(ledger)
+    # A retry sent at once with its countdown: the relay looks only long after it is due.
+    assert ledger.retry(dispatch_id, token, retry_in=600, relay_in=600 + 3600, error="E")
+    waiting = _row(ledger, dispatch_id)
+    assert waiting.next_send_at is not None and waiting.next_send_at > waiting.run_after
+    early = ledger.claim(dispatch_id, JOB, 2, 60)
+    assert early.outcome == "early" and 590 < early.due_in <= 600
+    assert ledger.send_when_due(dispatch_id, JOB, 2) is True
+    row = _row(ledger, dispatch_id)
+    assert row.next_send_at == row.run_after  # due for the relay at its start, no later
+    assert (row.status, row.attempt, row.claim_token) == ("retry", 1, token)
+    assert ledger.send_when_due(dispatch_id, JOB, 3) is False  # not the attempt it waits for
+    _due_now(ledger, dispatch_id)  # once due, the delivery claims
+    assert ledger.claim(dispatch_id, JOB, 2, 60).outcome == "claimed"
+
+
+def test_the_acceptance_mark_after_a_dropped_early_delivery_keeps_it_due_at_start(
+    ledger: Ledger,
+) -> None:
+    """The publisher's acceptance mark is batched: it may come after a worker dropped an
+    early delivery (maybe the very message accepted) and made the row due at its start."""
+    start = ledger.now() + timedelta(seconds=20)
+    dropped, untouched = _new(run_after=start, send_in=30), _new(run_after=start, send_in=30)
+    assert ledger.insert(dropped) and ledger.insert(untouched)
+    assert ledger.claim(dropped.id, JOB, 1, 60).outcome == "early"
+    assert ledger.send_when_due(dropped.id, JOB, 1) is True
+    ledger.mark_queued([dropped.id, untouched.id], redeliver_in=3600)
+    row = _row(ledger, dropped.id)
+    assert (row.status, row.next_send_at) == ("queued", row.run_after)
+    other = _row(ledger, untouched.id)
+    assert other.status == "queued" and other.next_send_at is not None
+    assert other.next_send_at > other.run_after + timedelta(seconds=3000)

@@ -17,11 +17,16 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
+from celery.result import AsyncResult
 from click.testing import CliRunner
+from hypothesis import HealthCheck, example, given, reject, settings
+from hypothesis import strategies as st
 from sqlalchemy import create_engine, func, select, text
 
 from questpie_celery import JobContext, Questpie, job
 from questpie_celery.cli import main
+from questpie_celery.fence import shown_id
+from questpie_celery.ids import MAX_DISPATCH_ID_BYTES, unstorable_id
 from questpie_celery.ledger import dispatch_table, policy_table
 from questpie_celery.signals import publish_suppressed
 from tests.support import jobapp
@@ -489,6 +494,69 @@ def test_plain_message_delivered_twice_runs_once(stack: Stack) -> None:
     stack.wait_log(result.id, "skipped (done)")
     assert [(r["dispatch_id"], r["attempt"]) for r in stack.runs(t)] == [(result.id, 1)]
     assert len(stack.runs(t, phase="end")) == 1
+
+
+#: Task ids a plain call may carry: any text (unicode, punctuation, whitespace, NUL), and
+#: long ones around the longest the ledger stores (`MAX_DISPATCH_ID_BYTES`).
+task_ids = st.one_of(
+    st.text(min_size=1, max_size=60),
+    st.text(st.characters(codec="utf-8"), min_size=300, max_size=1400),
+)
+
+
+@given(task_id=task_ids)
+@example(task_id="custom-" + "x" * 40)  # longer than a UUID: the width the ledger had
+@example(task_id="order 42 / retry\t#3 \n(ünïcödé) 🚀 '\";--")
+@example(task_id="x" * MAX_DISPATCH_ID_BYTES)
+@example(task_id="a\0b")  # PostgreSQL text cannot hold NUL
+@example(task_id="é" * MAX_DISPATCH_ID_BYTES)  # twice the bytes the ledger stores
+@settings(
+    max_examples=12,
+    deadline=None,
+    suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow],
+)
+def test_a_plain_call_under_any_task_id_runs_once_or_is_refused_out_loud(
+    stack: Stack, task_id: str
+) -> None:
+    t, queue = tag(), idle()
+    try:
+        stack.questpie.tasks["policy.short"].apply_async(
+            args=[{"tag": t}], task_id=task_id, queue=queue
+        )
+    except Exception:
+        # Celery or the broker refused the id: not a call anyone could make. (RabbitMQ
+        # carries the id as a property of at most 255 bytes.)
+        reject()
+    message = capture(stack, queue)
+    deliver(stack, message)
+    name = "policy.short"
+    if unstorable_id(task_id) is None:
+        row = stack.wait_status(task_id, "completed")
+        assert (row.job_name, row.attempt) == (name, 1)
+        deliver(stack, message)  # the broker delivers it again: it does not run again
+        wait_until(
+            lambda: (
+                f"dispatch {task_id} of job {name}: delivery for attempt 1 skipped (done)"
+                in stack.worker.log()
+            ),
+            "the copy to be skipped",
+        )
+        assert [(r["dispatch_id"], r["attempt"]) for r in stack.runs(t)] == [(task_id, 1)]
+        return
+    # Refused where it is taken in, with the reason; and Celery's result of the call says
+    # so, rather than the call vanishing.
+    wait_until(
+        lambda: (
+            "which cannot be a dispatch id" in stack.worker.log()
+            and f"job {name} has task id {shown_id(task_id)}" in stack.worker.log()
+        ),
+        "the refusal to be logged",
+    )
+    if stack.celery_app.conf.result_backend:
+        result = AsyncResult(task_id, app=stack.celery_app)
+        wait_until(lambda: result.state == "FAILURE", "the call's result to say it failed")
+        assert type(result.result).__name__ == "DispatchIdError"
+    assert stack.runs(t) == []
 
 
 # --- dead workers ---------------------------------------------------------------------------

@@ -25,12 +25,11 @@ from questpie_celery import ConfigurationError, LedgerSchemaError, PublishOption
 from questpie_celery.cli import main
 from questpie_celery.ids import derive_dispatch_id, random_dispatch_id
 from questpie_celery.ledger import DispatchRow, Ledger, NewDispatch, dispatch_table, open_ledger
-from questpie_celery.ledger.schema import schema_version_table
+from questpie_celery.ledger.schema import SCHEMA_VERSION, schema_version_table
 from questpie_celery.ledger.statements import db_time
 from questpie_celery.operations import Operator
-from questpie_celery.options import RunOptions, StoredOptions
+from questpie_celery.options import FIRE_KEY_PREFIX, RunOptions, StoredOptions
 from questpie_celery.retention import Retention
-from questpie_celery.schedules import FIRE_KEY_PREFIX
 from tests.integration.conftest import StackFactory
 from tests.support.brokers import capture, deliver
 from tests.support.stack import tag
@@ -88,8 +87,10 @@ def _row(ledger: Ledger, dispatch_id: str) -> DispatchRow:
     return row
 
 
-def _prune(ledger: Ledger, older_than: float = WEEK) -> tuple[int, int]:
-    done = Retention(ledger, older_than).prune(older_than)
+def _prune(
+    ledger: Ledger, older_than: float = WEEK, redeliver_after: float = 3600
+) -> tuple[int, int]:
+    done = Retention(ledger, older_than, redeliver_after=lambda: redeliver_after).prune(older_than)
     assert done.done
     return done.deleted, done.pruned
 
@@ -174,6 +175,26 @@ def test_a_row_that_has_not_ended_is_never_touched_whatever_its_age(ledger: Ledg
     assert {i: _row(ledger, i) for i in ids.values()} == before
 
 
+def test_an_unkeyed_row_stays_while_a_copy_of_its_message_may_come_again(
+    ledger: Ledger,
+) -> None:
+    """Its id may be a plain call's, taken into the ledger: a copy the broker hands out
+    again is refused only while the row says it ran."""
+    hour = 3600.0
+    minutes_ago = _ended(ledger, "completed", days_ago=120 / DAY)
+    hours_ago = _ended(ledger, "failed", days_ago=2 * hour / DAY)
+    keyed = _ended(ledger, "completed", key="k", days_ago=120 / DAY)
+    retention = Retention(ledger, 60, redeliver_after=lambda: hour)
+    assert (retention.prune(60).deleted, retention.prune(0).deleted) == (1, 0)
+    assert ledger.get(hours_ago) is None
+    assert _row(ledger, minutes_ago).status == "completed"
+    assert ledger.claim(minutes_ago, JOB, 1, 60).outcome == "done"  # a copy is refused
+    assert _row(ledger, keyed).pruned  # a keyed row keeps its id anyway: the period holds
+    # The period still counts when it is the longer one.
+    assert Retention(ledger, WEEK, redeliver_after=lambda: 60).prune(WEEK).deleted == 0
+    assert Retention(ledger, 60, redeliver_after=lambda: 60).prune(60).deleted == 1
+
+
 def test_the_period_is_honoured(ledger: Ledger) -> None:
     six = [_ended(ledger, "completed", days_ago=6), _ended(ledger, "failed", "six", days_ago=6)]
     eight = [_ended(ledger, "completed"), _ended(ledger, "failed", "eight")]
@@ -252,8 +273,8 @@ def test_migrating_a_version_3_ledger_lets_options_be_pruned(ledger: Ledger) -> 
     _make_version_3(ledger)
     columns = {c["name"]: c for c in inspect(ledger.engine).get_columns("questpie_queue_dispatch")}
     assert not columns["options"]["nullable"]
-    assert ledger.migrate() == 4
-    assert ledger.migrate() == 4
+    assert ledger.migrate() == SCHEMA_VERSION
+    assert ledger.migrate() == SCHEMA_VERSION
     inspector = inspect(ledger.engine)
     columns = {c["name"]: c for c in inspector.get_columns("questpie_queue_dispatch")}
     assert columns["options"]["nullable"]
@@ -270,7 +291,7 @@ def _make_version_3(ledger: Ledger) -> None:
     name = "questpie_queue_dispatch"
     with ledger.engine.begin() as conn:
         conn.execute(text("DROP INDEX questpie_queue_dispatch_ended"))
-        conn.execute(delete(schema_version_table).where(schema_version_table.c.version == 4))
+        conn.execute(delete(schema_version_table).where(schema_version_table.c.version >= 4))
         conn.execute(insert(schema_version_table).values(version=3, applied_at=db_time()))
         if ledger.dialect == "postgresql":
             conn.execute(text(f"ALTER TABLE {name} ALTER COLUMN options SET NOT NULL"))
@@ -384,6 +405,39 @@ def test_a_worker_prunes_and_a_pruned_key_never_runs_again(
     assert _row(stack.ledger, dispatch_id).status == "completed"
 
 
+@pytest.mark.parametrize(
+    ("broker", "env"),
+    [("redis", {"QP_TEST_VISIBILITY": "7200"}), ("rabbitmq", {})],
+    ids=["redis-visibility-2h", "rabbitmq"],
+)
+def test_pruning_never_lets_a_plain_calls_redelivered_copy_run_again(
+    make_stack: StackFactory, broker: str, env: dict[str, str]
+) -> None:
+    """A plain call of a policy job runs under a row of its message's id. Retention keeps
+    that row while the broker may still hand the message out again: at least
+    `redeliver_after` (an hour here) and the broker's visibility timeout (Redis: 2 h)."""
+    stack = make_stack(broker, env={"QP_TEST_RETENTION": "60", **env})
+    window = 7200.0 if broker == "redis" else 3600.0
+    t, idle = tag(), f"idle-{tag()}"
+    sent = stack.questpie.tasks["policy.short"].apply_async(args=[{"tag": t}], queue=idle)
+    message = capture(stack, idle)
+    assert "questpie" not in message.headers  # a plain Celery message
+    deliver(stack, message)
+    assert stack.wait_status(sent.id, "completed").idempotency_key is None
+    # Long past the app's retention, not yet past the window: kept, by the relay's
+    # retention and by an explicit prune alike.
+    _age(stack.ledger, sent.id, window - 600)
+    assert stack.questpie.prune().deleted == 0
+    assert stack.questpie.prune(older_than=0).deleted == 0
+    deliver(stack, message)  # the same message again, byte for byte: a redelivery
+    stack.wait_log(sent.id, "skipped (done)")
+    assert [(r["dispatch_id"], r["attempt"]) for r in stack.runs(t)] == [(sent.id, 1)]
+    # Past the window, it goes like any ended unkeyed dispatch.
+    _age(stack.ledger, sent.id, window + 600)
+    assert stack.questpie.prune().deleted == 1
+    assert stack.ledger.get(sent.id) is None
+
+
 def test_a_relaxed_fence_takes_back_no_stale_copy_of_a_row_retention_deleted(
     make_stack: StackFactory,
 ) -> None:
@@ -405,7 +459,7 @@ def test_a_relaxed_fence_takes_back_no_stale_copy_of_a_row_retention_deleted(
     stack.worker.start()
     stack.wait_status(dispatch_id, "completed")
     time.sleep(4.5)
-    assert _prune(stack.ledger, older_than=4) == (1, 0)
+    assert _prune(stack.ledger, older_than=4, redeliver_after=4) == (1, 0)
     deliver(stack, message)  # a stale duplicate: a redelivery, a copy the relay sent
     stack.wait_log(dispatch_id, "older than rows the ledger has pruned")
     assert len(stack.runs(t)) == 1

@@ -43,6 +43,7 @@ from sqlalchemy import (
     MetaData,
     String,
     Table,
+    Text,
     create_engine,
     func,
     insert,
@@ -57,7 +58,7 @@ runs_table = Table(
     Column("id", Integer, primary_key=True, autoincrement=True),
     Column("job_name", String(200), nullable=False),
     Column("tag", String(200), nullable=False),
-    Column("dispatch_id", String(64), nullable=False),
+    Column("dispatch_id", Text, nullable=False),  # a plain call's task id: any length
     Column("attempt", Integer, nullable=False),
     Column("idempotency_key", String(600), nullable=True),
     Column("pid", Integer, nullable=False),

@@ -94,6 +94,18 @@ def test_retries_run_inline_and_count_attempts(questpie: Questpie) -> None:
     assert (status.status, status.attempt, status.last_error) == ("completed", 3, None)
 
 
+def test_a_later_start_runs_at_once_as_celerys_eager_mode_runs_an_eta(
+    questpie: Questpie,
+) -> None:
+    # A worker's fence runs nothing before the row is due; eager mode has no later.
+    dispatch_id = questpie.queue.eager_charge.publish(
+        {"order_id": "o5"}, idempotency_key="later", start_after=600
+    )
+    assert runs == [("eager.charge", dispatch_id, 1)]
+    status = questpie.queue.get_status(dispatch_id or "")
+    assert status is not None and status.status == "completed"
+
+
 def test_permanent_failure_is_recorded(questpie: Questpie) -> None:
     dispatch_id = questpie.queue.eager_charge.publish(
         {"order_id": "o4", "permanent": True}, idempotency_key="perm"

@@ -35,8 +35,7 @@ from questpie_celery.cli import main
 from questpie_celery.jobs import JobDefinition
 from questpie_celery.ledger import ScheduleRow, dispatch_table, open_ledger
 from questpie_celery.ledger.schema import schedule_table
-from questpie_celery.options import StoredOptions
-from questpie_celery.schedules import FIRE_KEY_PREFIX
+from questpie_celery.options import FIRE_KEY_PREFIX, StoredOptions
 from tests.support import jobapp
 from tests.unit.helpers import IdleApp, row_count, sqlite_url
 

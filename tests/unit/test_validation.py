@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 from datetime import datetime
 from typing import Any
 
 import pytest
 
 from questpie_celery import PayloadValidationError, PublishOptionsError, QuestpieError
+from questpie_celery.options import FIRE_KEY_PREFIX
 from tests.unit.helpers import IdleApp
 
 VALID = {"tag": "v"}
@@ -34,10 +36,13 @@ BAD_CALLS: list[tuple[str, Any, dict[str, Any], type[Exception]]] = [
     ("start_after garbage", VALID, {"start_after": "soon"}, PublishOptionsError),
     ("start_after nan", VALID, {"start_after": float("nan")}, PublishOptionsError),
     ("start_after bool", VALID, {"start_after": True}, PublishOptionsError),
+    ("start_after huge int", VALID, {"start_after": 10**400}, PublishOptionsError),
     ("retry_limit negative", VALID, {"retry_limit": -1}, PublishOptionsError),
     ("retry_limit str", VALID, {"retry_limit": "3"}, PublishOptionsError),
     ("retry_delay negative", VALID, {"retry_delay": -0.5}, PublishOptionsError),
     ("retry_delay inf", VALID, {"retry_delay": float("inf")}, PublishOptionsError),
+    ("retry_delay nan", VALID, {"retry_delay": float("nan")}, PublishOptionsError),
+    ("retry_delay huge int", VALID, {"retry_delay": 10**400}, PublishOptionsError),
     ("retry_backoff int", VALID, {"retry_backoff": 1}, PublishOptionsError),
     ("expire zero", VALID, {"expire_in_seconds": 0}, PublishOptionsError),
     ("expire float", VALID, {"expire_in_seconds": 1.5}, PublishOptionsError),
@@ -62,6 +67,34 @@ def test_invalid_publish_writes_nothing(
     assert isinstance(caught.value, QuestpieError)
     assert isinstance(caught.value, ValueError)
     assert idle.written() == before
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        f"{FIRE_KEY_PREFIX}call:2026-01-01T06:00:00Z",  # exactly what a fire's key looks like
+        "QUESTPIE-Schedule:mine",  # SQLite's LIKE, which the beat's pruning uses, ignores case
+        FIRE_KEY_PREFIX,
+    ],
+)
+def test_a_key_in_a_namespace_questpie_writes_in_itself_is_refused(idle: IdleApp, key: str) -> None:
+    """A key there would be taken for a schedule fire's, whose row the beat deletes once
+    it ended: the key would lose its id, and run again."""
+    client = idle.questpie.queue.record
+    before = idle.written()
+    reserved = "questpie writes its own keys there"
+    with pytest.raises(PublishOptionsError, match=reserved):
+        client.publish(VALID, idempotency_key=key)
+    with pytest.raises(PublishOptionsError, match=f"item 1: .*{reserved}"):
+        client.publish_many([VALID, VALID], idempotency_keys=["fine", key])
+    with pytest.raises(PublishOptionsError, match=reserved):
+        asyncio.run(client.apublish(VALID, idempotency_key=key))
+    with pytest.raises(PublishOptionsError, match=reserved):
+        asyncio.run(client.apublish_many([VALID], idempotency_keys=[key]))
+    assert idle.written() == before
+    # Only the namespace itself: keys that merely look alike are anyone's.
+    for near in ("questpie-schedule", "my-questpie-schedule:x", "questpie-schedules:x"):
+        assert client.publish(VALID, idempotency_key=near) is not None
 
 
 def test_unknown_keyword_is_a_type_error(idle: IdleApp) -> None:

@@ -24,7 +24,8 @@ NEVER_MAPPED: dict[str, frozenset[str]] = {
 class Dispatch(models.Model):
     """One row of the dispatch ledger, short of its payload and secrets."""
 
-    id = models.CharField(primary_key=True, max_length=36, verbose_name="dispatch id")
+    # Any task id a plain Celery call carries (schema version 5), not only a UUID.
+    id = models.TextField(primary_key=True, verbose_name="dispatch id")
     job_name = models.CharField(max_length=200, verbose_name="job")
     idempotency_key = models.TextField(null=True, verbose_name="key")
     singleton_key = models.TextField(null=True)
@@ -71,7 +72,7 @@ class Schedule(models.Model):
     singleton_key = models.TextField(null=True)
     next_fire_at = models.DateTimeField(verbose_name="next fire")
     last_fire_at = models.DateTimeField(null=True, verbose_name="last fire")
-    last_dispatch_id = models.CharField(max_length=36, null=True, verbose_name="last dispatch")
+    last_dispatch_id = models.TextField(null=True, verbose_name="last dispatch")
     updated_at = models.DateTimeField(verbose_name="updated")
 
     class Meta:
