@@ -188,7 +188,6 @@ class Questpie:
             redeliver_after=lambda: self._outbox.redeliver_after,
             context=self._context,
         )
-        self._runner = Runner(fence, self._policies, self._context)
         self._publisher = Publisher(
             self._ledger, self._outbox, sender, self._policies, self._keyring_for_publish
         )
@@ -201,6 +200,8 @@ class Questpie:
         self._relay = Relay(
             self._ledger, self._outbox, outcomes, slots, relay_interval, self._retention
         )
+        # A delivery the worker's main process saw end unrun goes to the relay running there.
+        self._runner = Runner(fence, self._policies, self._context, self._relay.hear_unrun)
         self._registry = JobRegistry()
         self._schedules = Schedules(
             self._ledger,

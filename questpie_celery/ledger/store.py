@@ -460,6 +460,39 @@ class Ledger:
             and now.last_error == LEASE_EXPIRED
         )
 
+    def send_unclaimed_now(self, dispatch_id: str, job_name: str, attempt: int) -> bool:
+        """Make the row due for the relay now, if delivery `attempt` never claimed it (the
+        delivery ended without a run); False when the row has moved on, or is not there."""
+        params = {"dispatch_id": dispatch_id, "job": job_name, "previous": attempt - 1}
+        count, retried = self._run(self._sql.send_unclaimed_now, params)
+        return bool(count) or retried  # run twice: the first run may have landed; harmless
+
+    def end_unclaimed(
+        self, dispatch_id: str, job_name: str, attempt: int, error: str
+    ) -> DispatchRow | None:
+        """Record `failed` with `error` (erasing a secret's key) for a dispatch whose
+        delivery `attempt` was called off before it claimed (a revoke); the row ended, or
+        None when the row has moved on (it ran, or a later attempt is under way)."""
+        params = {
+            "dispatch_id": dispatch_id,
+            "job": job_name,
+            "previous": attempt - 1,
+            "error": error,
+        }
+        rows, retried = self._run(self._sql.end_unclaimed, params)
+        if rows:
+            return DispatchRow.from_mapping(rows[0])
+        if not retried:
+            return None
+        now = self.get(dispatch_id)  # ambiguous: did our first run land?
+        landed = (
+            now is not None
+            and now.status == "failed"
+            and now.last_error == error
+            and now.attempt == attempt - 1
+        )
+        return now if landed else None
+
     # --- queue policy slots ------------------------------------------------------------
 
     def park(self, dispatch_id: str, job_name: str, attempt: int) -> bool:

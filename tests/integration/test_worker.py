@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 import uuid
@@ -284,3 +286,54 @@ def test_the_worker_drops_the_time_limits_of_finished_runs(
         time.sleep(0.2)
     # The finished runs' entries were there, and then, purged, none are.
     assert seen and seen[-1][0] == 0 and seen[-1][1] >= 20, seen
+
+
+def wait_for_file(path: Path, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("broker", ["redis", "rabbitmq"])
+def test_a_pool_process_lost_before_its_claim_runs_its_dispatch_at_once(
+    make_stack: StackFactory, broker: str, tmp_path: Path
+) -> None:
+    """A pool process killed (as by the OOM killer) after Celery acknowledged its message
+    and before its claim: the worker's main process hears of it, and the relay sends the
+    dispatch again within seconds, not after `redeliver_after` (an hour, the default)."""
+    held = tmp_path / "held"
+    held.mkdir()
+    stack = make_stack(broker, env={"QP_TEST_HOLD_DIR": str(held)})
+    t = tag()
+    dispatch_id = stack.questpie.queue.record.publish({"tag": t}, idempotency_key=f"lost:{t}")
+    assert dispatch_id is not None
+    wait_for_file(held / dispatch_id)  # its delivery waits just before the claim
+    assert stack.row(dispatch_id).status in ("pending", "queued")
+    os.kill(int((held / dispatch_id).read_text()), signal.SIGKILL)
+    row = stack.wait_status(dispatch_id, "completed", timeout=30)
+    assert row.attempt == 1
+    assert [r["dispatch_id"] for r in stack.runs(t)] == [dispatch_id]
+
+
+def test_a_dispatch_revoked_before_it_ran_fails_at_once_and_never_runs(
+    make_stack: StackFactory, tmp_path: Path
+) -> None:
+    """Celery drops a revoked message (acknowledged, never run): the dispatch is recorded
+    failed (`Revoked`) there and then, not left queued for the relay to send it again."""
+    held = tmp_path / "held"
+    held.mkdir()
+    stack = make_stack("redis", env={"QP_TEST_HOLD_DIR": str(held)}, concurrency=1)
+    t1, t2 = tag(), tag()
+    first = stack.questpie.queue.record.publish({"tag": t1}, idempotency_key=f"busy:{t1}")
+    assert first is not None
+    wait_for_file(held / first)  # the one pool process is busy
+    second = stack.questpie.queue.record.publish({"tag": t2}, idempotency_key=f"revoke:{t2}")
+    assert second is not None
+    replies = stack.celery_app.control.revoke(second, reply=True, timeout=10)
+    assert replies, "the worker did not answer the revoke"
+    (held / f"{first}.go").touch()
+    row = stack.wait_status(second, "failed", timeout=30)
+    assert (row.attempt, row.last_error) == (0, "Revoked")
+    assert stack.wait_status(first, "completed").attempt == 1
+    assert stack.runs(t2) == []

@@ -12,6 +12,10 @@ build the same app:
 - QP_TEST_SECRET, QP_TEST_PREVIOUS (comma-separated): the secret and older ones
 - QP_TEST_EXTENDED: turn on result_extended, task events and track_started
 - QP_TEST_RETENTION, QP_TEST_FIRE_RETENTION: retention periods in seconds
+- QP_TEST_HOLD_DIR: every delivery, before it reaches questpie's task (so before its
+  claim), writes its pool process's pid to `<dir>/<dispatch id>` and waits for
+  `<dir>/<dispatch id>.go`; only the first delivery of each dispatch id is held, so a
+  test can kill a pool process at exactly that moment and watch the next delivery run
 - QP_TEST_TIMER_FILE: the worker's main process writes there, twice a second, how many
   cancelled entries its event loop's timer holds, and the most it held; QP_TEST_PURGE:
   how often it drops them
@@ -338,9 +342,26 @@ def _report_cancelled_timers(sender: Any, **_: Any) -> None:
     hub.call_repeatedly(0.5, write)
 
 
+def _hold_before_the_claim(task_id: str | None = None, **_: Any) -> None:
+    """In a pool process, before questpie's task runs: see QP_TEST_HOLD_DIR."""
+    folder = os.environ.get("QP_TEST_HOLD_DIR")
+    if not folder or task_id is None:
+        return
+    marker = os.path.join(folder, task_id)
+    try:
+        open(marker + ".seen", "x").close()  # only the first delivery of the id
+    except FileExistsError:
+        return
+    with open(marker + ".tmp", "w") as out:
+        out.write(str(os.getpid()))
+    os.replace(marker + ".tmp", marker)  # whole, or not there
+    wait_at(marker + ".go")
+
+
 if os.environ.get("QP_TEST_PURGE"):
     hub_timer.PURGE_EVERY_SECONDS = float(os.environ["QP_TEST_PURGE"])
 signals.worker_ready.connect(_report_cancelled_timers, weak=False)
+signals.task_prerun.connect(_hold_before_the_claim, weak=False)
 
 # What `celery -A tests.jobapp:celery_app worker` runs; tests build their own with build().
 celery_app, questpie = build_from_env()
