@@ -35,6 +35,7 @@ from .crypto import Keyring, Sealed
 from .errors import (
     HandlerAbortedError,
     LedgerBusyError,
+    LedgerSchemaError,
     LedgerUnavailableError,
     PayloadValidationError,
     PermanentFailure,
@@ -380,7 +381,8 @@ class Fence:
         return self._patiently(task, step, back)
 
     def _patiently(self, task: Task, step: Callable[[], T], back: MessageHeader) -> T:
-        """Run a fence step, waiting out a ledger outage or a held row.
+        """Run a fence step, waiting out a ledger outage, a held row, or a ledger not
+        migrated yet (its tables missing: the delivery runs once `migrate` made them).
 
         Past the patience (and before the run's soft time limit, which would otherwise
         end the wait with the message already acknowledged), the delivery goes back to
@@ -393,14 +395,17 @@ class Fence:
             try:
                 try:
                     return step()
-                except (LedgerUnavailableError, LedgerBusyError) as exc:
+                except (LedgerUnavailableError, LedgerBusyError, LedgerSchemaError) as exc:
                     if task.request.is_eager:
                         raise  # publish() is waiting on this run inline: tell it
                     if time.monotonic() >= deadline and self._requeue(task, exc, back):
                         raise Ignore() from None
                     log.warning(
-                        "dispatch %s: the ledger is unreachable or busy (%s); waiting to claim it",
+                        "dispatch %s: %s (%s); waiting to claim it",
                         task.request.id,
+                        "the ledger is not migrated"
+                        if isinstance(exc, LedgerSchemaError)
+                        else "the ledger is unreachable or busy",
                         exc,
                         extra={"dispatch_id": task.request.id},
                     )

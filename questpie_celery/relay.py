@@ -177,7 +177,8 @@ class Relay:
                 return False
             log.warning(
                 "the ledger has no backlog table yet (schema older than this version); "
-                "run `questpie-celery migrate` so the status page can plot the relay's backlog"
+                "run `%s` so the status page can plot the relay's backlog",
+                self._ledger.migrate_command,
             )
             return False
         except QuestpieError:

@@ -232,6 +232,28 @@ def test_missing_tables_give_a_schema_error(
         ledger.close()
 
 
+@pytest.mark.parametrize("dialect", ["sqlite", "postgresql"])
+def test_a_missing_column_gives_a_schema_error(
+    request: pytest.FixtureRequest, tmp_path: Path, dialect: str
+) -> None:
+    """A schema older than the package (`migrate` not run since the upgrade) reads as one
+    to migrate, which the fence and the publisher wait out or report, not as a failure."""
+    url = (
+        f"sqlite:///{tmp_path / 'old.sqlite3'}"
+        if dialect == "sqlite"
+        else request.getfixturevalue("pg_db")
+    )
+    ledger = open_ledger(url)
+    try:
+        ledger.migrate()
+        with ledger.engine.begin() as conn:
+            conn.exec_driver_sql(f"ALTER TABLE {dispatch_table.name} DROP COLUMN started_at")
+        with pytest.raises(LedgerSchemaError, match="run `questpie-celery migrate`"):
+            ledger.get(random_dispatch_id())
+    finally:
+        ledger.close()
+
+
 def test_two_ledgers_have_different_identities(ledger: Ledger, tmp_path: Path) -> None:
     other = open_ledger(f"sqlite:///{tmp_path / 'other.sqlite3'}")
     try:

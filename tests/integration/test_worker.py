@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from celery.result import AsyncResult
 
-from questpie_celery import derive_dispatch_id
+from questpie_celery import LedgerSchemaError, derive_dispatch_id
 from tests.integration.conftest import StackFactory
 from tests.support.brokers import capture, deliver, queue_depth
 from tests.support.jobapp import Work
@@ -337,3 +337,29 @@ def test_a_dispatch_revoked_before_it_ran_fails_at_once_and_never_runs(
     assert (row.attempt, row.last_error) == (0, "Revoked")
     assert stack.wait_status(first, "completed").attempt == 1
     assert stack.runs(t2) == []
+
+
+def test_a_worker_started_before_migrate_waits_and_then_runs_everything_once(
+    make_stack: StackFactory,
+) -> None:
+    """Before `migrate`, a ledger counts as unreachable: deliveries wait for it (saying
+    what to run), an unkeyed standard publish is sent, a keyed one raises. After
+    `migrate`, with the same worker, every message runs, once."""
+    stack = make_stack("redis", migrate=False)
+    t = tag()
+    unkeyed = stack.questpie.queue.record.publish({"tag": t})
+    assert unkeyed is not None
+    with pytest.raises(LedgerSchemaError, match="run `questpie-celery migrate`"):
+        stack.questpie.queue.record.publish({"tag": t}, idempotency_key=f"early:{t}")
+    plain = stack.celery_app.send_task("record", args=[{"tag": t}]).id
+    policy = stack.celery_app.send_task("policy.singleton", args=[{"tag": t}]).id
+    stack.wait_log(plain, "the ledger is not migrated")
+    stack.wait_log(plain, "questpie-celery migrate")
+    stack.questpie.migrate()
+    keyed = stack.questpie.queue.record.publish({"tag": t}, idempotency_key=f"late:{t}")
+    expected = {unkeyed, plain, policy, keyed}
+    ends = stack.wait_ends(t, len(expected), timeout=120)
+    assert sorted(r["dispatch_id"] for r in ends) == sorted(expected)
+    assert sorted(r["dispatch_id"] for r in stack.runs(t)) == sorted(expected)
+    assert stack.row(policy).status == "completed"
+    assert stack.row(str(keyed)).status == "completed"

@@ -132,9 +132,16 @@ class Stack:
 
 
 def build_stack(
-    env: dict[str, str], folder: Path, broker: str, *, start_worker: bool = True, **worker: Any
+    env: dict[str, str],
+    folder: Path,
+    broker: str,
+    *,
+    start_worker: bool = True,
+    migrate: bool = True,
+    **worker: Any,
 ) -> Stack:
-    """Build this process's side of a stack from `env`, migrate, and start a worker."""
+    """Build this process's side of a stack from `env`, migrate (unless told not to), and
+    start a worker."""
     env = {"QP_TEST_QUEUE": f"q-{uuid.uuid4().hex[:8]}", **env}
     celery_app, questpie = jobapp.build(
         broker=env["QP_TEST_BROKER"],
@@ -158,7 +165,8 @@ def build_stack(
         if env.get("QP_TEST_VISIBILITY")
         else None,
     )
-    questpie.migrate()
+    if migrate:
+        questpie.migrate()
     runs_engine = create_engine(env.get("QP_TEST_RUNS") or env["QP_TEST_LEDGER"])
     jobapp.runs_metadata.create_all(runs_engine)
     process = Worker(env, **worker)

@@ -54,6 +54,8 @@ APP_NAME = "questpie_celery.contrib.django"
 #: The setting naming the DATABASES alias the ledger lives in.
 DATABASE_SETTING = "QUESTPIE_DATABASE"
 DEFAULT_DATABASE = "default"
+#: What creates the ledger's tables in a Django project.
+MIGRATE_COMMAND = "python manage.py migrate"
 
 _ENGINES: dict[tuple[str, str], Engine] = {}
 _LISTENERS: dict[str, Engine] = {}
@@ -169,6 +171,10 @@ def _make_engine(alias: str) -> Engine:
             listener=partial(_listener, alias) if postgres else lambda: None,
             ambient=partial(_ambient, engine, alias),
             atomic=partial(_atomic, alias),
+            # The project's migrations create the tables (0001_ledger), in this database.
+            migrate_command=MIGRATE_COMMAND
+            if alias == DEFAULT_DATABASE
+            else f"{MIGRATE_COMMAND} --database={alias}",
         ),
     )
 
