@@ -43,7 +43,7 @@ from .errors import (
     SecretJobError,
 )
 from .jobs import JobContext, JobDefinition
-from .leases import LeaseKeeper
+from .leases import LeaseKeeper, renewal_cap
 from .ledger import Claim, DispatchRow, Ledger, NewDispatch
 from .options import StoredOptions, resolve_options
 from .outcomes import Outcomes
@@ -237,7 +237,8 @@ class Fence:
             raise Ignore()
         row = claim.row
         delivery.set(policy=str(row.policy or "standard"))
-        with self._leases.hold(dispatch_id, token, row.options.run.expire_in_seconds) as lease:
+        cap = renewal_cap(row.options.run.expire_in_seconds, _hard_limit_left(task))
+        with self._leases.hold(dispatch_id, token, cap) as lease:
             # Inside the hold: a result backend that stalls must not let the lease lapse.
             mark_started(task)
             with telemetry.span("questpie.run", attempt=row.attempt) as running:
@@ -510,6 +511,18 @@ def _time_before_soft_limit(task: Task) -> float:
         return float("inf")
     started = getattr(task.request, "questpie_started", None) or time.monotonic()
     return max(float(soft) - SOFT_LIMIT_MARGIN_SECONDS - (time.monotonic() - started), 0.0)
+
+
+def _hard_limit_left(task: Task) -> float | None:
+    """Seconds from now to the run's hard time limit, at which the prefork pool kills its
+    process (from when the run began; the pool counts from a moment earlier, when it
+    took the job); None when it has none."""
+    limits = task.request.timelimit or (None, None)
+    hard = (limits[0] if limits else None) or task.time_limit or task.app.conf.task_time_limit
+    if not hard:
+        return None
+    started = getattr(task.request, "questpie_started", None) or time.monotonic()
+    return float(hard) - (time.monotonic() - started)
 
 
 def mark_started(task: Task) -> None:

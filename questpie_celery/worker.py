@@ -20,7 +20,7 @@ from celery.signals import task_revoked
 from celery.worker.request import Request
 
 from . import telemetry
-from .broker import MessageHeader
+from .broker import HARD_TIME_LIMIT_GRACE_SECONDS, MessageHeader
 from .context import AppContext
 from .errors import HandlerAbortedError, PermanentFailure
 from .fence import Fence, mark_started
@@ -98,12 +98,17 @@ class Runner:
 
         run.__name__ = definition.attribute_name
         run.__doc__ = definition.handler.__doc__
+        # A message of ours carries the time limits of its expire_in_seconds; a plain
+        # Celery call of the job runs under its declared one, just the same.
+        expire = resolve_options(definition.options, {}).run.expire_in_seconds
         return app.task(
             name=definition.name,
             bind=True,
             base=JobTask,
             shared=False,
             serializer="json",
+            soft_time_limit=expire,
+            time_limit=expire + HARD_TIME_LIMIT_GRACE_SECONDS,
             questpie_definition=definition,
             questpie_runner=runner,
         )(run)

@@ -258,6 +258,29 @@ def test_expire_in_seconds_caps_a_run(stack: Stack) -> None:
     assert row.finished_at - row.started_at < timedelta(seconds=30)
 
 
+def test_a_run_past_its_time_limits_never_overlaps_its_retry_on_prefork(
+    make_stack: StackFactory,
+) -> None:
+    """A singleton run with `expire_in_seconds=2` and a 3 s lease that ignores its soft
+    time limit: its claim is renewed until the pool kills it at the hard limit (30 s
+    later), so its lease lapses only then, and attempt 2 starts once attempt 1's process
+    is gone."""
+    stack = make_stack("redis", env={"QP_TEST_LEASE": "3"})
+    t = tag()
+    dispatch_id = stack.questpie.queue["policy.singleton.overrun"].publish(
+        {"tag": t, "sleep": 120, "hang_attempts": 1}, idempotency_key=f"overrun:{t}"
+    )
+    assert dispatch_id is not None
+    row = stack.wait_status(dispatch_id, "completed", timeout=150)
+    assert row.attempt == 2
+    first, second = stack.runs(t)
+    assert (first["attempt"], second["attempt"]) == (1, 2)
+    assert second["note"] == "alone", second["note"]  # attempt 1's process had stopped
+    ticks = [r["ran_at"] for r in stack.runs(t, phase="tick") if r["attempt"] == 1]
+    assert ticks and max(ticks) < second["ran_at"]
+    assert [r["attempt"] for r in stack.runs(t, phase="end")] == [2]  # 1 was killed
+
+
 @pytest.mark.parametrize("broker", ["redis", "rabbitmq"])
 def test_the_worker_drops_the_time_limits_of_finished_runs(
     make_stack: StackFactory, broker: str, tmp_path: Path

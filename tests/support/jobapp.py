@@ -35,6 +35,7 @@ import time
 from typing import Any
 
 from celery import Celery, signals
+from celery.exceptions import SoftTimeLimitExceeded
 from kombu import Queue
 from pydantic import BaseModel, ConfigDict
 from sqlalchemy import (
@@ -48,6 +49,7 @@ from sqlalchemy import (
     create_engine,
     func,
     insert,
+    select,
 )
 
 from questpie_celery import JobContext, PermanentFailure, Questpie, hub_timer, job
@@ -183,6 +185,44 @@ POLICY_JOBS = tuple(
 )
 
 
+@job(
+    name="policy.singleton.overrun",
+    schema=Work,
+    options={"queue_policy": "singleton", "expire_in_seconds": 2},
+)
+def overrun(payload: Work, ctx: JobContext) -> None:
+    """Attempts up to `hang_attempts` run for `sleep` seconds whatever the time limits say
+    (a soft limit is caught and noted), recording a `tick` row as they go. Every attempt
+    notes, as it starts, whether an earlier attempt's process is still alive."""
+    with runs_engine().connect() as conn:
+        earlier = conn.execute(
+            select(runs_table.c.pid).where(
+                runs_table.c.dispatch_id == ctx.dispatch_id, runs_table.c.phase == "start"
+            )
+        ).scalars()
+        alive = [pid for pid in earlier if pid != os.getpid() and _process_alive(pid)]
+    record(ctx, payload.tag, note=f"earlier alive: {alive}" if alive else "alone")
+    until = time.monotonic() + (payload.sleep if ctx.attempt <= payload.hang_attempts else 0)
+    while time.monotonic() < until:
+        try:
+            record(ctx, payload.tag, phase="tick")
+            time.sleep(0.2)
+        except SoftTimeLimitExceeded:
+            pass  # overrun on purpose
+        except Exception:
+            runs_engine().dispose()  # the limit fell mid-statement: a fresh connection
+    record(ctx, payload.tag, phase="end")
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead and not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return not any(line.startswith("State:") and "Z" in line.split()[1] for line in status)
+    except FileNotFoundError:
+        return False
+
+
 @job(name="record", schema=Work)
 def record_job(payload: Work, ctx: JobContext) -> str:
     record(ctx, payload.tag)
@@ -253,7 +293,15 @@ def permissive(payload: Anything, ctx: JobContext) -> None:
     record(ctx, payload.tag, note=hashlib.sha256(dumped.encode()).hexdigest())
 
 
-JOBS = (record_job, record_async, send_welcome_email, *POLICY_JOBS, secret_link, permissive)
+JOBS = (
+    record_job,
+    record_async,
+    send_welcome_email,
+    *POLICY_JOBS,
+    overrun,
+    secret_link,
+    permissive,
+)
 
 
 def build(
