@@ -396,7 +396,8 @@ class Questpie:
         self._ledger.idle()
 
     def set_policy(self, job_name: str, policy: QueuePolicy | str) -> None:
-        """Record `policy` for a job on purpose; dispatches accepted from now on follow it."""
+        """Record `policy` for a job on purpose; dispatches accepted from now on follow it
+        here, and in every other process within `POLICY_SETTLE_SECONDS` (their caches)."""
         parsed = QueuePolicy.parse(policy)
         if parsed is None:
             raise PublishOptionsError(f"queue_policy must be one of {', '.join(QueuePolicy)}")

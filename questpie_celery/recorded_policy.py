@@ -34,6 +34,10 @@ log = logging.getLogger(__name__)
 
 #: How long a process trusts its cached copy of a recorded policy.
 POLICY_CACHE_SECONDS = 10.0
+#: How long after `set` returns every process holds to the new policy: each copy cached
+#: before it was read before it, so it has expired by then (a second's margin for the
+#: read's own round trip). Not a process cut off from the ledger: it keeps its last read.
+POLICY_SETTLE_SECONDS = POLICY_CACHE_SECONDS + 1.0
 #: What keeps a process from reading the recorded policy: the ledger is down, or not
 #: migrated yet. Either way the process goes by what it last read, or its declaration.
 _UNREADABLE = (LedgerUnavailableError, LedgerSchemaError)
@@ -82,7 +86,8 @@ class PolicyBook:
             )
 
     def set(self, job_name: str, policy: QueuePolicy) -> None:
-        """Change a job's recorded policy on purpose."""
+        """Change a job's recorded policy on purpose; every process holds to it within
+        `POLICY_SETTLE_SECONDS` (this one at once)."""
         self._ledger.set_policy(job_name, policy)
         self._cache[job_name] = (policy, time.monotonic())
 
