@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from functools import partial
 from typing import Any
@@ -45,7 +46,7 @@ from sqlalchemy.dialects.sqlite.pysqlite import SQLiteDialect_pysqlite
 from sqlalchemy.engine import URL
 from sqlalchemy.pool import NullPool
 
-from ...errors import ConfigurationError
+from ...errors import ConfigurationError, LedgerUnavailableError
 from ...ledger import AmbientTransaction, Borrowed, Ledger, mark_borrowed
 from ...ledger.engine import PG_CONNECT_TIMEOUT_SECONDS
 
@@ -65,7 +66,9 @@ _LOCK = threading.Lock()
 def installed_database() -> str | None:
     """The alias of the ledger's database when this Django project installs the app
     (`QUESTPIE_DATABASE`, `"default"` unless set); None when it does not, or when
-    Django or its settings are missing."""
+    Django or its settings are missing. Never raises for a setting that is wrong: that
+    is `manage.py check`'s to report (see `problems`), and building a `Questpie` at
+    import must not keep the check from running."""
     try:
         from django.conf import settings  # noqa: PLC0415
         from django.core.exceptions import ImproperlyConfigured  # noqa: PLC0415
@@ -77,7 +80,8 @@ def installed_database() -> str | None:
         return None  # no settings, or a DJANGO_SETTINGS_MODULE that does not import
     if not any(app == APP_NAME or app.startswith(APP_NAME + ".") for app in apps):
         return None
-    return ledger_database()
+    alias = getattr(settings, DATABASE_SETTING, DEFAULT_DATABASE)
+    return alias if isinstance(alias, str) else repr(alias)  # no such alias: refused below
 
 
 def ledger_database() -> str:
@@ -94,15 +98,135 @@ def django_ledger_engine(alias: str) -> Engine:
     """The engine of the ledger in `DATABASES[alias]`, on Django's own connections
     (one per alias and database backend in a process; Django is not connected until a
     statement runs). Keyed by the backend too: a test suite may point an alias at
-    another database, and the engine's dialect must follow."""
-    from django.db import connections  # noqa: PLC0415
+    another database, and the engine's dialect must follow.
 
-    key = (alias, str(connections.settings[alias]["ENGINE"]))
+    A `DATABASES` entry that cannot hold the ledger (see `problems`) gives an engine that
+    refuses every connection with the problem and its fix, as `LedgerUnavailableError`:
+    a worker then holds its deliveries as for a database that is down, and
+    `manage.py check` (which could not run if this raised at import) reports it."""
+    try:
+        from django.db import connections  # noqa: PLC0415
+    except ImportError:
+        raise ConfigurationError(
+            "django_database= needs Django: pip install 'questpie-celery[django]'"
+        ) from None
+    found = connections.settings.get(alias)
+    key = (alias, str(found["ENGINE"]) if found is not None else "")
     with _LOCK:
         engine = _ENGINES.get(key)
         if engine is None:
-            engine = _ENGINES[key] = _make_engine(alias)
+            errors = [problem for problem in problems(alias) if problem.error]
+            engine = _ENGINES[key] = _refusing(errors[0]) if errors else _make_engine(alias)
         return engine
+
+
+def engine_aliases() -> set[str]:
+    """The aliases this process built a ledger engine for (every `Questpie` on Django)."""
+    with _LOCK:
+        return {alias for alias, _ in _ENGINES}
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A configuration mistake `manage.py check` reports, with its fix."""
+
+    id: int  # questpie_celery.E0nn or W0nn
+    message: str
+    hint: str
+    error: bool = True  # else a warning: the ledger works, not as well as it should
+
+
+def problems(alias: str) -> list[Problem]:
+    """What keeps `DATABASES[alias]` from holding the ledger (errors), or from holding it
+    well (warnings). Reads settings only: no connection is opened."""
+    from django.db import connections  # noqa: PLC0415
+
+    known = sorted(connections.settings)
+    if alias not in connections.settings:
+        return [
+            Problem(
+                2,
+                f"the questpie ledger's database {alias!r} is not in DATABASES",
+                f"add DATABASES[{alias!r}], or set {DATABASE_SETTING} (and any "
+                f"Questpie(django_database=...)) to one of: {', '.join(known)}",
+            )
+        ]
+    try:
+        wrapper = connections[alias]  # imports the backend; opens no connection
+        vendor = wrapper.vendor
+    except Exception as exc:  # a backend that does not import: Django says why
+        return [Problem(3, f"DATABASES[{alias!r}] cannot be loaded: {exc}", "fix its ENGINE")]
+    if vendor not in ("postgresql", "sqlite"):
+        return [
+            Problem(
+                3,
+                f"the questpie ledger runs on PostgreSQL or SQLite; DATABASES[{alias!r}] is "
+                f"{vendor}",
+                f"point {DATABASE_SETTING} at a django.db.backends.postgresql or "
+                "django.db.backends.sqlite3 database",
+            )
+        ]
+    found: list[Problem] = []
+    if vendor == "postgresql":
+        from django.db.backends.postgresql.psycopg_any import is_psycopg3  # noqa: PLC0415
+
+        if not is_psycopg3:
+            found.append(
+                Problem(
+                    4,
+                    f"DATABASES[{alias!r}] runs on psycopg2; the questpie ledger needs psycopg 3",
+                    "pip install 'psycopg[binary]' (Django then uses psycopg 3)",
+                )
+            )
+    if wrapper.settings_dict.get("AUTOCOMMIT") is False:
+        found.append(
+            Problem(
+                5,
+                f"DATABASES[{alias!r}] turns AUTOCOMMIT off; the questpie ledger needs "
+                "Django's default (autocommit outside atomic blocks)",
+                f"remove AUTOCOMMIT from DATABASES[{alias!r}] (or keep the ledger in "
+                "another alias)",
+            )
+        )
+    if vendor == "sqlite" and not _sqlite_shared_safely(wrapper.settings_dict):
+        found.append(
+            Problem(
+                1,
+                f"DATABASES[{alias!r}] is SQLite without the options that let a worker "
+                "and a web process write it at once: expect 'database is locked'",
+                'set "OPTIONS": {"timeout": 15, "transaction_mode": "IMMEDIATE", '
+                '"init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=FULL"}',
+                error=False,
+            )
+        )
+    return found
+
+
+def _sqlite_shared_safely(settings_dict: Any) -> bool:
+    """The SQLite options docs/django.md asks for: a busy timeout, write locks taken up
+    front, and WAL (an in-memory database is one process's own and needs none)."""
+    options = settings_dict.get("OPTIONS") or {}
+    name = str(settings_dict.get("NAME") or "")
+    if name in ("", ":memory:") or name.startswith("file::memory:") or "mode=memory" in name:
+        return True
+    return (
+        float(options.get("timeout") or 0) >= 1
+        and str(options.get("transaction_mode", "")).upper() == "IMMEDIATE"
+        and "journal_mode=wal" in str(options.get("init_command", "")).lower().replace(" ", "")
+    )
+
+
+def _refusing(problem: Problem) -> Engine:
+    """An engine every connection of which fails with `problem` (see
+    `django_ledger_engine`)."""
+
+    def refuse() -> Any:
+        raise LedgerUnavailableError(
+            f"the dispatch ledger database cannot be used: {problem.message} ({problem.hint}; "
+            "`manage.py check` reports it)"
+        )
+
+    return create_engine("sqlite://", creator=refuse, poolclass=NullPool)
 
 
 def migrate_ledger(alias: str) -> int | None:
@@ -118,40 +242,16 @@ def migrate_ledger(alias: str) -> int | None:
 
 
 def _make_engine(alias: str) -> Engine:
-    try:
-        from django.db import connections  # noqa: PLC0415
-        from django.db.utils import ConnectionDoesNotExist  # noqa: PLC0415
-    except ImportError:
-        raise ConfigurationError(
-            "django_database= needs Django: pip install 'questpie-celery[django]'"
-        ) from None
-    try:
-        wrapper = connections[alias]
-    except ConnectionDoesNotExist:
-        raise ConfigurationError(
-            f"the ledger's database {alias!r} is not in Django's DATABASES"
-        ) from None
-    if wrapper.settings_dict.get("AUTOCOMMIT") is False:
-        raise ConfigurationError(
-            f"DATABASES[{alias!r}] turns AUTOCOMMIT off; the ledger needs Django's default "
-            "(autocommit outside atomic blocks)"
-        )
-    if wrapper.vendor == "postgresql":
-        from django.db.backends.postgresql.psycopg_any import is_psycopg3  # noqa: PLC0415
+    """The engine on `DATABASES[alias]`, which `problems` found no error in."""
+    from django.db import connections  # noqa: PLC0415
 
-        if not is_psycopg3:
-            raise ConfigurationError(
-                f"DATABASES[{alias!r}] runs on psycopg2; the ledger needs psycopg 3 "
-                "(pip install 'psycopg[binary]')"
-            )
-        url = URL.create("postgresql+psycopg")
-    elif wrapper.vendor == "sqlite":
-        url = URL.create("sqlite+questpie_django", database=str(wrapper.settings_dict["NAME"]))
-    else:
-        raise ConfigurationError(
-            f"the ledger runs on PostgreSQL or SQLite; DATABASES[{alias!r}] is {wrapper.vendor}"
-        )
+    wrapper = connections[alias]
     postgres = wrapper.vendor == "postgresql"
+    url = (
+        URL.create("postgresql+psycopg")
+        if postgres
+        else URL.create("sqlite+questpie_django", database=str(wrapper.settings_dict["NAME"]))
+    )
     # The ledger has no hstore column, and psycopg would refuse the proxy for its lookup.
     dialect_options: dict[str, Any] = {"use_native_hstore": False} if postgres else {}
     engine = create_engine(
