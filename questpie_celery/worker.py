@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Literal
 
+from billiard.einfo import ExceptionWithTraceback  # type: ignore[import-untyped]
 from celery import Celery, Task
 from celery.app.task import Context
 from celery.exceptions import Reject, TimeLimitExceeded, WorkerLostError
@@ -51,7 +52,9 @@ class DeliveryRequest(Request):  # type: ignore[misc]  # celery ships no type in
                 exc_info, send_failed_event=send_failed_event, return_ok=return_ok
             )
         finally:
-            exc = getattr(exc_info.exception, "exc", exc_info.exception)  # unwrapped
+            exc = exc_info.exception
+            if isinstance(exc, ExceptionWithTraceback):  # as the pool process sent it
+                exc = exc.exc
             if isinstance(exc, _LOST):
                 self.task.questpie_runner.ended_unrun(self.task, Context(self.request_dict))
 
@@ -87,7 +90,6 @@ class Runner:
         self._policies = policies
         self._context = context
         self._unrun = unrun
-        task_revoked.connect(self._revoked, weak=False)
 
     def register(self, app: Celery, definition: JobDefinition[Any]) -> Any:
         """Create the Celery task named after the job on `app`."""
@@ -133,12 +135,6 @@ class Runner:
             )
         except Exception:
             log.exception("could not note delivery %s that ended without a run", request.id)
-
-    def _revoked(
-        self, sender: Any = None, request: Any = None, expired: bool = False, **_: Any
-    ) -> None:
-        if getattr(sender, "questpie_runner", None) is self and request is not None:
-            self.ended_unrun(sender, request, "expired" if expired else "revoked")
 
     def execute(self, task: JobTask, payload: Any) -> Any:
         task.request.questpie_started = time.monotonic()  # the soft time limit runs from here
@@ -208,3 +204,14 @@ class Runner:
             raise seen
         telemetry.current().set(outcome="retrying")
         raise task.retry(exc=seen, countdown=run.delay_before_retry(attempt)) from None
+
+
+def _revoked(sender: Any = None, request: Any = None, expired: bool = False, **_: Any) -> None:
+    """In the worker's main process: Celery dropped a revoked (or expired) message of one
+    of our jobs, acknowledged and never run."""
+    runner = getattr(sender, "questpie_runner", None)
+    if isinstance(runner, Runner) and request is not None:
+        runner.ended_unrun(sender, request, "expired" if expired else "revoked")
+
+
+task_revoked.connect(_revoked, weak=False)  # once, for every Runner: the task names its own
