@@ -199,7 +199,6 @@ class Questpie:
             redeliver_after=lambda: self._outbox.redeliver_after,
             context=self._context,
         )
-        self._runner = Runner(fence, self._policies, self._context)
         self._publisher = Publisher(
             self._ledger, self._outbox, sender, self._policies, self._keyring_for_publish
         )
@@ -214,6 +213,8 @@ class Questpie:
         self._relay = Relay(
             self._ledger, self._outbox, outcomes, slots, relay_interval, self._retention
         )
+        # A delivery the worker's main process saw end unrun goes to the relay running there.
+        self._runner = Runner(fence, self._policies, self._context, self._relay.hear_unrun)
         self._registry = JobRegistry()
         self._schedules = Schedules(
             self._ledger,
@@ -410,7 +411,8 @@ class Questpie:
         self._ledger.idle()
 
     def set_policy(self, job_name: str, policy: QueuePolicy | str) -> None:
-        """Record `policy` for a job on purpose; dispatches accepted from now on follow it."""
+        """Record `policy` for a job on purpose; dispatches accepted from now on follow it
+        here, and in every other process within `POLICY_SETTLE_SECONDS` (their caches)."""
         parsed = QueuePolicy.parse(policy)
         if parsed is None:
             raise PublishOptionsError(f"queue_policy must be one of {', '.join(QueuePolicy)}")

@@ -7,6 +7,7 @@ import importlib
 import json
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from datetime import datetime
@@ -14,6 +15,7 @@ from typing import Protocol, get_args
 
 import click
 
+from . import recorded_policy
 from .app import Questpie
 from .errors import QuestpieError
 from .ledger import Ledger, Status, open_ledger
@@ -108,13 +110,27 @@ def policy() -> None:
 @click.option("-A", "--app", help="module:attribute of your Questpie instance")
 @click.option("--ledger-url", envvar="QUESTPIE_LEDGER_URL", help="SQLAlchemy URL of the ledger")
 @_pooled_option
-def policy_set(job_name: str, policy_name: str, app: str | None, ledger_url: str | None) -> None:
-    """Record POLICY for JOB_NAME; dispatches accepted from now on follow it."""
+@click.option(
+    "--no-wait", is_flag=True, help="return at once; every process follows within the wait"
+)
+def policy_set(
+    job_name: str, policy_name: str, app: str | None, ledger_url: str | None, no_wait: bool
+) -> None:
+    """Record POLICY for JOB_NAME; dispatches accepted from now on follow it.
+
+    Returns once every worker and publisher holds to it: each caches a job's policy for
+    a few seconds, so the command waits that long (unless --no-wait)."""
     try:
         _admin(app, ledger_url).set_policy(job_name, QueuePolicy(policy_name))
     except QuestpieError as exc:
         raise click.ClickException(str(exc)) from exc
-    click.echo(f"{job_name}: {policy_name}")
+    settle = recorded_policy.POLICY_SETTLE_SECONDS
+    if no_wait:
+        click.echo(f"{job_name}: {policy_name} (every process holds to it within {settle:.0f} s)")
+        return
+    click.echo(f"{job_name}: {policy_name} recorded; waiting {settle:.0f} s for cached copies")
+    time.sleep(settle)
+    click.echo(f"{job_name}: {policy_name} (in force at every worker and publisher)")
 
 
 @policy.command("show")

@@ -36,6 +36,7 @@ from .errors import (
     DispatchIdError,
     HandlerAbortedError,
     LedgerBusyError,
+    LedgerSchemaError,
     LedgerUnavailableError,
     MalformedHeaderError,
     PayloadValidationError,
@@ -45,7 +46,7 @@ from .errors import (
 )
 from .ids import unstorable_id
 from .jobs import JobContext, JobDefinition
-from .leases import LeaseKeeper
+from .leases import LeaseKeeper, renewal_cap
 from .ledger import Claim, DispatchRow, Ledger, NewDispatch
 from .options import StoredOptions, resolve_options
 from .outcomes import Outcomes
@@ -300,7 +301,8 @@ class Fence:
             raise Ignore()
         row = claim.row
         delivery.set(policy=str(row.policy or "standard"))
-        with self._leases.hold(dispatch_id, token, row.options.run.expire_in_seconds) as lease:
+        cap = renewal_cap(row.options.run.expire_in_seconds, _hard_limit_left(task))
+        with self._leases.hold(dispatch_id, token, cap) as lease:
             # Inside the hold: a result backend that stalls must not let the lease lapse.
             mark_started(task)
             with telemetry.span("questpie.run", attempt=row.attempt) as running:
@@ -484,7 +486,8 @@ class Fence:
         return self._patiently(task, step, back)
 
     def _patiently(self, task: Task, step: Callable[[], T], back: MessageHeader) -> T:
-        """Run a fence step, waiting out a ledger outage or a held row.
+        """Run a fence step, waiting out a ledger outage, a held row, or a ledger not
+        migrated yet (its tables missing: the delivery runs once `migrate` made them).
 
         Past the patience (and before the run's soft time limit, which would otherwise
         end the wait with the message already acknowledged), the delivery goes back to
@@ -497,14 +500,17 @@ class Fence:
             try:
                 try:
                     return step()
-                except (LedgerUnavailableError, LedgerBusyError) as exc:
+                except (LedgerUnavailableError, LedgerBusyError, LedgerSchemaError) as exc:
                     if task.request.is_eager:
                         raise  # publish() is waiting on this run inline: tell it
                     if time.monotonic() >= deadline and self._requeue(task, exc, back):
                         raise Ignore() from None
                     log.warning(
-                        "dispatch %s: the ledger is unreachable or busy (%s); waiting to claim it",
+                        "dispatch %s: %s (%s); waiting to claim it",
                         task.request.id,
+                        "the ledger is not migrated"
+                        if isinstance(exc, LedgerSchemaError)
+                        else "the ledger is unreachable or busy",
                         exc,
                         extra={"dispatch_id": task.request.id},
                     )
@@ -615,6 +621,18 @@ def _time_before_soft_limit(task: Task) -> float:
         return float("inf")
     started = getattr(task.request, "questpie_started", None) or time.monotonic()
     return max(float(soft) - SOFT_LIMIT_MARGIN_SECONDS - (time.monotonic() - started), 0.0)
+
+
+def _hard_limit_left(task: Task) -> float | None:
+    """Seconds from now to the run's hard time limit, at which the prefork pool kills its
+    process (from when the run began; the pool counts from a moment earlier, when it
+    took the job); None when it has none."""
+    limits = task.request.timelimit or (None, None)
+    hard = (limits[0] if limits else None) or task.time_limit or task.app.conf.task_time_limit
+    if not hard:
+        return None
+    started = getattr(task.request, "questpie_started", None) or time.monotonic()
+    return float(hard) - (time.monotonic() - started)
 
 
 def mark_started(task: Task) -> None:

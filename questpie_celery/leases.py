@@ -1,20 +1,27 @@
 """Keeps the execution claims of running handlers alive.
 
 One daemon thread per worker process renews every claim it tracks, every third
-of a lease, until the run ends or reaches its `expire_in_seconds`; past that the
-lease lapses, which is what makes an overlong run a failed attempt on pools that
-cannot interrupt code. The thread survives any error (a dead renewer would let
+of a lease, until the run ends or reaches the age its caller gave (`renewal_cap`):
+past that the lease lapses, which is what makes an overlong run a failed attempt on
+pools that cannot interrupt code. In a prefork pool process, whose run the pool kills
+at its hard time limit, that age is the hard limit (and a margin): the claim then
+lapses only once the process is gone, so a retry can never start beside a run that
+overran its soft limit. The thread survives any error (a dead renewer would let
 every long run in the process be run twice) and is restarted if it ever dies.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
+
+from celery.signals import worker_init, worker_process_init
 
 from .forking import reset_in_child
 from .ledger import Ledger
@@ -23,6 +30,41 @@ log = logging.getLogger(__name__)
 
 #: How soon a renewal that failed is tried again.
 RENEW_RETRY_SECONDS = 1.0
+#: How long past a run's hard time limit a prefork pool process goes on renewing its
+#: claim: the pool kills the process at the limit, so renewals end with it; the margin
+#: covers a kill the pool's event loop makes late, and bounds the claim of a process
+#: the kill never reached.
+KILL_MARGIN_SECONDS = 10.0
+
+# The pid of this worker's main process (None outside a worker), and whether this
+# process is one of its prefork pool processes: Celery sends `worker_process_init` in
+# those, and in the main process of the solo pool, which cannot kill a run.
+_worker_pid: int | None = None
+_in_prefork_child = False
+
+
+def _worker_starts(**_: Any) -> None:
+    global _worker_pid  # noqa: PLW0603  # one fact per process, as Celery's own signals are
+    _worker_pid = os.getpid()
+
+
+def _pool_process_starts(**_: Any) -> None:
+    global _in_prefork_child  # noqa: PLW0603
+    _in_prefork_child = os.getpid() != _worker_pid
+
+
+worker_init.connect(_worker_starts, weak=False)
+worker_process_init.connect(_pool_process_starts, weak=False)
+
+
+def renewal_cap(expire_in_seconds: float, hard_limit_left: float | None) -> float:
+    """For how many seconds from now a run's claim is renewed: in a prefork pool process
+    with a hard time limit, until the pool has killed the run (`hard_limit_left`, plus
+    `KILL_MARGIN_SECONDS`); on every other pool (threads, solo, gevent, eventlet), which
+    cannot stop running code for sure, `expire_in_seconds`."""
+    if _in_prefork_child and hard_limit_left is not None:
+        return max(hard_limit_left, 0.0) + KILL_MARGIN_SECONDS
+    return expire_in_seconds
 
 
 @dataclass

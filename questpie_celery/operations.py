@@ -240,7 +240,9 @@ class Operator:
             backlog, schedules = self.backlog(), self.schedules()
         except LedgerSchemaError:
             backlog, schedules = [], []
-            missing.append("the relay's backlog and the schedules (run questpie-celery migrate)")
+            missing.append(
+                f"the relay's backlog and the schedules (run {self._ledger.migrate_command})"
+            )
         return Overview(
             counts=self.counts(),
             stuck=self.stuck(limit=limit),

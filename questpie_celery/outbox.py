@@ -130,6 +130,13 @@ class Outbox:
         # A long wait stays in the ledger, not in a worker's memory as an ETA.
         return RetryPlan(delay, delay - ETA_HORIZON_SECONDS, send_now=False)
 
+    def resend_unclaimed(self, dispatch_id: str, job_name: str, attempt: int) -> bool:
+        """A delivery of `attempt` ended without a run and without a claim (its pool
+        process died first, say), after the broker had it acknowledged: the relay sends the
+        row again at once rather than after `redeliver_after`. False when the row moved on
+        (the delivery did claim it, or another one did)."""
+        return self._ledger.send_unclaimed_now(dispatch_id, job_name, attempt)
+
     def due_out_of_sends(self) -> list[DispatchRow]:
         """Rows due for the relay that had every send of their attempt: the relay gives
         up on them instead."""

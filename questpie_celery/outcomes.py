@@ -19,12 +19,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from celery.exceptions import SoftTimeLimitExceeded
 
 from .errors import LedgerBusyError, LedgerUnavailableError, QuestpieError
-from .ledger import DispatchRow, Ledger
+from .ledger import EXPIRED, REVOKED, DispatchRow, Ledger
 from .outbox import Outbox
 from .slots import Slots
 
@@ -36,6 +37,21 @@ OUTCOME_PATIENCE_SECONDS = 300.0
 MAX_WRITE_PAUSE_SECONDS = 2.0
 
 Ending = Literal["failed", "retrying", "lost"]
+
+
+@dataclass(frozen=True)
+class Unrun:
+    """A delivery that the worker's main process saw end without running its handler
+    and whose message Celery acknowledged: its pool process was lost (killed, out of
+    memory, past its hard time limit) or its message was rejected (`lost`), or the worker
+    revoked it or dropped it as expired (`revoked`, `expired`). It may have claimed before
+    it ended: whatever is done about it is conditional on the row still waiting for that
+    delivery's claim."""
+
+    dispatch_id: str
+    job_name: str
+    attempt: int  # the claim the delivery was meant to take
+    why: Literal["lost", "revoked", "expired"]
 
 
 class Outcomes:
@@ -137,6 +153,31 @@ class Outcomes:
             )
 
     # --- the relay ------------------------------------------------------------------------
+
+    def unrun(self, delivery: Unrun) -> bool:
+        """A delivery that ended without a run: a lost one is sent again at once; a revoked
+        or expired one ends its dispatch as `failed` (a revoke means "do not run it", and
+        sending it again would only meet the revoke again). True when the row changed."""
+        if delivery.why == "lost":
+            return self._outbox.resend_unclaimed(
+                delivery.dispatch_id, delivery.job_name, delivery.attempt
+            )
+        error = REVOKED if delivery.why == "revoked" else EXPIRED
+        row = self._ledger.end_unclaimed(
+            delivery.dispatch_id, delivery.job_name, delivery.attempt, error
+        )
+        if row is None:
+            return False
+        log.warning(
+            "dispatch %s of job %s: its message was %s before it ran; failed (%s)",
+            row.id,
+            row.job_name,
+            delivery.why,
+            error,
+            extra={"dispatch_id": row.id, "job_name": row.job_name},
+        )
+        self._hand_on(row)
+        return True
 
     def lapsed(self, row: DispatchRow) -> bool:
         """End a claim whose lease lapsed (its worker died or overran) as a failed

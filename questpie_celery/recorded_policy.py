@@ -12,7 +12,8 @@ that never read one goes by the job's declaration, so an unkeyed publish of a
 `standard` job needs no database at all; a worker never guesses: it reads every
 job's policy before its pool forks, and a delivery whose job's policy it could
 not read waits for the ledger, like a claim. So the worker enforces the recorded
-policy on every delivery, however the message was sent.
+policy on every delivery, however the message was sent. A ledger whose tables are not
+there yet (before `migrate`) counts as one that cannot be reached.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from .errors import LedgerUnavailableError
+from .errors import LedgerSchemaError, LedgerUnavailableError
 from .jobs import JobDefinition
 from .ledger import Ledger
 from .policies import QueuePolicy
@@ -33,6 +34,13 @@ log = logging.getLogger(__name__)
 
 #: How long a process trusts its cached copy of a recorded policy.
 POLICY_CACHE_SECONDS = 10.0
+#: How long after `set` returns every process holds to the new policy: each copy cached
+#: before it was read before it, so it has expired by then (a second's margin for the
+#: read's own round trip). Not a process cut off from the ledger: it keeps its last read.
+POLICY_SETTLE_SECONDS = POLICY_CACHE_SECONDS + 1.0
+#: What keeps a process from reading the recorded policy: the ledger is down, or not
+#: migrated yet. Either way the process goes by what it last read, or its declaration.
+_UNREADABLE = (LedgerUnavailableError, LedgerSchemaError)
 
 
 class PolicyBook:
@@ -52,7 +60,7 @@ class PolicyBook:
         """
         try:
             recorded = self._recorded(definition.name)
-        except LedgerUnavailableError:
+        except _UNREADABLE:
             return requested or QueuePolicy.STANDARD  # the declaration: see the docstring
         if recorded is None and requested is not None and requested.ledgered:
             recorded = self._store(definition.name, requested)
@@ -63,8 +71,8 @@ class PolicyBook:
     def in_force(self, definition: JobDefinition[Any]) -> QueuePolicy:
         """The policy a delivery of the job runs under, at a worker.
 
-        Raises `LedgerUnavailableError` when the ledger is down and this process never
-        read the job's policy.
+        Raises `LedgerUnavailableError` when the ledger is down (`LedgerSchemaError`
+        before `migrate`) and this process never read the job's policy.
         """
         declared = QueuePolicy.parse(definition.options.get("queue_policy"))
         return self._recorded(definition.name) or declared or QueuePolicy.STANDARD
@@ -78,7 +86,8 @@ class PolicyBook:
             )
 
     def set(self, job_name: str, policy: QueuePolicy) -> None:
-        """Change a job's recorded policy on purpose."""
+        """Change a job's recorded policy on purpose; every process holds to it within
+        `POLICY_SETTLE_SECONDS` (this one at once)."""
         self._ledger.set_policy(job_name, policy)
         self._cache[job_name] = (policy, time.monotonic())
 
@@ -95,7 +104,7 @@ class PolicyBook:
     def read(self, job_name: str) -> None:
         """Refresh the cached recorded policy now; a ledger that is down is left to the
         publish that follows, which decides as `effective` says."""
-        with contextlib.suppress(LedgerUnavailableError):
+        with contextlib.suppress(*_UNREADABLE):
             self._recorded(job_name)
 
     def forget(self) -> None:
@@ -117,7 +126,7 @@ class PolicyBook:
             return cached[0]
         try:
             policy = self._ledger.get_policy(job_name)
-        except LedgerUnavailableError:
+        except _UNREADABLE:
             if cached is not None:
                 return cached[0]
             raise

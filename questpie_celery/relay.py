@@ -6,6 +6,9 @@ change it makes is a conditional update that only one of them can win.
 
 Each pass, in this order:
 
+0. handles the deliveries this worker saw end without a run (`hear_unrun`: a pool
+   process lost before its claim, a revoked message), so a dispatch whose message
+   Celery acknowledged and dropped is sent again at once, not after `redeliver_after`;
 1. ends claims whose lease lapsed (the worker died, or the run outlived
    `expire_in_seconds`) as failed attempts, retried or failed as the dispatch's
    options say, handing their slots on; this needs no broker, so it comes first;
@@ -45,11 +48,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 
 from .errors import LedgerSchemaError, QuestpieError
 from .ledger import Ledger, SendWakeups
 from .outbox import Outbox
-from .outcomes import Outcomes
+from .outcomes import Outcomes, Unrun
 from .retention import Retention
 from .slots import Slots
 
@@ -78,6 +82,10 @@ RELISTEN_SECONDS = 5.0
 #: The least time from the start of one pass to a pass a notification wakes: a stream of
 #: commits is served in passes this far apart, not one pass per commit in every relay.
 WAKE_GAP_SECONDS = 0.05
+#: Deliveries that ended without a run a relay keeps to handle, at most: past that (the
+#: ledger down for long under a stream of lost pool processes) the oldest are left to
+#: `redeliver_after`.
+MAX_UNRUN_WAITING = 10_000
 # How long one wait for a notification lasts, and how often a waiting relay checks that it
 # should stop: bounds how long stopping takes.
 _LISTEN_SLICE_SECONDS = 1.0
@@ -100,6 +108,31 @@ class Relay:
         self._slots = slots
         self.interval = interval
         self._retention = retention
+        self._unrun: deque[Unrun] = deque(maxlen=MAX_UNRUN_WAITING)
+        self._unrun_lock = threading.Lock()
+        self._wake = threading.Event()  # a commit notified rows for it, or a delivery ended unrun
+
+    def hear_unrun(self, delivery: Unrun) -> None:
+        """A delivery ended without a run (heard in the worker's main process, in its event
+        loop: so only noted here, never a statement); the next pass, which it starts at
+        once, handles it."""
+        with self._unrun_lock:
+            self._unrun.append(delivery)
+        self._wake.set()
+
+    def _handle_unrun(self) -> int:
+        with self._unrun_lock:
+            waiting = list(self._unrun)
+            self._unrun.clear()
+        moved = 0
+        for index, delivery in enumerate(waiting):
+            try:
+                moved += self._outcomes.unrun(delivery)
+            except QuestpieError:
+                with self._unrun_lock:  # the ledger is away: the next pass tries them again
+                    self._unrun.extendleft(reversed(waiting[index:]))
+                raise
+        return moved
 
     def run_once(self, *, end_lapsed_leases: bool = True) -> int:
         """One pass; returns how many dispatches it moved on."""
@@ -107,7 +140,7 @@ class Relay:
 
     def _pass(self, *, end_lapsed_leases: bool) -> tuple[int, bool]:
         """One pass: (dispatches moved on, whether it stopped sending with rows still due)."""
-        moved = 0
+        moved = self._handle_unrun()
         if end_lapsed_leases:
             moved += sum(self._outcomes.lapsed(row) for row in self._ledger.expired_claims())
         # Giving up needs no broker.
@@ -144,7 +177,8 @@ class Relay:
                 return False
             log.warning(
                 "the ledger has no backlog table yet (schema older than this version); "
-                "run `questpie-celery migrate` so the status page can plot the relay's backlog"
+                "run `%s` so the status page can plot the relay's backlog",
+                self._ledger.migrate_command,
             )
             return False
         except QuestpieError:
@@ -152,7 +186,7 @@ class Relay:
         return True
 
     def run_forever(self, stop: threading.Event) -> None:
-        wake = threading.Event()  # set when a commit notified rows for the relay
+        wake = self._wake
         done = threading.Event()  # tells the listener this loop ended
         wakeups = self._ledger.send_wakeups()
         if wakeups is not None:
@@ -163,17 +197,16 @@ class Relay:
                 daemon=True,
             ).start()
         try:
-            self._loop(stop, wake if wakeups is not None else None)
+            self._loop(stop, wake)
         finally:
             done.set()
 
-    def _loop(self, stop: threading.Event, wake: threading.Event | None) -> None:
+    def _loop(self, stop: threading.Event, wake: threading.Event) -> None:
         failing = False
         reachable_since: float | None = None  # since when every pass reached the ledger
         sampling, last_sample = True, float("-inf")
         while not stop.is_set():
-            if wake is not None:
-                wake.clear()  # a notification from here on calls for another pass
+            wake.clear()  # a notification from here on calls for another pass
             started = time.monotonic()
             more_due = False
             try:
@@ -209,9 +242,7 @@ class Relay:
             self._ledger.idle()  # a pass is a unit of work: Django's connection rules apply
             if more_due:
                 continue  # a backlog: the next pass follows at once
-            if wake is None:
-                stop.wait(self.interval)
-            elif self._woken(stop, wake, self.interval):
+            if self._woken(stop, wake, self.interval):
                 stop.wait(max(0.0, started + WAKE_GAP_SECONDS - time.monotonic()))
 
     @staticmethod

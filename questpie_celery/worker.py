@@ -10,20 +10,58 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Literal
 
+from billiard.einfo import ExceptionWithTraceback  # type: ignore[import-untyped]
 from celery import Celery, Task
+from celery.app.task import Context
+from celery.exceptions import Reject, TimeLimitExceeded, WorkerLostError
+from celery.signals import task_revoked
+from celery.worker.request import Request
 
 from . import telemetry
-from .broker import MessageHeader
+from .broker import HARD_TIME_LIMIT_GRACE_SECONDS, MessageHeader
 from .context import AppContext
 from .errors import HandlerAbortedError, PermanentFailure
 from .fence import Fence, mark_started
 from .jobs import JobContext, JobDefinition
 from .options import resolve_options
+from .outcomes import Unrun
 from .recorded_policy import PolicyBook
 
 log = logging.getLogger(__name__)
+
+
+#: Ended without running, as the worker's main process sees it: the pool process was lost
+#: (killed, out of memory, its hard time limit) or the message rejected. Any other end
+#: came from the handler's process, which recorded it in the ledger itself.
+_LOST = (WorkerLostError, TimeLimitExceeded, Reject, SystemExit, KeyboardInterrupt)
+
+
+class DeliveryRequest(Request):  # type: ignore[misc]  # celery ships no type information
+    """A delivery of a job in the worker's main process, where Celery acknowledges a
+    message whose pool process was lost: it tells the job's `Runner`, which passes it
+    on to the relay (see `Runner.ended_unrun`)."""
+
+    def on_failure(
+        self, exc_info: Any, send_failed_event: bool = True, return_ok: bool = False
+    ) -> Any:
+        try:
+            return super().on_failure(
+                exc_info, send_failed_event=send_failed_event, return_ok=return_ok
+            )
+        finally:
+            exc = exc_info.exception
+            if isinstance(exc, ExceptionWithTraceback):  # as the pool process sent it
+                exc = exc.exc
+            if isinstance(exc, _LOST):
+                self.task.questpie_runner.ended_unrun(self.task, Context(self.request_dict))
+
+    def on_timeout(self, soft: bool, timeout: float) -> None:
+        super().on_timeout(soft, timeout)
+        if not soft:  # the pool kills the process
+            self.task.questpie_runner.ended_unrun(self.task, Context(self.request_dict))
 
 
 class JobTask(Task):  # type: ignore[misc]  # celery ships no type information
@@ -33,16 +71,25 @@ class JobTask(Task):  # type: ignore[misc]  # celery ships no type information
     max_retries = None
     #: STARTED is stored by the fence once a run is let through (see fence.mark_started).
     track_started = False
+    Request = DeliveryRequest
     questpie_definition: JobDefinition[Any]
+    questpie_runner: Runner
 
 
 class Runner:
     """Runs deliveries of every job registered with one `Questpie`."""
 
-    def __init__(self, fence: Fence, policies: PolicyBook, context: AppContext) -> None:
+    def __init__(
+        self,
+        fence: Fence,
+        policies: PolicyBook,
+        context: AppContext,
+        unrun: Callable[[Unrun], None],
+    ) -> None:
         self._fence = fence
         self._policies = policies
         self._context = context
+        self._unrun = unrun
 
     def register(self, app: Celery, definition: JobDefinition[Any]) -> Any:
         """Create the Celery task named after the job on `app`."""
@@ -53,14 +100,41 @@ class Runner:
 
         run.__name__ = definition.attribute_name
         run.__doc__ = definition.handler.__doc__
+        # A message of ours carries the time limits of its expire_in_seconds; a plain
+        # Celery call of the job runs under its declared one, just the same.
+        expire = resolve_options(definition.options, {}).run.expire_in_seconds
         return app.task(
             name=definition.name,
             bind=True,
             base=JobTask,
             shared=False,
             serializer="json",
+            soft_time_limit=expire,
+            time_limit=expire + HARD_TIME_LIMIT_GRACE_SECONDS,
             questpie_definition=definition,
+            questpie_runner=runner,
         )(run)
+
+    def ended_unrun(
+        self, task: Any, request: Any, why: Literal["lost", "revoked", "expired"] = "lost"
+    ) -> None:
+        """In the worker's main process: a delivery of one of our jobs ended without a
+        run. Passed on as an `Unrun` (the relay handles it off this event loop); never
+        raises, since Celery is in the middle of its own handling here."""
+        try:
+            header = MessageHeader.from_request(request)
+            ledgered = header is not None and header.ledgered
+            self._unrun(
+                Unrun(
+                    dispatch_id=str(request.id),
+                    job_name=task.questpie_definition.name,
+                    # A plain delivery claims (after taking it into the ledger) attempt 1.
+                    attempt=header.attempt if header is not None and ledgered else 1,
+                    why=why,
+                )
+            )
+        except Exception:
+            log.exception("could not note delivery %s that ended without a run", request.id)
 
     def execute(self, task: JobTask, payload: Any) -> Any:
         task.request.questpie_started = time.monotonic()  # the soft time limit runs from here
@@ -130,3 +204,14 @@ class Runner:
             raise seen
         telemetry.current().set(outcome="retrying")
         raise task.retry(exc=seen, countdown=run.delay_before_retry(attempt)) from None
+
+
+def _revoked(sender: Any = None, request: Any = None, expired: bool = False, **_: Any) -> None:
+    """In the worker's main process: Celery dropped a revoked (or expired) message of one
+    of our jobs, acknowledged and never run."""
+    runner = getattr(sender, "questpie_runner", None)
+    if isinstance(runner, Runner) and request is not None:
+        runner.ended_unrun(sender, request, "expired" if expired else "revoked")
+
+
+task_revoked.connect(_revoked, weak=False)  # once, for every Runner: the task names its own

@@ -20,8 +20,10 @@ from .engine import (
 )
 from .rows import Claim, DispatchRow, NewDispatch, ScheduleRow
 from .schema import (
+    EXPIRED,
     LEASE_EXPIRED,
     RELAY_GAVE_UP,
+    REVOKED,
     SCHEMA_VERSION,
     Status,
     dispatch_table,
@@ -33,8 +35,10 @@ from .transactions import caller_connection, send_after_commit
 from .wakeups import SendWakeups
 
 __all__ = [
+    "EXPIRED",
     "LEASE_EXPIRED",
     "RELAY_GAVE_UP",
+    "REVOKED",
     "SCHEMA_VERSION",
     "Ambient",
     "AmbientTransaction",

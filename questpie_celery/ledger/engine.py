@@ -28,6 +28,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
 from ..errors import ConfigurationError
+from .errors import MIGRATE_COMMAND
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
@@ -191,6 +192,8 @@ class Borrowed:
     #: A transaction of the owner's (Django's `atomic`), for `migrate`: nested in the
     #: caller's when one is open, as a savepoint.
     atomic: Callable[[], AbstractContextManager[object]]
+    #: What creates the ledger's tables there, for the error that says they are missing.
+    migrate_command: str = MIGRATE_COMMAND
 
 
 #: Engines whose connections another framework owns.

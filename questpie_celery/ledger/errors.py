@@ -15,7 +15,10 @@ _PG_LOCK_NOT_AVAILABLE = "55P03"
 #: The server rolled the whole statement back to break a deadlock (or a serialization
 #: conflict): running it again is safe.
 _PG_ROLLED_BACK = ("40P01", "40001")
-_PG_UNDEFINED_TABLE = "42P01"
+#: A table or a column the statement names is not there: `migrate` has not run (or not
+#: since the package was upgraded).
+_PG_UNDEFINED = ("42P01", "42703")
+_SQLITE_UNDEFINED = ("no such table", "no such column")
 #: A server that only reads: a standby, or a primary being demoted mid-failover.
 _PG_READ_ONLY = "25006"
 #: A server-side prepared statement that this server connection has under the same name
@@ -68,18 +71,30 @@ class Reruns:
         return True
 
 
+#: What creates the ledger's tables, unless the connections' owner says otherwise.
+MIGRATE_COMMAND = "questpie-celery migrate"
+
+
+def schema_missing(migrate_command: str = MIGRATE_COMMAND) -> LedgerSchemaError:
+    """The error of a ledger whose tables are missing or out of date, saying what to run."""
+    return LedgerSchemaError(
+        f"The dispatch ledger tables are missing or out of date; run `{migrate_command}`."
+    )
+
+
 @contextmanager
-def translate_errors() -> Iterator[None]:
-    """Raise `LedgerError` subclasses for whatever SQLAlchemy raises inside the block."""
+def translate_errors(migrate_command: str = MIGRATE_COMMAND) -> Iterator[None]:
+    """Raise `LedgerError` subclasses for whatever SQLAlchemy raises inside the block
+    (`migrate_command`: what a missing table's error tells the user to run)."""
     try:
         yield
     except exc.DBAPIError as error:
-        raise _translate(error) from error
+        raise _translate(error, migrate_command) from error
     except exc.SQLAlchemyError as error:
         raise LedgerError(f"ledger statement failed: {type(error).__name__}") from error
 
 
-def _translate(error: exc.DBAPIError) -> LedgerError:
+def _translate(error: exc.DBAPIError, migrate_command: str) -> LedgerError:
     sqlstate = getattr(error.orig, "sqlstate", None)
     refused = _REFUSED_STARTUP.search(str(error.orig))
     if refused is not None:
@@ -98,8 +113,8 @@ def _translate(error: exc.DBAPIError) -> LedgerError:
             f"in transaction mode (PgBouncer); {POOLED_HINT}, and make an engine= of "
             "your own with connect_args={'prepare_threshold': None}"
         )
-    if sqlstate == _PG_UNDEFINED_TABLE or "no such table" in str(error.orig):
-        return LedgerSchemaError()
+    if sqlstate in _PG_UNDEFINED or any(text in str(error.orig) for text in _SQLITE_UNDEFINED):
+        return schema_missing(migrate_command)
     if sqlstate == _PG_LOCK_NOT_AVAILABLE:
         return LedgerBusyError(
             "a ledger row is held by another open transaction (lock_timeout reached); "

@@ -61,6 +61,10 @@ RESENDABLE: tuple[Status, ...] = ("pending", "queued", "retry")
 #: `last_error` of an attempt whose lease lapsed, and of a dispatch the relay gave up on.
 LEASE_EXPIRED = "LeaseExpired"
 RELAY_GAVE_UP = "RelayGaveUp"
+#: `last_error` of a dispatch whose message a worker revoked, or dropped as expired,
+#: before any run of that delivery began.
+REVOKED = "Revoked"
+EXPIRED = "Expired"
 
 
 class UTCDateTime(TypeDecorator[datetime]):

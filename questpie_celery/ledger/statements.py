@@ -397,6 +397,19 @@ class Statements:
             .limit(bindparam("limit"))
         )
 
+        # A delivery that ended without a run (its pool process died before the claim, or
+        # the worker revoked its message): only a row still waiting for that very claim
+        # is touched, so a run that did claim, or a later attempt, is never disturbed.
+        self.send_unclaimed_now: Update = (
+            update(dispatch_table).where(deliverable).values(next_send_at=now)
+        )
+        self.end_unclaimed: Update = (
+            update(dispatch_table)
+            .where(deliverable)
+            .values(status="failed", claim_token=None, **terminal)
+            .returning(*dispatch_table.c)
+        )
+
         self.park: Update = update(dispatch_table).where(deliverable).values(status="parked")
         self.oldest_parked: Select[Any] = (
             select(t.id).where(in_slot, t.status == "parked").order_by(t.created_at, t.id).limit(1)

@@ -33,7 +33,7 @@ from .engine import (
     runs_in_autocommit,
     statement_settings,
 )
-from .errors import Reruns, SlotTaken, translate_errors
+from .errors import MIGRATE_COMMAND, Reruns, SlotTaken, schema_missing, translate_errors
 from .rows import Claim, DispatchRow, NewDispatch, ScheduleRow
 from .schema import (
     CLAIMABLE,
@@ -113,6 +113,12 @@ class Ledger:
         return self._sql
 
     @property
+    def migrate_command(self) -> str:
+        """What creates or upgrades the tables of this ledger: `questpie-celery migrate`,
+        or on Django's connections `manage.py migrate`."""
+        return self._borrowed.migrate_command if self._borrowed is not None else MIGRATE_COMMAND
+
+    @property
     def borrowed(self) -> bool:
         """Whether the connections belong to another framework (Django's)."""
         return self._borrowed is not None
@@ -156,7 +162,7 @@ class Ledger:
         deadlock: a multi-row insert meeting another in the opposite order can.
         """
         reruns = Reruns(after_rollback=rerun_if_rolled_back, log=log)
-        with translate_errors():
+        with translate_errors(self.migrate_command):
             while True:
                 try:
                     with self._connected(durable) as conn:
@@ -217,13 +223,13 @@ class Ledger:
 
     def migrate(self) -> int:
         """Create or upgrade the schema; safe to run again. Returns the schema version."""
-        with translate_errors(), self._begin() as conn:
+        with translate_errors(self.migrate_command), self._begin() as conn:
             metadata.create_all(conn, checkfirst=True)
             # Committed on its own: on PostgreSQL their exclusive locks (which stop reads
             # too) then last a moment, not as long as the index builds below.
             _allow_pruned_options(conn)
             _widen_dispatch_ids(conn)
-        with translate_errors(), self._begin() as conn:
+        with translate_errors(self.migrate_command), self._begin() as conn:
             # create_all adds missing tables only; indexes added by a later version too.
             for table in metadata.sorted_tables:
                 for index in table.indexes:
@@ -243,7 +249,7 @@ class Ledger:
         return SCHEMA_VERSION
 
     def schema_version(self) -> int | None:
-        with translate_errors(), self._autocommit.connect() as conn:
+        with translate_errors(self.migrate_command), self._autocommit.connect() as conn:
             return conn.execute(select(func.max(schema_version_table.c.version))).scalar()
 
     @property
@@ -259,13 +265,13 @@ class Ledger:
         if conn is None and self._ledger_id is not None:
             return self._ledger_id
         if conn is not None:
-            with translate_errors():
+            with translate_errors(self.migrate_command):
                 found = conn.execute(self._sql.ledger_id).scalar()
         else:
             row = self._first(self._sql.ledger_id, {})
             found = row["value"] if row is not None else None
         if not isinstance(found, str):
-            raise LedgerSchemaError()
+            raise schema_missing(self.migrate_command)
         if conn is None:
             self._ledger_id = found
         return found
@@ -290,7 +296,7 @@ class Ledger:
             return bool(rows) or (retried and self.exists(new.id))
         # The caller's connection reaches the ledger's own database (checked by
         # transactions.caller_connection), so the ledger's statements fit its dialect.
-        with translate_errors():
+        with translate_errors(self.migrate_command):
             return conn.execute(self._in_caller.insert, params).first() is not None
 
     def insert_many(self, batch: Sequence[NewDispatch], conn: Connection | None = None) -> set[str]:
@@ -310,7 +316,7 @@ class Ledger:
         else:
             stmt, params = sql.insert, [row_params(new) for new in batch]
         if conn is not None:
-            with translate_errors():
+            with translate_errors(self.migrate_command):
                 return {row.id for row in conn.execute(stmt, params)}
         secret = batch[0].secret_ciphertext is not None  # as in `insert`
         rows, retried = self._run(stmt, params, durable=secret, rerun_if_rolled_back=True)
@@ -326,7 +332,7 @@ class Ledger:
             return set()
         params = {"dispatch_ids": list(dispatch_ids)}
         if conn is not None:
-            with translate_errors():
+            with translate_errors(self.migrate_command):
                 return {row.id for row in conn.execute(self._sql.existing, params)}
         return {row["id"] for row in self._execute(self._sql.existing, params)}
 
@@ -334,7 +340,7 @@ class Ledger:
         """Whether the row exists (with `conn`: as the caller's transaction sees it)."""
         params = {"dispatch_id": dispatch_id}
         if conn is not None:
-            with translate_errors():
+            with translate_errors(self.migrate_command):
                 return conn.execute(self._sql.exists, params).first() is not None
         return self._first(self._sql.exists, params) is not None
 
@@ -491,6 +497,39 @@ class Ledger:
             and now.last_error == LEASE_EXPIRED
         )
 
+    def send_unclaimed_now(self, dispatch_id: str, job_name: str, attempt: int) -> bool:
+        """Make the row due for the relay now, if delivery `attempt` never claimed it (the
+        delivery ended without a run); False when the row has moved on, or is not there."""
+        params = {"dispatch_id": dispatch_id, "job": job_name, "previous": attempt - 1}
+        count, retried = self._run(self._sql.send_unclaimed_now, params)
+        return bool(count) or retried  # run twice: the first run may have landed; harmless
+
+    def end_unclaimed(
+        self, dispatch_id: str, job_name: str, attempt: int, error: str
+    ) -> DispatchRow | None:
+        """Record `failed` with `error` (erasing a secret's key) for a dispatch whose
+        delivery `attempt` was called off before it claimed (a revoke); the row ended, or
+        None when the row has moved on (it ran, or a later attempt is under way)."""
+        params = {
+            "dispatch_id": dispatch_id,
+            "job": job_name,
+            "previous": attempt - 1,
+            "error": error,
+        }
+        rows, retried = self._run(self._sql.end_unclaimed, params)
+        if rows:
+            return DispatchRow.from_mapping(rows[0])
+        if not retried:
+            return None
+        now = self.get(dispatch_id)  # ambiguous: did our first run land?
+        landed = (
+            now is not None
+            and now.status == "failed"
+            and now.last_error == error
+            and now.attempt == attempt - 1
+        )
+        return now if landed else None
+
     # --- queue policy slots ------------------------------------------------------------
 
     def park(self, dispatch_id: str, job_name: str, attempt: int) -> bool:
@@ -602,7 +641,7 @@ class Ledger:
         """In the caller's transaction: wake the listening relays once it commits
         (PostgreSQL only; on SQLite the relays find the row on their next poll)."""
         if self._sql.wake_relays is not None:
-            with translate_errors():
+            with translate_errors(self.migrate_command):
                 conn.execute(self._sql.wake_relays)
 
     def send_wakeups(self) -> SendWakeups | None:
@@ -735,7 +774,7 @@ class Ledger:
             if found is None or found < RETENTION_SCHEMA_VERSION:
                 raise LedgerSchemaError(
                     f"retention needs ledger schema version {RETENTION_SCHEMA_VERSION} "
-                    f"(this one is at {found}); run `questpie-celery migrate`"
+                    f"(this one is at {found}); run `{self.migrate_command}`"
                 )
             self._retention_ready = True  # a schema never goes back
         self._record_pruned_before(older_than)

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from datetime import UTC
 from pathlib import Path
@@ -131,6 +131,173 @@ def project(
     worker.stop()
     ledger.close()
     made.engine.dispose()
+
+
+def run_in_project(folder: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """A command of the test project against a SQLite file of its own, never migrated."""
+    full = {
+        **os.environ,
+        "DJ_DB": f"sqlite:///{folder / 'unmigrated.sqlite3'}",
+        "DJ_BROKER": "memory://",
+        "DJANGO_SETTINGS_MODULE": "proj.settings",
+        "PYTHONPATH": PYTHONPATH,
+        **env,
+    }
+    return subprocess.run(
+        [sys.executable, *args], cwd=PROJECT, env=full, capture_output=True, text=True,
+        timeout=60, check=False,
+    )  # fmt: skip
+
+
+#: The SQLite options docs/django.md asks for when several processes write one file.
+SAFE_SQLITE = {
+    "timeout": 15,
+    "transaction_mode": "IMMEDIATE",
+    "init_command": "PRAGMA journal_mode=WAL",
+}
+WITH_ADMIN = [
+    "django.contrib.admin", "django.contrib.auth", "django.contrib.contenttypes",
+    "django.contrib.messages", "django.contrib.sessions", "questpie_celery.contrib.django",
+    "shop",
+]  # fmt: skip
+
+
+ADMIN_MIDDLEWARE = [
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+]
+ADMIN_TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ]
+        },
+    }
+]
+
+
+def with_jobs(folder: Path, jobs: dict[str, Any], **settings: Any) -> dict[str, str]:
+    """The test project with a second alias, `jobs`, beside a well-configured default."""
+    default = {"ENGINE": "django.db.backends.sqlite3", "NAME": str(folder / "default.sqlite3")}
+    databases = {"default": {**default, "OPTIONS": SAFE_SQLITE}, "jobs": jobs}
+    return {"DJ_SETTINGS": json.dumps({"DATABASES": databases, **settings})}
+
+
+def settings_of(**settings: Any) -> dict[str, str]:
+    return {"DJ_SETTINGS": json.dumps(settings)}
+
+
+#: Every configuration mistake docs/django.md names, as the test project's environment
+#: makes it (for a project folder), the check that must report it, and words of its fix.
+MISTAKES: dict[str, tuple[Callable[[Path], dict[str, str]], str, str]] = {
+    "an alias DATABASES lacks": (
+        lambda _: settings_of(QUESTPIE_DATABASE="jobs"),
+        "questpie_celery.E002",
+        "add DATABASES['jobs']",
+    ),
+    "an alias that is not a str": (
+        lambda _: settings_of(QUESTPIE_DATABASE=1),
+        "questpie_celery.E001",
+        'QUESTPIE_DATABASE = "default"',
+    ),
+    "neither PostgreSQL nor SQLite": (
+        lambda folder: with_jobs(
+            folder, {"ENGINE": "django.db.backends.dummy"}, QUESTPIE_DATABASE="jobs"
+        ),
+        "questpie_celery.E003",
+        "django.db.backends.postgresql",
+    ),
+    "autocommit off": (
+        lambda _: {"DJ_DATABASE_EXTRA": json.dumps({"AUTOCOMMIT": False})},
+        "questpie_celery.E005",
+        "remove AUTOCOMMIT",
+    ),
+    "Questpie(django_database=) naming another alias than the setting": (
+        lambda folder: {
+            **with_jobs(
+                folder,
+                {
+                    "ENGINE": "django.db.backends.sqlite3",
+                    "NAME": str(folder / "jobs.sqlite3"),
+                    "OPTIONS": SAFE_SQLITE,
+                },
+            ),
+            "DJ_DJANGO_DATABASE": "jobs",
+        },
+        "questpie_celery.E006",
+        "set QUESTPIE_DATABASE = 'jobs'",
+    ),
+    "SQLite without the options for several processes": (
+        lambda _: {"DJ_DATABASE_EXTRA": json.dumps({"OPTIONS": {}})},
+        "questpie_celery.W001",
+        '"transaction_mode": "IMMEDIATE"',
+    ),
+    "the admin reading another database than the ledger's": (
+        lambda _: settings_of(
+            INSTALLED_APPS=WITH_ADMIN,
+            DATABASE_ROUTERS=["proj.routers.QuestpieElsewhere"],
+            MIDDLEWARE=ADMIN_MIDDLEWARE,
+            TEMPLATES=ADMIN_TEMPLATES,
+        ),
+        "questpie_celery.W002",
+        "route the questpie_celery app's models to 'default'",
+    ),
+}
+
+
+@pytest.mark.parametrize("mistake", list(MISTAKES))
+def test_manage_py_check_reports_each_configuration_mistake_with_its_fix(
+    mistake: str, tmp_path: Path
+) -> None:
+    make_env, check_id, fix = MISTAKES[mistake]
+    checked = run_in_project(tmp_path, "manage.py", "check", **make_env(tmp_path))
+    report = checked.stdout + checked.stderr
+    assert "Traceback" not in report, report
+    lines = report.splitlines()
+    found = next((n for n, line in enumerate(lines) if f"({check_id})" in line), None)
+    assert found is not None, report
+    assert "HINT" in lines[found + 1] and fix in lines[found + 1], report
+    assert (checked.returncode != 0) == (".E" in check_id), report
+
+
+def test_manage_py_check_finds_nothing_in_a_well_configured_project(tmp_path: Path) -> None:
+    checked = run_in_project(tmp_path, "manage.py", "check")
+    assert checked.returncode == 0, checked.stderr
+    assert "questpie_celery" not in checked.stdout + checked.stderr
+
+
+#: A keyed publish in the test project: prints the error it raised.
+PUBLISH_KEYED = (
+    "import django; django.setup()\n"
+    "from proj.celery import questpie\n"
+    "try:\n"
+    "    questpie.queue['shop.record'].publish({'tag': 'x'}, idempotency_key='k')\n"
+    "except Exception as exc:\n"
+    "    print(type(exc).__name__, exc)\n"
+)
+
+
+def test_a_misconfigured_django_ledger_refuses_publishes_with_the_fix(tmp_path: Path) -> None:
+    """The project still imports (so `manage.py check` runs); its ledger is unreachable
+    until the setting is fixed, saying how."""
+    done = run_in_project(tmp_path, "-c", PUBLISH_KEYED, **settings_of(QUESTPIE_DATABASE="jobs"))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("LedgerUnavailableError"), done.stdout
+    assert "add DATABASES['jobs']" in done.stdout and "manage.py check" in done.stdout
+
+
+def test_an_unmigrated_django_ledger_says_to_run_manage_py_migrate(tmp_path: Path) -> None:
+    done = run_in_project(tmp_path, "-c", PUBLISH_KEYED)
+    assert done.returncode == 0, done.stderr
+    assert "LedgerSchemaError" in done.stdout, done.stdout
+    assert "run `python manage.py migrate`" in done.stdout, done.stdout
+    assert "questpie-celery migrate" not in done.stdout
 
 
 def schema(url: str) -> dict[str, Any]:
@@ -379,7 +546,7 @@ def pooled_project(
 
 
 def test_a_pooled_project_works_through_pgbouncer(pooled_project: DjangoProject) -> None:
-    checked = pooled_project.run("manage.py", "check", "--database", "default")
+    checked = pooled_project.run("manage.py", "check")
     assert checked.returncode == 0, checked.stderr
     assert pooled_project.scenario("listens", "-") == {"listens": False}  # its relays poll
     tag = f"p{uuid.uuid4().hex[:8]}"
@@ -398,7 +565,7 @@ def test_the_system_check_refuses_prepared_statements_behind_a_pooler(
     pooled_project: DjangoProject,
 ) -> None:
     preparing = replace(pooled_project, env={**pooled_project.env, "DJ_PREPARE_THRESHOLD": "5"})
-    checked = preparing.run("manage.py", "check", "--database", "default")
+    checked = preparing.run("manage.py", "check")
     assert checked.returncode != 0
-    assert "questpie_celery.E005" in checked.stderr
+    assert "questpie_celery.E008" in checked.stderr
     assert "prepare_threshold" in checked.stderr

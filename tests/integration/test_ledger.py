@@ -113,6 +113,33 @@ def test_claim_fences_every_kind_of_duplicate(ledger: Ledger) -> None:
     assert ledger.claim(new.id, JOB, 2, 60).outcome == "done"
 
 
+def test_a_delivery_that_ended_unrun_moves_only_a_row_still_waiting_for_its_claim(
+    ledger: Ledger,
+) -> None:
+    waiting = _new(status="queued", send_in=3600)
+    assert ledger.insert(waiting)
+    far_off = _row(ledger, waiting.id).next_send_at
+    # Another job's delivery, or one for an attempt the row is not at, moves nothing.
+    assert ledger.send_unclaimed_now(waiting.id, "some-other-job", 1) is False
+    assert ledger.send_unclaimed_now(waiting.id, JOB, 2) is False
+    assert ledger.end_unclaimed(waiting.id, JOB, 2, "Revoked") is None
+    assert _row(ledger, waiting.id).next_send_at == far_off
+    # Its own delivery makes it due now, for the relay.
+    assert ledger.send_unclaimed_now(waiting.id, JOB, 1) is True
+    now = _row(ledger, waiting.id)
+    assert now.status == "queued" and now.next_send_at is not None
+    assert far_off is not None and now.next_send_at < far_off
+    # A row that was claimed is the lease's business: neither moves it.
+    claimed_id, token = _claimed(ledger)
+    assert ledger.send_unclaimed_now(claimed_id, JOB, 1) is False
+    assert ledger.end_unclaimed(claimed_id, JOB, 1, "Revoked") is None
+    assert _row(ledger, claimed_id).claim_token == token
+    # A revoked one ends failed, its error saying why.
+    ended = ledger.end_unclaimed(waiting.id, JOB, 1, "Revoked")
+    assert ended is not None and (ended.status, ended.last_error) == ("failed", "Revoked")
+    assert ended.finished_at is not None and ended.attempt == 0
+
+
 def test_a_claim_naming_another_job_is_unknown_and_touches_nothing(ledger: Ledger) -> None:
     new = _new()
     ledger.insert(new)
@@ -243,6 +270,28 @@ def test_missing_tables_give_a_schema_error(
             ledger.insert(_new())
         with pytest.raises(LedgerSchemaError):
             ledger.ledger_id()
+    finally:
+        ledger.close()
+
+
+@pytest.mark.parametrize("dialect", ["sqlite", "postgresql"])
+def test_a_missing_column_gives_a_schema_error(
+    request: pytest.FixtureRequest, tmp_path: Path, dialect: str
+) -> None:
+    """A schema older than the package (`migrate` not run since the upgrade) reads as one
+    to migrate, which the fence and the publisher wait out or report, not as a failure."""
+    url = (
+        f"sqlite:///{tmp_path / 'old.sqlite3'}"
+        if dialect == "sqlite"
+        else request.getfixturevalue("pg_db")
+    )
+    ledger = open_ledger(url)
+    try:
+        ledger.migrate()
+        with ledger.engine.begin() as conn:
+            conn.exec_driver_sql(f"ALTER TABLE {dispatch_table.name} DROP COLUMN started_at")
+        with pytest.raises(LedgerSchemaError, match="run `questpie-celery migrate`"):
+            ledger.get(random_dispatch_id())
     finally:
         ledger.close()
 

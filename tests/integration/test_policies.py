@@ -687,3 +687,30 @@ def test_policies_hold_on_sqlite_too(sqlite_fs: Stack) -> None:
     found = spans(sqlite_fs, t)
     assert [s[2] for s in found] == [first, a, b]
     assert_no_overlap(found)
+
+
+def test_policy_set_holds_plain_calls_made_right_after_it_returns(
+    make_stack: StackFactory,
+) -> None:
+    """`policy set` returns once every process holds to the new policy: the pool
+    processes of a worker that has just cached `record` as standard take three plain
+    calls made right after it under `exclusive`, never two running at once."""
+    stack = make_stack("redis")
+    t = tag()
+    changed = CliRunner().invoke(
+        main, ["policy", "set", "record", "exclusive", "--ledger-url", stack.env["QP_TEST_LEDGER"]]
+    )
+    assert changed.exit_code == 0, changed.output
+    assert "in force" in changed.output
+    sent = [stack.celery_app.send_task("record", args=[{"tag": t, "sleep": 1}]).id for _ in "abc"]
+    for dispatch_id in sent:  # each one ran, or its policy suppressed it
+        wait_until(
+            lambda d=dispatch_id: (
+                any(r["dispatch_id"] == d for r in stack.runs(t, phase="end"))
+                or "suppressed by its exclusive queue policy" in "".join(stack.worker.log_about(d))
+            ),
+            f"delivery {dispatch_id} handled",
+        )
+    found = spans(stack, t)
+    assert found
+    assert_no_overlap(found)

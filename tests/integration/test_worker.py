@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 import uuid
@@ -11,7 +13,7 @@ from pathlib import Path
 import pytest
 from celery.result import AsyncResult
 
-from questpie_celery import derive_dispatch_id
+from questpie_celery import LedgerSchemaError, derive_dispatch_id
 from tests.integration.conftest import StackFactory
 from tests.support.brokers import capture, deliver, queue_depth
 from tests.support.jobapp import Work
@@ -256,6 +258,29 @@ def test_expire_in_seconds_caps_a_run(stack: Stack) -> None:
     assert row.finished_at - row.started_at < timedelta(seconds=30)
 
 
+def test_a_run_past_its_time_limits_never_overlaps_its_retry_on_prefork(
+    make_stack: StackFactory,
+) -> None:
+    """A singleton run with `expire_in_seconds=2` and a 3 s lease that ignores its soft
+    time limit: its claim is renewed until the pool kills it at the hard limit (30 s
+    later), so its lease lapses only then, and attempt 2 starts once attempt 1's process
+    is gone."""
+    stack = make_stack("redis", env={"QP_TEST_LEASE": "3"})
+    t = tag()
+    dispatch_id = stack.questpie.queue["policy.singleton.overrun"].publish(
+        {"tag": t, "sleep": 120, "hang_attempts": 1}, idempotency_key=f"overrun:{t}"
+    )
+    assert dispatch_id is not None
+    row = stack.wait_status(dispatch_id, "completed", timeout=150)
+    assert row.attempt == 2
+    first, second = stack.runs(t)
+    assert (first["attempt"], second["attempt"]) == (1, 2)
+    assert second["note"] == "alone", second["note"]  # attempt 1's process had stopped
+    ticks = [r["ran_at"] for r in stack.runs(t, phase="tick") if r["attempt"] == 1]
+    assert ticks and max(ticks) < second["ran_at"]
+    assert [r["attempt"] for r in stack.runs(t, phase="end")] == [2]  # 1 was killed
+
+
 @pytest.mark.parametrize("broker", ["redis", "rabbitmq"])
 def test_the_worker_drops_the_time_limits_of_finished_runs(
     make_stack: StackFactory, broker: str, tmp_path: Path
@@ -284,3 +309,80 @@ def test_the_worker_drops_the_time_limits_of_finished_runs(
         time.sleep(0.2)
     # The finished runs' entries were there, and then, purged, none are.
     assert seen and seen[-1][0] == 0 and seen[-1][1] >= 20, seen
+
+
+def wait_for_file(path: Path, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("broker", ["redis", "rabbitmq"])
+def test_a_pool_process_lost_before_its_claim_runs_its_dispatch_at_once(
+    make_stack: StackFactory, broker: str, tmp_path: Path
+) -> None:
+    """A pool process killed (as by the OOM killer) after Celery acknowledged its message
+    and before its claim: the worker's main process hears of it, and the relay sends the
+    dispatch again within seconds, not after `redeliver_after` (an hour, the default)."""
+    held = tmp_path / "held"
+    held.mkdir()
+    stack = make_stack(broker, env={"QP_TEST_HOLD_DIR": str(held)})
+    t = tag()
+    dispatch_id = stack.questpie.queue.record.publish({"tag": t}, idempotency_key=f"lost:{t}")
+    assert dispatch_id is not None
+    wait_for_file(held / dispatch_id)  # its delivery waits just before the claim
+    assert stack.row(dispatch_id).status in ("pending", "queued")
+    os.kill(int((held / dispatch_id).read_text()), signal.SIGKILL)
+    row = stack.wait_status(dispatch_id, "completed", timeout=30)
+    assert row.attempt == 1
+    assert [r["dispatch_id"] for r in stack.runs(t)] == [dispatch_id]
+
+
+def test_a_dispatch_revoked_before_it_ran_fails_at_once_and_never_runs(
+    make_stack: StackFactory, tmp_path: Path
+) -> None:
+    """Celery drops a revoked message (acknowledged, never run): the dispatch is recorded
+    failed (`Revoked`) there and then, not left queued for the relay to send it again."""
+    held = tmp_path / "held"
+    held.mkdir()
+    stack = make_stack("redis", env={"QP_TEST_HOLD_DIR": str(held)}, concurrency=1)
+    t1, t2 = tag(), tag()
+    first = stack.questpie.queue.record.publish({"tag": t1}, idempotency_key=f"busy:{t1}")
+    assert first is not None
+    wait_for_file(held / first)  # the one pool process is busy
+    second = stack.questpie.queue.record.publish({"tag": t2}, idempotency_key=f"revoke:{t2}")
+    assert second is not None
+    replies = stack.celery_app.control.revoke(second, reply=True, timeout=10)
+    assert replies, "the worker did not answer the revoke"
+    (held / f"{first}.go").touch()
+    row = stack.wait_status(second, "failed", timeout=30)
+    assert (row.attempt, row.last_error) == (0, "Revoked")
+    assert stack.wait_status(first, "completed").attempt == 1
+    assert stack.runs(t2) == []
+
+
+def test_a_worker_started_before_migrate_waits_and_then_runs_everything_once(
+    make_stack: StackFactory,
+) -> None:
+    """Before `migrate`, a ledger counts as unreachable: deliveries wait for it (saying
+    what to run), an unkeyed standard publish is sent, a keyed one raises. After
+    `migrate`, with the same worker, every message runs, once."""
+    stack = make_stack("redis", migrate=False)
+    t = tag()
+    unkeyed = stack.questpie.queue.record.publish({"tag": t})
+    assert unkeyed is not None
+    with pytest.raises(LedgerSchemaError, match="run `questpie-celery migrate`"):
+        stack.questpie.queue.record.publish({"tag": t}, idempotency_key=f"early:{t}")
+    plain = stack.celery_app.send_task("record", args=[{"tag": t}]).id
+    policy = stack.celery_app.send_task("policy.singleton", args=[{"tag": t}]).id
+    stack.wait_log(plain, "the ledger is not migrated")
+    stack.wait_log(plain, "questpie-celery migrate")
+    stack.questpie.migrate()
+    keyed = stack.questpie.queue.record.publish({"tag": t}, idempotency_key=f"late:{t}")
+    expected = {unkeyed, plain, policy, keyed}
+    ends = stack.wait_ends(t, len(expected), timeout=120)
+    assert sorted(r["dispatch_id"] for r in ends) == sorted(expected)
+    assert sorted(r["dispatch_id"] for r in stack.runs(t)) == sorted(expected)
+    assert stack.row(policy).status == "completed"
+    assert stack.row(str(keyed)).status == "completed"

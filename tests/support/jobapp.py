@@ -14,6 +14,10 @@ build the same app:
 - QP_TEST_SECRET, QP_TEST_PREVIOUS (comma-separated): the secret and older ones
 - QP_TEST_EXTENDED: turn on result_extended, task events and track_started
 - QP_TEST_RETENTION, QP_TEST_FIRE_RETENTION: retention periods in seconds
+- QP_TEST_HOLD_DIR: every delivery, before it reaches questpie's task (so before its
+  claim), writes its pool process's pid to `<dir>/<dispatch id>` and waits for
+  `<dir>/<dispatch id>.go`; only the first delivery of each dispatch id is held, so a
+  test can kill a pool process at exactly that moment and watch the next delivery run
 - QP_TEST_TIMER_FILE: the worker's main process writes there, twice a second, how many
   cancelled entries its event loop's timer holds, and the most it held; QP_TEST_PURGE:
   how often it drops them
@@ -33,6 +37,7 @@ import time
 from typing import Any
 
 from celery import Celery, signals
+from celery.exceptions import SoftTimeLimitExceeded
 from kombu import Queue
 from pydantic import BaseModel, ConfigDict
 from sqlalchemy import (
@@ -47,6 +52,7 @@ from sqlalchemy import (
     create_engine,
     func,
     insert,
+    select,
 )
 
 from questpie_celery import JobContext, PermanentFailure, Questpie, hub_timer, job
@@ -182,6 +188,44 @@ POLICY_JOBS = tuple(
 )
 
 
+@job(
+    name="policy.singleton.overrun",
+    schema=Work,
+    options={"queue_policy": "singleton", "expire_in_seconds": 2},
+)
+def overrun(payload: Work, ctx: JobContext) -> None:
+    """Attempts up to `hang_attempts` run for `sleep` seconds whatever the time limits say
+    (a soft limit is caught and noted), recording a `tick` row as they go. Every attempt
+    notes, as it starts, whether an earlier attempt's process is still alive."""
+    with runs_engine().connect() as conn:
+        earlier = conn.execute(
+            select(runs_table.c.pid).where(
+                runs_table.c.dispatch_id == ctx.dispatch_id, runs_table.c.phase == "start"
+            )
+        ).scalars()
+        alive = [pid for pid in earlier if pid != os.getpid() and _process_alive(pid)]
+    record(ctx, payload.tag, note=f"earlier alive: {alive}" if alive else "alone")
+    until = time.monotonic() + (payload.sleep if ctx.attempt <= payload.hang_attempts else 0)
+    while time.monotonic() < until:
+        try:
+            record(ctx, payload.tag, phase="tick")
+            time.sleep(0.2)
+        except SoftTimeLimitExceeded:
+            pass  # overrun on purpose
+        except Exception:
+            runs_engine().dispose()  # the limit fell mid-statement: a fresh connection
+    record(ctx, payload.tag, phase="end")
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead and not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return not any(line.startswith("State:") and "Z" in line.split()[1] for line in status)
+    except FileNotFoundError:
+        return False
+
+
 @job(name="record", schema=Work)
 def record_job(payload: Work, ctx: JobContext) -> str:
     record(ctx, payload.tag)
@@ -252,7 +296,15 @@ def permissive(payload: Anything, ctx: JobContext) -> None:
     record(ctx, payload.tag, note=hashlib.sha256(dumped.encode()).hexdigest())
 
 
-JOBS = (record_job, record_async, send_welcome_email, *POLICY_JOBS, secret_link, permissive)
+JOBS = (
+    record_job,
+    record_async,
+    send_welcome_email,
+    *POLICY_JOBS,
+    overrun,
+    secret_link,
+    permissive,
+)
 
 
 def build(
@@ -344,9 +396,26 @@ def _report_cancelled_timers(sender: Any, **_: Any) -> None:
     hub.call_repeatedly(0.5, write)
 
 
+def _hold_before_the_claim(task_id: str | None = None, **_: Any) -> None:
+    """In a pool process, before questpie's task runs: see QP_TEST_HOLD_DIR."""
+    folder = os.environ.get("QP_TEST_HOLD_DIR")
+    if not folder or task_id is None:
+        return
+    marker = os.path.join(folder, task_id)
+    try:
+        open(marker + ".seen", "x").close()  # only the first delivery of the id
+    except FileExistsError:
+        return
+    with open(marker + ".tmp", "w") as out:
+        out.write(str(os.getpid()))
+    os.replace(marker + ".tmp", marker)  # whole, or not there
+    wait_at(marker + ".go")
+
+
 if os.environ.get("QP_TEST_PURGE"):
     hub_timer.PURGE_EVERY_SECONDS = float(os.environ["QP_TEST_PURGE"])
 signals.worker_ready.connect(_report_cancelled_timers, weak=False)
+signals.task_prerun.connect(_hold_before_the_claim, weak=False)
 
 # What `celery -A tests.jobapp:celery_app worker` runs; tests build their own with build().
 celery_app, questpie = build_from_env()

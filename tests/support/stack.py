@@ -132,9 +132,16 @@ class Stack:
 
 
 def build_stack(
-    env: dict[str, str], folder: Path, broker: str, *, start_worker: bool = True, **worker: Any
+    env: dict[str, str],
+    folder: Path,
+    broker: str,
+    *,
+    start_worker: bool = True,
+    migrate: bool = True,
+    **worker: Any,
 ) -> Stack:
-    """Build this process's side of a stack from `env`, migrate, and start a worker."""
+    """Build this process's side of a stack from `env`, migrate (unless told not to), and
+    start a worker."""
     env = {"QP_TEST_QUEUE": f"q-{uuid.uuid4().hex[:8]}", **env}
     celery_app, questpie = jobapp.build(
         broker=env["QP_TEST_BROKER"],
@@ -159,7 +166,8 @@ def build_stack(
         else None,
         pooled=bool(env.get("QP_TEST_POOLED")),
     )
-    questpie.migrate()
+    if migrate:
+        questpie.migrate()
     runs_engine = create_engine(env.get("QP_TEST_RUNS") or env["QP_TEST_LEDGER"])
     jobapp.runs_metadata.create_all(runs_engine)
     process = Worker(env, **worker)

@@ -34,6 +34,7 @@ from questpie_celery import (
     SecretJobError,
     UnknownJobError,
     job,
+    recorded_policy,
 )
 from questpie_celery.cli import main
 from questpie_celery.jobs import job_attribute_name
@@ -256,7 +257,9 @@ def test_cli_migrate(tmp_path: Path) -> None:
     assert runner.invoke(main, ["migrate"]).exit_code != 0
 
 
-def test_cli_policy_set_and_show(tmp_path: Path) -> None:
+def test_cli_policy_set_and_show(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # `policy set` waits out every process's cached copy; a real worker's test checks it.
+    monkeypatch.setattr(recorded_policy, "POLICY_SETTLE_SECONDS", 0.0)
     url = f"sqlite:///{tmp_path}/cli.sqlite3"
     runner = CliRunner()
     assert runner.invoke(main, ["migrate", "--ledger-url", url]).exit_code == 0

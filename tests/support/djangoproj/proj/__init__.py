@@ -7,6 +7,9 @@ publisher and `celery -A proj worker` all build the same project:
   sqlite:////path), turned into `DATABASES["default"]`
 - DJ_BROKER: the Celery broker URL
 - DJ_CONN_MAX_AGE: `CONN_MAX_AGE` (seconds; default 0, Django's)
+- DJ_DATABASE_EXTRA, DJ_SETTINGS: JSON merged into `DATABASES["default"]`, and into the
+  settings (configuration mistakes for `manage.py check`)
+- DJ_DJANGO_DATABASE: passed as `Questpie(django_database=...)`
 """
 
 from .celery import app as celery_app

@@ -15,5 +15,7 @@ app.autodiscover_tasks()
 # No ledger_url, no engine, no jobs listed: the ledger lives in DATABASES["default"]
 # and the @jobs of shop/tasks.py are found by autodiscovery.
 questpie = Questpie(
-    app, secret=os.environ.get("DJ_SECRET", "a test secret of at least thirty-two bytes")
+    app,
+    secret=os.environ.get("DJ_SECRET", "a test secret of at least thirty-two bytes"),
+    django_database=os.environ.get("DJ_DJANGO_DATABASE") or None,
 )

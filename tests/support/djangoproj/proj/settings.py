@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 from sqlalchemy.engine import make_url
@@ -54,3 +55,8 @@ CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 
 QUESTPIE_SECRET = "a test secret of at least thirty-two bytes"
+
+# The configuration mistakes `manage.py check` must report, made by the tests: JSON
+# merged into DATABASES["default"], then into these settings.
+DATABASES["default"].update(json.loads(os.environ.get("DJ_DATABASE_EXTRA", "{}")))
+globals().update(json.loads(os.environ.get("DJ_SETTINGS", "{}")))
