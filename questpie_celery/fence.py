@@ -302,7 +302,9 @@ class Fence:
         row = claim.row
         delivery.set(policy=str(row.policy or "standard"))
         cap = renewal_cap(row.options.run.expire_in_seconds, _hard_limit_left(task))
-        with self._leases.hold(dispatch_id, token, cap) as lease:
+        with self._leases.hold(
+            dispatch_id, token, cap.seconds, ends_process=cap.ends_process
+        ) as lease:
             # Inside the hold: a result backend that stalls must not let the lease lapse.
             mark_started(task)
             with telemetry.span("questpie.run", attempt=row.attempt) as running:

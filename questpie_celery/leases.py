@@ -6,7 +6,10 @@ past that the lease lapses, which is what makes an overlong run a failed attempt
 pools that cannot interrupt code. In a prefork pool process, whose run the pool kills
 at its hard time limit, that age is the hard limit (and a margin): the claim then
 lapses only once the process is gone, so a retry can never start beside a run that
-overran its soft limit. The thread survives any error (a dead renewer would let
+overran its soft limit. The pool's kill comes from the worker's main process, which
+may not make it (stalled, or in its broker reconnect loop, where its event loop runs
+no timers): a run still going at the end of that age ends its own process, so its
+claim lapses only after it. The thread survives any error (a dead renewer would let
 every long run in the process be run twice) and is restarted if it ever dies.
 """
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -57,14 +61,24 @@ worker_init.connect(_worker_starts, weak=False)
 worker_process_init.connect(_pool_process_starts, weak=False)
 
 
-def renewal_cap(expire_in_seconds: float, hard_limit_left: float | None) -> float:
-    """For how many seconds from now a run's claim is renewed: in a prefork pool process
-    with a hard time limit, until the pool has killed the run (`hard_limit_left`, plus
-    `KILL_MARGIN_SECONDS`); on every other pool (threads, solo, gevent, eventlet), which
-    cannot stop running code for sure, `expire_in_seconds`."""
+@dataclass(frozen=True)
+class RenewalCap:
+    """For how many seconds from now a run's claim is renewed, and whether the process
+    ends itself should the run still go on then."""
+
+    seconds: float
+    ends_process: bool = False
+
+
+def renewal_cap(expire_in_seconds: float, hard_limit_left: float | None) -> RenewalCap:
+    """In a prefork pool process with a hard time limit, until the pool has killed the
+    run (`hard_limit_left`, plus `KILL_MARGIN_SECONDS`), and a run still going then ends
+    its process: the kill never came. On every other pool (threads, solo, gevent,
+    eventlet), which cannot stop running code for sure, `expire_in_seconds`, and the run
+    goes on past it."""
     if _in_prefork_child and hard_limit_left is not None:
-        return max(hard_limit_left, 0.0) + KILL_MARGIN_SECONDS
-    return expire_in_seconds
+        return RenewalCap(max(hard_limit_left, 0.0) + KILL_MARGIN_SECONDS, ends_process=True)
+    return RenewalCap(expire_in_seconds)
 
 
 @dataclass
@@ -75,6 +89,7 @@ class Lease:
     token: str
     deadline: float  # monotonic time after which the claim is no longer renewed
     lost: bool = False
+    ends_process: bool = False  # past the deadline, the run's process ends itself
 
     def still_held(self) -> bool:
         """Whether the claim is still this run's: renewed, and within its time cap."""
@@ -99,9 +114,14 @@ class LeaseKeeper:
         self._thread = None
 
     @contextmanager
-    def hold(self, dispatch_id: str, token: str, max_age_seconds: float) -> Iterator[Lease]:
-        """Renew the claim (taken just now) while the block runs."""
-        lease = Lease(dispatch_id, token, time.monotonic() + max_age_seconds)
+    def hold(
+        self, dispatch_id: str, token: str, max_age_seconds: float, *, ends_process: bool = False
+    ) -> Iterator[Lease]:
+        """Renew the claim (taken just now) while the block runs, for `max_age_seconds` at
+        most; past that, with `ends_process`, a block still running ends this process."""
+        lease = Lease(
+            dispatch_id, token, time.monotonic() + max_age_seconds, ends_process=ends_process
+        )
         with self._lock:
             self._ensure_thread()
             self._held[token] = lease
@@ -142,7 +162,9 @@ class LeaseKeeper:
         """Renew one claim; False when the ledger could not be reached."""
         started = time.monotonic()
         if started >= lease.deadline:
-            return True  # past expire_in_seconds: let the lease lapse
+            if lease.ends_process:
+                self._end_process(lease)
+            return True  # past its cap: let the lease lapse
         try:
             renewed = self._ledger.renew(lease.dispatch_id, lease.token, self.lease_seconds)
         except Exception as exc:
@@ -167,3 +189,21 @@ class LeaseKeeper:
             )
             lease.lost = True
         return True
+
+    def _end_process(self, lease: Lease) -> None:
+        """The run went past its hard time limit and the margin, and the pool has not
+        killed it: end the process as the pool would have, before its lease lapses (the
+        last renewal keeps it for two thirds of a lease more), so no retry of the run
+        starts while it goes on. Under the lock, and only while the run still holds the
+        claim: a run that has returned is recording its outcome, which must not be cut."""
+        with self._lock:
+            if self._held.get(lease.token) is not lease:
+                return
+            log.error(
+                "dispatch %s ran past its hard time limit and the pool did not kill it (the "
+                "worker's main process is stalled, or cut off from its broker); its pool "
+                "process ends itself, so the run's claim lapses only once the run is over",
+                lease.dispatch_id,
+                extra={"dispatch_id": lease.dispatch_id},
+            )
+            os.kill(os.getpid(), signal.SIGKILL)

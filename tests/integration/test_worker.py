@@ -281,6 +281,36 @@ def test_a_run_past_its_time_limits_never_overlaps_its_retry_on_prefork(
     assert [r["attempt"] for r in stack.runs(t, phase="end")] == [2]  # 1 was killed
 
 
+def test_a_run_the_pool_never_kills_ends_before_its_claim_lapses(
+    make_stack: StackFactory,
+) -> None:
+    """The worker's main process stalls while a run overruns (stopped here; a main process
+    in its broker reconnect loop runs no timers either): the pool kills nothing at the hard
+    limit. The pool process ends the run itself once its claim is no longer renewed, so the
+    retry another worker starts never overlaps it and the handler completes once."""
+    stack = make_stack("redis", env={"QP_TEST_LEASE": "3"})
+    stack.start_worker()
+    t = tag()
+    dispatch_id = stack.questpie.queue["policy.singleton.overrun"].publish(
+        {"tag": t, "sleep": 60, "hang_attempts": 1}, idempotency_key=f"stalled:{t}"
+    )
+    assert dispatch_id is not None
+    (first,) = stack.wait_runs(t, 1)
+    with open(f"/proc/{first['pid']}/stat") as stat:
+        main = int(stat.read().rsplit(")", 1)[1].split()[1])  # the pool process's parent
+    os.kill(main, signal.SIGSTOP)
+    try:
+        row = stack.wait_status(dispatch_id, "completed", timeout=150)
+    finally:
+        os.kill(main, signal.SIGCONT)
+    assert row.attempt == 2
+    first, second = stack.runs(t)
+    assert (first["attempt"], second["attempt"]) == (1, 2)
+    assert second["note"] == "alone", second["note"]  # attempt 1's process had stopped
+    assert [r["attempt"] for r in stack.runs(t, phase="end")] == [2]
+    stack.wait_log(dispatch_id, "its pool process ends itself")
+
+
 @pytest.mark.parametrize("broker", ["redis", "rabbitmq"])
 def test_the_worker_drops_the_time_limits_of_finished_runs(
     make_stack: StackFactory, broker: str, tmp_path: Path

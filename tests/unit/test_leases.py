@@ -9,6 +9,8 @@ which only moves forward while someone renews it.
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import threading
 from collections.abc import Iterator
 from datetime import datetime
@@ -16,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from questpie_celery import leases
 from questpie_celery.leases import LeaseKeeper
 from questpie_celery.ledger import Ledger, open_ledger
 from tests.unit.helpers import new_dispatch, sqlite_url, wait_until
@@ -146,3 +149,22 @@ def test_renewal_stops_past_max_age(ledger: Ledger) -> None:
             "the lease to lapse",
         )
         assert expired
+
+
+def test_a_run_past_a_cap_that_ends_its_process_kills_it_before_the_lease_lapses(
+    ledger: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prefork pool process the pool's kill never reached ends itself at its cap,
+    while its claim is still live, and only while the run still holds it."""
+    killed: list[tuple[int, int]] = []
+    monkeypatch.setattr(leases.os, "kill", lambda pid, sig: killed.append((pid, sig)))
+    dispatch_id, token = _claimed(ledger)
+    keeper = LeaseKeeper(ledger, lease_seconds=LEASE)
+    with keeper.hold(dispatch_id, token, max_age_seconds=0.0, ends_process=True) as lease:
+        wait_until(lambda: killed, "the process to end itself")
+        assert killed[0] == (os.getpid(), signal.SIGKILL)
+        assert not any(row.id == dispatch_id for row in ledger.expired_claims())
+    # A run that has returned is recording its outcome: never cut off.
+    count = len(killed)
+    keeper._end_process(lease)
+    assert len(killed) == count
