@@ -135,7 +135,9 @@ class Outbox:
         process died first, say), after the broker had it acknowledged: the relay sends the
         row again at once rather than after `redeliver_after`. False when the row moved on
         (the delivery did claim it, or another one did)."""
-        return self._ledger.send_unclaimed_now(dispatch_id, job_name, attempt)
+        return self._ledger.send_unclaimed_now(
+            dispatch_id, job_name, attempt, horizon=ETA_HORIZON_SECONDS
+        )
 
     def due_out_of_sends(self) -> list[DispatchRow]:
         """Rows due for the relay that had every send of their attempt: the relay gives

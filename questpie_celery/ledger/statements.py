@@ -400,8 +400,17 @@ class Statements:
         # A delivery that ended without a run (its pool process died before the claim, or
         # the worker revoked its message): only a row still waiting for that very claim
         # is touched, so a run that did claim, or a later attempt, is never disturbed.
+        # Due now, unless its start is further off than the outbox's ETA horizon (the
+        # lost delivery was an early copy): then its own next send stands, or the relay
+        # would hand the broker an ETA far in the future.
         self.send_unclaimed_now: Update = (
-            update(dispatch_table).where(deliverable).values(next_send_at=now)
+            update(dispatch_table)
+            .where(deliverable)
+            .values(
+                next_send_at=case(
+                    (t.run_after > db_time(seconds("horizon")), t.next_send_at), else_=now
+                )
+            )
         )
         self.end_unclaimed: Update = (
             update(dispatch_table)

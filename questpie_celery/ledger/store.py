@@ -497,10 +497,19 @@ class Ledger:
             and now.last_error == LEASE_EXPIRED
         )
 
-    def send_unclaimed_now(self, dispatch_id: str, job_name: str, attempt: int) -> bool:
+    def send_unclaimed_now(
+        self, dispatch_id: str, job_name: str, attempt: int, *, horizon: float
+    ) -> bool:
         """Make the row due for the relay now, if delivery `attempt` never claimed it (the
-        delivery ended without a run); False when the row has moved on, or is not there."""
-        params = {"dispatch_id": dispatch_id, "job": job_name, "previous": attempt - 1}
+        delivery ended without a run) and its start is at most `horizon` seconds away;
+        False when the row has moved on, or is not there. A row that starts later keeps
+        its own next send."""
+        params = {
+            "dispatch_id": dispatch_id,
+            "job": job_name,
+            "previous": attempt - 1,
+            "horizon": horizon,
+        }
         count, retried = self._run(self._sql.send_unclaimed_now, params)
         return bool(count) or retried  # run twice: the first run may have landed; harmless
 

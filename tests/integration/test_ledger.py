@@ -120,24 +120,42 @@ def test_a_delivery_that_ended_unrun_moves_only_a_row_still_waiting_for_its_clai
     assert ledger.insert(waiting)
     far_off = _row(ledger, waiting.id).next_send_at
     # Another job's delivery, or one for an attempt the row is not at, moves nothing.
-    assert ledger.send_unclaimed_now(waiting.id, "some-other-job", 1) is False
-    assert ledger.send_unclaimed_now(waiting.id, JOB, 2) is False
+    assert ledger.send_unclaimed_now(waiting.id, "some-other-job", 1, horizon=60) is False
+    assert ledger.send_unclaimed_now(waiting.id, JOB, 2, horizon=60) is False
     assert ledger.end_unclaimed(waiting.id, JOB, 2, "Revoked") is None
     assert _row(ledger, waiting.id).next_send_at == far_off
     # Its own delivery makes it due now, for the relay.
-    assert ledger.send_unclaimed_now(waiting.id, JOB, 1) is True
+    assert ledger.send_unclaimed_now(waiting.id, JOB, 1, horizon=60) is True
     now = _row(ledger, waiting.id)
     assert now.status == "queued" and now.next_send_at is not None
     assert far_off is not None and now.next_send_at < far_off
     # A row that was claimed is the lease's business: neither moves it.
     claimed_id, token = _claimed(ledger)
-    assert ledger.send_unclaimed_now(claimed_id, JOB, 1) is False
+    assert ledger.send_unclaimed_now(claimed_id, JOB, 1, horizon=60) is False
     assert ledger.end_unclaimed(claimed_id, JOB, 1, "Revoked") is None
     assert _row(ledger, claimed_id).claim_token == token
     # A revoked one ends failed, its error saying why.
     ended = ledger.end_unclaimed(waiting.id, JOB, 1, "Revoked")
     assert ended is not None and (ended.status, ended.last_error) == ("failed", "Revoked")
     assert ended.finished_at is not None and ended.attempt == 0
+
+
+def test_a_lost_early_copy_leaves_a_far_off_row_to_its_own_next_send(ledger: Ledger) -> None:
+    """The delivery that ended unrun was an early copy of a row that starts in an hour:
+    making it due now would have the relay hand the broker an hour-long ETA."""
+    start = ledger.now() + timedelta(hours=1)
+    later = _new(status="queued", run_after=start, next_send_at=start - timedelta(minutes=1))
+    assert ledger.insert(later)
+    before = _row(ledger, later.id).next_send_at
+    assert ledger.send_unclaimed_now(later.id, JOB, 1, horizon=60) is True
+    assert _row(ledger, later.id).next_send_at == before
+    # Within the horizon, it is due now.
+    soon = _new(status="queued", run_after=ledger.now() + timedelta(seconds=30), send_in=3600)
+    assert ledger.insert(soon)
+    far_off = _row(ledger, soon.id).next_send_at
+    assert ledger.send_unclaimed_now(soon.id, JOB, 1, horizon=60) is True
+    moved = _row(ledger, soon.id).next_send_at
+    assert far_off is not None and moved is not None and moved < far_off
 
 
 def test_a_claim_naming_another_job_is_unknown_and_touches_nothing(ledger: Ledger) -> None:
