@@ -138,6 +138,77 @@ class PostgresServer:
         shutil.rmtree(self.base, ignore_errors=True)
 
 
+class PostgresStandby(PostgresServer):
+    """A streaming standby of a running `primary`: a copy made with `pg_basebackup -R`
+    (which writes the `primary_conninfo` and `standby.signal` a standby needs), read-only
+    until `promote()`. Durable, like its primary should be: it holds the copies a
+    synchronous primary waits for."""
+
+    def __init__(self, primary: PostgresServer) -> None:  # no initdb: the copy is the cluster
+        self.as_root = primary.as_root
+        self.base = Path(tempfile.mkdtemp(prefix="qp-pg-standby-"))
+        self.data = self.base / "data"
+        self.port = free_port()
+        self.user = primary.user
+        self._run_as = primary._run_as
+        if self.as_root:
+            shutil.chown(self.base, "postgres", "postgres")
+        subprocess.run(
+            [*self._run_as, _pg_bin("pg_basebackup"), "-D", str(self.data), "-h", "127.0.0.1",
+             "-p", str(primary.port), "-U", self.user, "-R", "-X", "stream", "-c", "fast"],
+            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        self.options = (
+            f"-p {self.port} -k {self.base} -c listen_addresses=127.0.0.1 -c max_connections=300"
+        )
+        self._databases = 0
+
+    def promote(self) -> None:
+        """End recovery: from now on this server accepts writes (`pg_ctl promote`)."""
+        subprocess.run(
+            [*self._run_as, _pg_bin("pg_ctl"), "-D", str(self.data), "-w", "promote"],
+            check=True, stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+
+
+def synchronous_pair(timeout: float = 60.0) -> tuple[PostgresServer, PostgresStandby]:
+    """A durable primary and its synchronous streaming standby, both running: every
+    commit the primary acknowledges is on the standby's disk too
+    (`synchronous_standby_names`, `synchronous_commit=on`), so promoting the standby
+    after the primary dies loses nothing a client was told had committed."""
+    primary = PostgresServer(durable=True).start()
+    standby = PostgresStandby(primary).start()
+    admin = create_engine(primary.url(), isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            # Set on the primary only, after the copy: the standby, once promoted, has
+            # no standby of its own to wait for.
+            conn.execute(text("ALTER SYSTEM SET synchronous_standby_names = '*'"))
+            conn.execute(text("ALTER SYSTEM SET synchronous_commit = 'on'"))
+            conn.execute(text("SELECT pg_reload_conf()"))
+        deadline = time.monotonic() + timeout
+        while True:
+            with admin.connect() as conn:
+                states = conn.execute(text("SELECT sync_state FROM pg_stat_replication")).all()
+            if [state for (state,) in states] == ["sync"]:
+                return primary, standby
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the standby is not synchronous after {timeout}s: {states}")
+            time.sleep(0.1)
+    finally:
+        admin.dispose()
+
+
+def multi_host_url(database: str, *servers: PostgresServer) -> str:
+    """One URL for several servers, as libpq takes it: clients try each in turn and keep
+    the first that accepts writes (`target_session_attrs=read-write`)."""
+    hosts = "&".join(f"host=127.0.0.1:{server.port}" for server in servers)
+    return (
+        f"postgresql+psycopg://{servers[0].user}@/{database}?{hosts}"
+        "&target_session_attrs=read-write"
+    )
+
+
 class RedisServer:
     """A Redis server of its own, with 256 databases so every stack gets one."""
 
@@ -241,6 +312,19 @@ class RabbitServer:
             time.sleep(0.5)
         return self
 
+    def stop(self) -> None:
+        """Stop the node (SIGTERM to its process group) and keep its state: `start()`
+        brings it back on the same port, with its durable queues and their messages."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
     def close(self) -> None:
         if self.proc is not None:
             with contextlib.suppress(ProcessLookupError):
@@ -265,6 +349,8 @@ class CeleryProcess:
 
     def _launch(self, cmd: list[str], *, ready: str, what: str, timeout: float) -> None:
         env = {**os.environ, **self.env, "PYTHONPATH": self.pythonpath}
+        # The log is appended to across restarts: only this start's lines say it is ready.
+        earlier = len(self.log())
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
                 cmd, cwd=self.cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -272,7 +358,7 @@ class CeleryProcess:
             )  # fmt: skip
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if ready in self.log():
+            if ready in self.log()[earlier:]:
                 return
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{what} exited early:\n{self.log()}")

@@ -157,6 +157,8 @@ def build_stack(
         visibility_timeout=float(env["QP_TEST_VISIBILITY"])
         if env.get("QP_TEST_VISIBILITY")
         else None,
+        queue_type=env.get("QP_TEST_QUEUE_TYPE", "classic"),
+        confirm_publish=bool(env.get("QP_TEST_CONFIRM")),
     )
     questpie.migrate()
     runs_engine = create_engine(env.get("QP_TEST_RUNS") or env["QP_TEST_LEDGER"])
