@@ -58,12 +58,17 @@ BATCH = 50
 #: Every this many batches goes to the tap queue, whose messages reach the workers only
 #: as two or three byte-identical copies.
 TAP_EVERY = 5
+#: Every this many batches is published with a priority (which quorum queues ignore).
+PRIORITY_EVERY = 4
 #: Every this many batches, an earlier batch is published again under the same keys.
 REPEAT_EVERY = 7
 #: The most dispatches published and not yet completed before the stream waits: a backlog
 #: that outgrew `redeliver_after` would be sent again, and again, while it waits in the
 #: queue, each copy adding to the backlog. The stream stretches instead, on a slow machine.
 MAX_BACKLOG = 200
+#: How long the backlog may stand still before the soak fails (every path that recovers a
+#: dispatch here takes seconds: a lease, `redeliver_after`, a restart).
+STALL_SECONDS = 120.0
 #: Attempts a dispatch may need: a run cut off by a kill is a failed attempt.
 RETRY_LIMIT = 5
 #: How long PostgreSQL and Redis stay down at each restart.
@@ -163,7 +168,8 @@ class Replayer:
             self._thread.join(60)
 
     def _run(self) -> None:
-        options = {"visibility_timeout": 10} if self.stack.broker == "redis" else {}
+        # The app's own: on Redis its priority steps name the queues a priority goes to.
+        options = dict(self.stack.celery_app.conf.broker_transport_options or {})
         while not self._stop.is_set():
             try:
                 with Connection(
@@ -228,6 +234,7 @@ class Stream:
     mismatches: list[tuple[str, str | None, str]] = field(default_factory=list)
     errors: Counter[str] = field(default_factory=Counter)
     unexpected: list[BaseException] = field(default_factory=list)
+    failure: BaseException | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
@@ -247,6 +254,8 @@ class Stream:
         assert self._thread is not None
         self._thread.join(timeout)
         assert not self._thread.is_alive(), "the publishing stream did not finish"
+        if self.failure is not None:
+            raise self.failure
 
     def stop(self) -> None:
         self._stop.set()
@@ -263,12 +272,27 @@ class Stream:
                     idempotency_keys=keys,
                     retry_limit=RETRY_LIMIT,
                     queue=self.tap if batch % TAP_EVERY == 0 else None,
+                    priority=7 if batch % PRIORITY_EVERY == 1 else None,
                 )
             except QuestpieError as exc:  # the ledger is down: publish the batch again
                 self.errors[type(exc).__name__] += 1
                 self.figures.refused_publishes += 1
             except Exception as exc:
                 self.unexpected.append(exc)
+            if self._stop.wait(0.2):
+                raise SystemExit
+
+    def _wait_for_the_workers(self) -> None:
+        """While the backlog is over `MAX_BACKLOG`; unreadable (the ledger is down), it
+        publishes anyway, and meets the outage. A backlog that does not move for
+        `STALL_SECONDS` is a failure of its own, said as such."""
+        last, since = None, time.monotonic()
+        while (done := self.completed()) is not None and self.published - done > MAX_BACKLOG:
+            if done != last:
+                last, since = done, time.monotonic()
+            assert time.monotonic() - since < STALL_SECONDS, (
+                f"no dispatch completed for {STALL_SECONDS}s, {self.published - done} waiting"
+            )
             if self._stop.wait(0.2):
                 raise SystemExit
 
@@ -280,12 +304,7 @@ class Stream:
                 lag = started + batch * self.seconds / batches - time.monotonic()
                 if lag > 0 and self._stop.wait(lag):
                     return
-                # Unreadable (the ledger is down): publish anyway, and meet the outage.
-                while (done := self.completed()) is not None and (
-                    self.published - done > MAX_BACKLOG
-                ):
-                    if self._stop.wait(0.2):
-                        return
+                self._wait_for_the_workers()
                 found = self._publish(batch)
                 assert all(found), "a keyed standard publish returned no id"
                 self.ids.extend(i for i in found if i is not None)
@@ -302,6 +321,8 @@ class Stream:
                     ]
         except SystemExit:
             return
+        except BaseException as exc:
+            self.failure = exc
 
 
 # --- the disruptions --------------------------------------------------------------------
@@ -347,6 +368,7 @@ class Chaos:
     killed: dict[str, set[int]] = field(default_factory=lambda: defaultdict(set))
     failure: BaseException | None = None
     _random: random.Random = field(default_factory=lambda: random.Random(SEED))
+    _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
     def start(self) -> Chaos:
@@ -361,6 +383,11 @@ class Chaos:
         if self.failure is not None:
             raise self.failure
 
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(120)
+
     def supervise(self) -> None:
         for worker in self.workers:
             if not worker.alive():
@@ -372,9 +399,9 @@ class Chaos:
             mains = 0
             for fraction, event in self.plan.events():
                 while self.stream.published < fraction * self.stream.total:
-                    assert not self.stream.done(), "the stream ended before the plan"
+                    if self.stream.done() or self._stop.wait(0.1):
+                        return  # the stream failed, or the test is over
                     self.supervise()
-                    time.sleep(0.1)
                 self.supervise()
                 if event == "child":
                     self._kill_a_child()
@@ -659,7 +686,7 @@ def soak(
     stream.start()
     chaos.start()
     try:
-        stream.join(plan.seconds + 240)
+        stream.join(600)
         chaos.join(120)
         ids = set(stream.ids)
         assert len(ids) == len(stream.ids) == DISPATCHES, "publish returned duplicate ids"
@@ -684,6 +711,7 @@ def soak(
         figures.seconds = round(time.monotonic() - started, 1)
     finally:
         stream.stop()
+        chaos.stop()
         replayer.stop()
         timeline.stop()
         print("\n" + "\n".join(timeline.samples))
