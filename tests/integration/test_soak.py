@@ -17,8 +17,9 @@ A completed run counts twice only in the window the documentation names: the wor
 died after its handler returned and before the completion was recorded, so the lease
 lapsed and the dispatch ran again. The handler records its end as its last act; a
 second end is accepted only where the process that recorded the first was SIGKILLed by
-this test after that end and before the dispatch started again. Anything else is a
-double.
+this test after that end, before it started anything else and before the dispatch
+started again, and where Celery logged the dispatch as succeeded only once (see
+`judge`). Anything else is a double.
 """
 
 from __future__ import annotations
@@ -581,16 +582,40 @@ class Verdict:
 
 
 def judge(
-    ids: set[str], runs: dict[str, list[dict[str, Any]]], kills: dict[int, list[datetime]]
+    ids: set[str],
+    runs: dict[str, list[dict[str, Any]]],
+    kills: dict[int, list[datetime]],
+    succeeded: Counter[str],
 ) -> Verdict:
     """Lost: published but never ended. A double: an end followed by another end of the
-    same dispatch, unless the process that recorded the earlier end was SIGKILLed by the
-    test after it and before the dispatch started again (its completion was never
-    recorded, so the lease lapsed and the relay retried it: the documented window)."""
+    same dispatch, unless the earlier one ended in the documented window: the worker
+    died after the handler returned and before the completion was recorded, so the lease
+    lapsed and the relay retried it. That is so when
+
+    - the process that recorded the earlier end was SIGKILLed by the test after that end,
+      before it started anything else (a pool child takes its next delivery only once
+      the completion of the last is written, or found lost) and before the dispatch
+      started again;
+    - and Celery reported the dispatch succeeded once only (`succeeded`, from the
+      workers' logs): the fence returns the handler's result only once the completion
+      is recorded, so the cut-off attempt never reached that point.
+    """
     lost = {i for i in ids if not any(r["phase"] == "end" for r in runs.get(i, []))}
+    activity: dict[int, list[datetime]] = defaultdict(list)
+    for rows in runs.values():
+        for r in rows:
+            activity[r["pid"]].append(r["ran_at"])
     in_window: dict[str, int] = {}
     doubles: dict[str, list[dict[str, Any]]] = {}
     cut_off = 0
+
+    def killed_in_window(end: dict[str, Any], again: datetime) -> bool:
+        for killed in kills.get(end["pid"], []):
+            busy = [t for t in activity[end["pid"]] if end["ran_at"] < t < killed]
+            if end["ran_at"] < killed < again and not busy:
+                return True
+        return False
+
     for dispatch_id, rows in runs.items():
         ends = [r for r in rows if r["phase"] == "end"]
         starts = [r for r in rows if r["phase"] == "start"]
@@ -604,17 +629,25 @@ def judge(
             again = min(
                 (r["ran_at"] for r in starts if r["attempt"] > end["attempt"]), default=None
             )
-            if again is not None and any(
-                end["ran_at"] < killed < again for killed in kills.get(end["pid"], [])
-            ):
+            if again is not None and killed_in_window(end, again):
                 explained += 1
             else:
                 doubles[dispatch_id] = rows
                 break
         else:
-            if explained:
+            if explained and succeeded[dispatch_id] > 1:
+                doubles[dispatch_id] = rows  # a completion reported, yet it ran again
+            elif explained:
                 in_window[dispatch_id] = explained
     return Verdict(lost, in_window, doubles, cut_off)
+
+
+SUCCEEDED = re.compile(r"Task record\[(\S+)\] succeeded in ")
+
+
+def succeeded_counts(workers: list[Worker]) -> Counter[str]:
+    """How many times Celery reported each dispatch's run succeeded, in the workers' logs."""
+    return Counter(i for worker in workers for i in SUCCEEDED.findall(worker.log()))
 
 
 RELAY_SEND = re.compile(r"relay sends dispatch (\S+) of job record \((\w+), send \d+\)")
@@ -719,7 +752,7 @@ def soak(
     for worker in workers:
         worker.stop()
 
-    verdict = judge(ids, runs_of(stack, t), chaos.kills)
+    verdict = judge(ids, runs_of(stack, t), chaos.kills, succeeded_counts(workers))
     sends = relay_sends(workers)
     figures.dispatches = len(ids)
     figures.lost = len(verdict.lost)
