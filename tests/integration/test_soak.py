@@ -46,7 +46,13 @@ from sqlalchemy.exc import OperationalError
 from questpie_celery import QuestpieError
 from questpie_celery.ledger import dispatch_table
 from tests.support import jobapp
-from tests.support.services import PostgresServer, RabbitServer, RedisServer, Worker
+from tests.support.services import (
+    PostgresServer,
+    RabbitServer,
+    RedisServer,
+    Worker,
+    child_pids,
+)
 from tests.support.stack import Stack, build_stack, tag
 
 pytestmark = [pytest.mark.soak, pytest.mark.worker]
@@ -329,24 +335,13 @@ class Stream:
 # --- the disruptions --------------------------------------------------------------------
 
 
-def _stat(pid: int) -> tuple[int, int] | None:
-    """(parent pid, process group) of a process, or None once it is gone."""
+def _group_of(pid: int) -> int | None:
+    """The process group of a process, or None once it is gone."""
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    fields = text.rsplit(")", 1)[1].split()
-    return int(fields[1]), int(fields[2])
-
-
-def _pids() -> Iterator[int]:
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            yield int(entry)
-
-
-def children_of(pid: int) -> list[int]:
-    return sorted(p for p in _pids() if (found := _stat(p)) is not None and found[0] == pid)
+    return int(text.rsplit(")", 1)[1].split()[2])
 
 
 @dataclass
@@ -425,7 +420,7 @@ class Chaos:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             alive = [w for w in self.workers if w.alive()]
-            candidates = [c for w in alive for c in children_of(w.proc.pid)]  # type: ignore[union-attr]
+            candidates = [c for w in alive for c in child_pids(w.proc.pid)]  # type: ignore[union-attr]
             if candidates:
                 pid = self._random.choice(candidates)
                 self._note_kill(pid, "child")
@@ -445,10 +440,9 @@ class Chaos:
         assert worker.proc is not None
         group = worker.proc.pid
         os.killpg(group, signal.SIGSTOP)
-        for pid in _pids():
-            found = _stat(pid)
-            if found is not None and found[1] == group and pid != group:
-                self._note_kill(pid, "main")
+        for entry in os.listdir("/proc"):
+            if entry.isdigit() and int(entry) != group and _group_of(int(entry)) == group:
+                self._note_kill(int(entry), "main")
         worker.kill()
         self.figures.main_kills += 1
         worker.start()

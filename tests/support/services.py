@@ -41,6 +41,39 @@ def wait_for_port(port: int, timeout: float = 30.0) -> None:
     raise RuntimeError(f"nothing listens on port {port} after {timeout}s")
 
 
+def child_pids(pid: int) -> list[int]:
+    """The running processes (zombies left out) whose parent is `pid`, from /proc."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue  # gone meanwhile
+        state, parent = stat.rsplit(")", 1)[1].split()[:2]
+        if int(parent) == pid and state != "Z":
+            found.append(int(entry))
+    return sorted(found)
+
+
+def _running(pid: int) -> bool:
+    """Whether a process still exists and is not a zombie (a zombie acts no more; its
+    reaping is up to its new parent)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text(errors="replace")
+    except OSError:
+        return ""
+
+
 def _pg_bin(name: str) -> str:
     found = shutil.which(name)
     if found:
@@ -90,6 +123,29 @@ class PostgresServer:
 
     def url(self, database: str = "postgres") -> str:
         return f"postgresql+psycopg://{self.user}@127.0.0.1:{self.port}/{database}"
+
+    def crash(self, *, stall_replication: float = 0.0) -> None:
+        """SIGKILL every process of the server at once, as a power cut would: no shutdown,
+        no checkpoint, nothing more sent to a standby. With `stall_replication`, its WAL
+        senders are stopped (SIGSTOP) that long first, so the commits made meanwhile
+        reach no standby: a synchronous primary's clients are still waiting for theirs
+        when it dies, an asynchronous one's were told they committed."""
+        postmaster = int((self.data / "postmaster.pid").read_text().split()[0])
+        if stall_replication:
+            senders = [pid for pid in child_pids(postmaster) if "walsender" in _cmdline(pid)]
+            assert senders, "no WAL sender to stall: is a standby streaming?"
+            for pid in senders:
+                os.kill(pid, signal.SIGSTOP)
+            time.sleep(stall_replication)  # the stall itself
+        doomed = [postmaster, *child_pids(postmaster)]
+        for pid in doomed:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while any(_running(pid) for pid in doomed):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"PostgreSQL's processes outlived SIGKILL: {doomed}")
+            time.sleep(0.02)
 
     def create_database(self, prefix: str = "qp") -> str:
         """A new, empty database on this server; returns its URL."""
