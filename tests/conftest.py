@@ -4,10 +4,15 @@
   `pytest -m "not services"` (or `pytest tests/unit`) is the fast lane.
 - `worker`: the test runs a real `celery worker` process.
 - `rabbitmq`: the test runs against RabbitMQ.
+- `soak`, `failover` (set by their modules): the long runs, minutes each. They run only
+  when asked: with `QP_TEST_LONG=1` (`./scripts/test` without arguments, so CI, sets
+  it), with a `-m` expression that names them, or when their file is named.
 """
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 
 import pytest
@@ -18,7 +23,25 @@ INTEGRATION = Path(__file__).parent / "integration"
 pytest_plugins = ["pytester"]
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+LONG = ("soak", "failover")
+
+
+def _asked_for(config: pytest.Config, item: pytest.Item) -> bool:
+    if os.environ.get("QP_TEST_LONG"):
+        return True
+    expression = config.option.markexpr or ""
+    if any(re.search(rf"\b{name}\b", expression) for name in LONG):
+        return True
+    named = {Path(arg.split("::")[0]).resolve() for arg in config.args}
+    return Path(str(item.fspath)).resolve() in named
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    long = [i for i in items if any(i.get_closest_marker(m) for m in LONG)]
+    skipped = [i for i in long if not _asked_for(config, i)]
+    if skipped:
+        config.hook.pytest_deselected(items=skipped)
+        items[:] = [i for i in items if i not in skipped]
     for item in items:
         if INTEGRATION in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.services)

@@ -21,6 +21,11 @@ build the same app:
 - QP_TEST_TIMER_FILE: the worker's main process writes there, twice a second, how many
   cancelled entries its event loop's timer holds, and the most it held; QP_TEST_PURGE:
   how often it drops them
+- QP_TEST_DELIVERIES: a folder; each process that runs tasks appends there, to a file
+  named by its pid, the id of every delivery it starts, before the fence sees it, so a
+  test that kills the process knows what it held
+- QP_TEST_QUEUE_TYPE: `quorum` declares every queue Celery creates as a RabbitMQ quorum
+  queue; QP_TEST_CONFIRM: turn on publisher confirms (`confirm_publish`)
 
 Handlers record each run in `test_runs`, so tests observe what really ran. A
 handler given a `gate` (a file path) records its start and then waits until the
@@ -81,6 +86,8 @@ def make_celery(
     queue: str = "celery",
     extended: bool = False,
     priority_queue: str | None = None,
+    queue_type: str = "classic",
+    confirm_publish: bool = False,
 ) -> Celery:
     app = Celery("questpie_tests", broker=broker, backend=backend)
     conf: dict[str, Any] = {
@@ -95,6 +102,13 @@ def make_celery(
             Queue(queue),
             Queue(priority_queue, queue_arguments={"x-max-priority": 9}),
         ]
+    if queue_type == "quorum":
+        # Celery's own RabbitMQ advice: quorum queues, the default one and every one it
+        # creates on first use. It turns global QoS off by itself once it sees them.
+        conf["task_default_queue_type"] = "quorum"
+        conf["task_create_missing_queue_type"] = "quorum"
+    if confirm_publish:
+        conf["broker_transport_options"] = {"confirm_publish": True}
     if extended:
         # Everything Celery can record about a task, so the canary test sees it all.
         conf.update(
@@ -326,8 +340,12 @@ def build(
     fire_retention: float | None = None,
     retention: float | None = None,
     pooled: bool = False,
+    queue_type: str = "classic",
+    confirm_publish: bool = False,
 ) -> tuple[Celery, Questpie]:
-    app = make_celery(broker, backend, fs_dir, queue, extended, priority_queue)
+    app = make_celery(
+        broker, backend, fs_dir, queue, extended, priority_queue, queue_type, confirm_publish
+    )
     if visibility_timeout is not None:
         app.conf.broker_transport_options = {
             **(app.conf.broker_transport_options or {}),
@@ -369,6 +387,8 @@ def build_from_env() -> tuple[Celery, Questpie]:
         fire_retention=_optional_float(os.environ.get("QP_TEST_FIRE_RETENTION")),
         retention=_optional_float(os.environ.get("QP_TEST_RETENTION")),
         pooled=bool(os.environ.get("QP_TEST_POOLED")),
+        queue_type=os.environ.get("QP_TEST_QUEUE_TYPE", "classic"),
+        confirm_publish=bool(os.environ.get("QP_TEST_CONFIRM")),
     )
 
 
@@ -411,6 +431,15 @@ def _hold_before_the_claim(task_id: str | None = None, **_: Any) -> None:
     os.replace(marker + ".tmp", marker)  # whole, or not there
     wait_at(marker + ".go")
 
+
+def _note_delivery(task_id: str | None = None, **_: Any) -> None:
+    folder = os.environ.get("QP_TEST_DELIVERIES")
+    if folder and task_id:
+        with open(os.path.join(folder, str(os.getpid())), "a") as out:
+            out.write(task_id + "\n")
+
+
+signals.task_prerun.connect(_note_delivery, weak=False)
 
 if os.environ.get("QP_TEST_PURGE"):
     hub_timer.PURGE_EVERY_SECONDS = float(os.environ["QP_TEST_PURGE"])

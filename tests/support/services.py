@@ -41,6 +41,39 @@ def wait_for_port(port: int, timeout: float = 30.0) -> None:
     raise RuntimeError(f"nothing listens on port {port} after {timeout}s")
 
 
+def child_pids(pid: int) -> list[int]:
+    """The running processes (zombies left out) whose parent is `pid`, from /proc."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue  # gone meanwhile
+        state, parent = stat.rsplit(")", 1)[1].split()[:2]
+        if int(parent) == pid and state != "Z":
+            found.append(int(entry))
+    return sorted(found)
+
+
+def _running(pid: int) -> bool:
+    """Whether a process still exists and is not a zombie (a zombie acts no more; its
+    reaping is up to its new parent)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text(errors="replace")
+    except OSError:
+        return ""
+
+
 def _pg_bin(name: str) -> str:
     found = shutil.which(name)
     if found:
@@ -90,6 +123,29 @@ class PostgresServer:
 
     def url(self, database: str = "postgres") -> str:
         return f"postgresql+psycopg://{self.user}@127.0.0.1:{self.port}/{database}"
+
+    def crash(self, *, stall_replication: float = 0.0) -> None:
+        """SIGKILL every process of the server at once, as a power cut would: no shutdown,
+        no checkpoint, nothing more sent to a standby. With `stall_replication`, its WAL
+        senders are stopped (SIGSTOP) that long first, so the commits made meanwhile
+        reach no standby: a synchronous primary's clients are still waiting for theirs
+        when it dies, an asynchronous one's were told they committed."""
+        postmaster = int((self.data / "postmaster.pid").read_text().split()[0])
+        if stall_replication:
+            senders = [pid for pid in child_pids(postmaster) if "walsender" in _cmdline(pid)]
+            assert senders, "no WAL sender to stall: is a standby streaming?"
+            for pid in senders:
+                os.kill(pid, signal.SIGSTOP)
+            time.sleep(stall_replication)  # the stall itself
+        doomed = [postmaster, *child_pids(postmaster)]
+        for pid in doomed:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while any(_running(pid) for pid in doomed):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"PostgreSQL's processes outlived SIGKILL: {doomed}")
+            time.sleep(0.02)
 
     def create_database(self, prefix: str = "qp") -> str:
         """A new, empty database on this server; returns its URL."""
@@ -206,6 +262,77 @@ class PgBouncerServer:
         shutil.rmtree(self.base, ignore_errors=True)
 
 
+class PostgresStandby(PostgresServer):
+    """A streaming standby of a running `primary`: a copy made with `pg_basebackup -R`
+    (which writes the `primary_conninfo` and `standby.signal` a standby needs), read-only
+    until `promote()`. Durable, like its primary should be: it holds the copies a
+    synchronous primary waits for."""
+
+    def __init__(self, primary: PostgresServer) -> None:  # no initdb: the copy is the cluster
+        self.as_root = primary.as_root
+        self.base = Path(tempfile.mkdtemp(prefix="qp-pg-standby-"))
+        self.data = self.base / "data"
+        self.port = free_port()
+        self.user = primary.user
+        self._run_as = primary._run_as
+        if self.as_root:
+            shutil.chown(self.base, "postgres", "postgres")
+        subprocess.run(
+            [*self._run_as, _pg_bin("pg_basebackup"), "-D", str(self.data), "-h", "127.0.0.1",
+             "-p", str(primary.port), "-U", self.user, "-R", "-X", "stream", "-c", "fast"],
+            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        self.options = (
+            f"-p {self.port} -k {self.base} -c listen_addresses=127.0.0.1 -c max_connections=300"
+        )
+        self._databases = 0
+
+    def promote(self) -> None:
+        """End recovery: from now on this server accepts writes (`pg_ctl promote`)."""
+        subprocess.run(
+            [*self._run_as, _pg_bin("pg_ctl"), "-D", str(self.data), "-w", "promote"],
+            check=True, stdout=subprocess.DEVNULL,
+        )  # fmt: skip
+
+
+def synchronous_pair(timeout: float = 60.0) -> tuple[PostgresServer, PostgresStandby]:
+    """A durable primary and its synchronous streaming standby, both running: every
+    commit the primary acknowledges is on the standby's disk too
+    (`synchronous_standby_names`, `synchronous_commit=on`), so promoting the standby
+    after the primary dies loses nothing a client was told had committed."""
+    primary = PostgresServer(durable=True).start()
+    standby = PostgresStandby(primary).start()
+    admin = create_engine(primary.url(), isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            # Set on the primary only, after the copy: the standby, once promoted, has
+            # no standby of its own to wait for.
+            conn.execute(text("ALTER SYSTEM SET synchronous_standby_names = '*'"))
+            conn.execute(text("ALTER SYSTEM SET synchronous_commit = 'on'"))
+            conn.execute(text("SELECT pg_reload_conf()"))
+        deadline = time.monotonic() + timeout
+        while True:
+            with admin.connect() as conn:
+                states = conn.execute(text("SELECT sync_state FROM pg_stat_replication")).all()
+            if [state for (state,) in states] == ["sync"]:
+                return primary, standby
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the standby is not synchronous after {timeout}s: {states}")
+            time.sleep(0.1)
+    finally:
+        admin.dispose()
+
+
+def multi_host_url(database: str, *servers: PostgresServer) -> str:
+    """One URL for several servers, as libpq takes it: clients try each in turn and keep
+    the first that accepts writes (`target_session_attrs=read-write`)."""
+    hosts = "&".join(f"host=127.0.0.1:{server.port}" for server in servers)
+    return (
+        f"postgresql+psycopg://{servers[0].user}@/{database}?{hosts}"
+        "&target_session_attrs=read-write"
+    )
+
+
 class RedisServer:
     """A Redis server of its own, with 256 databases so every stack gets one."""
 
@@ -309,6 +436,19 @@ class RabbitServer:
             time.sleep(0.5)
         return self
 
+    def stop(self) -> None:
+        """Stop the node (SIGTERM to its process group) and keep its state: `start()`
+        brings it back on the same port, with its durable queues and their messages."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
     def close(self) -> None:
         if self.proc is not None:
             with contextlib.suppress(ProcessLookupError):
@@ -333,6 +473,8 @@ class CeleryProcess:
 
     def _launch(self, cmd: list[str], *, ready: str, what: str, timeout: float) -> None:
         env = {**os.environ, **self.env, "PYTHONPATH": self.pythonpath}
+        # The log is appended to across restarts: only this start's lines say it is ready.
+        earlier = len(self.log())
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(
                 cmd, cwd=self.cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -340,7 +482,7 @@ class CeleryProcess:
             )  # fmt: skip
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if ready in self.log():
+            if ready in self.log()[earlier:]:
                 return
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{what} exited early:\n{self.log()}")

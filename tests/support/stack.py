@@ -165,6 +165,8 @@ def build_stack(
         if env.get("QP_TEST_VISIBILITY")
         else None,
         pooled=bool(env.get("QP_TEST_POOLED")),
+        queue_type=env.get("QP_TEST_QUEUE_TYPE", "classic"),
+        confirm_publish=bool(env.get("QP_TEST_CONFIRM")),
     )
     if migrate:
         questpie.migrate()
