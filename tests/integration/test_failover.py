@@ -39,6 +39,7 @@ from tests.support.services import (
     synchronous_pair,
 )
 from tests.support.stack import Stack, build_stack, tag
+from tests.unit.helpers import wait_until
 
 pytestmark = [pytest.mark.failover, pytest.mark.worker]
 
@@ -95,13 +96,6 @@ class Publisher:
             self._stop.wait(0.05)
 
 
-def wait_until(predicate: object, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():  # type: ignore[operator]
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
-
-
 def next_boundary(after: datetime) -> datetime:
     return (after + timedelta(minutes=1)).replace(second=0, microsecond=0)
 
@@ -156,7 +150,7 @@ def test_the_primary_dies_and_its_synchronous_standby_takes_over(
         publisher.start()
         # The switch straddles a minute boundary: that tick falls due with no writable
         # server, after some publishes have gone through.
-        wait_until(lambda: len(publisher.ids) >= 20, 60, "publishes before the failover")
+        wait_until(lambda: len(publisher.ids) >= 20, "publishes before the failover", 60)
         boundary = next_boundary(datetime.now(UTC) + timedelta(seconds=5))
         time.sleep((boundary - datetime.now(UTC)).total_seconds() - 2 - STALL_SECONDS)  # timing
         assert server_says(primary, "SELECT sync_state FROM pg_stat_replication") == [("sync",)]
@@ -171,7 +165,7 @@ def test_the_primary_dies_and_its_synchronous_standby_takes_over(
         promoted = time.monotonic()
         assert datetime.now(UTC) > boundary, "the tick did not fall due during the switch"
         at_promotion = len(publisher.ids)
-        wait_until(lambda: len(publisher.ids) >= at_promotion + 20, 60, "publishes afterwards")
+        wait_until(lambda: len(publisher.ids) >= at_promotion + 20, "publishes afterwards", 60)
         # The next tick, on the new primary, as on any other minute.
         after = boundary + timedelta(minutes=1)
         time.sleep(max((after - datetime.now(UTC)).total_seconds(), 0))  # the timing
