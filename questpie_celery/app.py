@@ -173,7 +173,8 @@ class Questpie:
         relaxed = durability == "relaxed"
         if django_database is not None:
             # Imported only here: Django is an optional extra.
-            from .contrib.django.binding import django_ledger_engine, pooled_setting  # noqa: PLC0415
+            from .contrib.django.binding import django_ledger_engine  # noqa: PLC0415
+            from .contrib.django.settings import pooled_setting  # noqa: PLC0415
 
             engine = django_ledger_engine(django_database)
             pooled = pooled or pooled_setting()
@@ -553,7 +554,7 @@ def _installed_django_database() -> str | None:
     by a project that has not imported it or named its settings."""
     if "django" not in sys.modules and not os.environ.get("DJANGO_SETTINGS_MODULE"):
         return None
-    from .contrib.django.binding import installed_database  # noqa: PLC0415
+    from .contrib.django.settings import installed_database  # noqa: PLC0415
 
     return installed_database()
 

@@ -36,8 +36,8 @@ from django.utils.html import format_html
 
 from ...ids import derive_dispatch_id
 from ...ledger.schema import Status, dispatch_table
-from .binding import ledger_database
 from .models import Dispatch, Policy, Schedule
+from .settings import ledger_database
 
 #: The paginator counts this many rows at most, and pages reach this deep at most.
 COUNT_CAP = 10_000

@@ -7,7 +7,8 @@ from typing import Any
 from django.apps import AppConfig
 from django.core import checks
 
-from .binding import DATABASE_SETTING, DEFAULT_DATABASE, engine_aliases, problems
+from .binding import engine_aliases
+from .settings import DATABASE_SETTING, DEFAULT_DATABASE, problems
 
 
 class QuestpieConfig(AppConfig):
