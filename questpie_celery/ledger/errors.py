@@ -31,8 +31,9 @@ _PG_PREPARED_STATEMENT = ("42P05", "26000")
 #: of it on this connection. The function PostgreSQL names is not translated, its message is.
 _PG_FEATURE_NOT_SUPPORTED = "0A000"
 _STALE_PLAN_SOURCE = "RevalidateCachedQuery"
-#: How PgBouncer (and poolers that copy it) refuses a startup parameter it does not know.
-_REFUSED_STARTUP = re.compile(r"unsupported startup parameter:?\s*(\w*)")
+#: How PgBouncer (and poolers that copy it) refuses a startup parameter it does not know,
+#: or (1.20 and later, which read `options`) a setting in `options` it does not carry.
+_REFUSED_STARTUP = re.compile(r"unsupported startup parameter(?: in options)?:?\s*(\w*)")
 #: What to do about either, in every entry point's words.
 POOLED_HINT = "pass pooled=True (--pooled, QUESTPIE_POOLED)"
 
