@@ -24,11 +24,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from sqlalchemy import Connection, Engine, create_engine, event
-from sqlalchemy.engine import make_url
+from sqlalchemy.engine import ExceptionContext, make_url
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
 from ..errors import ConfigurationError
-from .errors import MIGRATE_COMMAND
+from .errors import MIGRATE_COMMAND, is_stale_plan
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
@@ -83,6 +83,7 @@ def create_ledger_engine(url: str, *, relaxed: bool = False, pooled: bool = Fals
         )
     except (ArgumentError, NoSuchModuleError) as error:
         raise ConfigurationError(f"invalid ledger URL: {error}") from None
+    _replan_on_fresh_connections(engine)
     _AUTOCOMMIT_ENGINES.add(engine)
     return engine
 
@@ -96,12 +97,27 @@ def create_async_ledger_engine(engine: Engine, *, relaxed: bool, pooled: bool) -
     # Imported here: SQLAlchemy's asyncio layer needs greenlet, an optional extra.
     from sqlalchemy.ext.asyncio import create_async_engine  # noqa: PLC0415
 
-    return create_async_engine(
+    made = create_async_engine(
         engine.url,
         connect_args=_pg_connect_args(relaxed=relaxed, pooled=pooled),
         isolation_level="AUTOCOMMIT",
         hide_parameters=True,
     )
+    _replan_on_fresh_connections(made.sync_engine)
+    return made
+
+
+def _replan_on_fresh_connections(engine: Engine) -> None:
+    """A statement whose prepared plan a migration made stale counts as met on a dead
+    connection: SQLAlchemy then drops every connection the pool opened before (each has
+    the same stale plan), and the store runs the statement once more on a fresh one, as
+    after a server restart. Without it, every process running across a `migrate` would
+    fail those statements, claims included, until restarted."""
+
+    @event.listens_for(engine, "handle_error")
+    def _on_error(context: ExceptionContext) -> None:
+        if is_stale_plan(context.original_exception):
+            context.is_disconnect = True
 
 
 def statement_settings(*, relaxed: bool) -> dict[str, str]:

@@ -25,8 +25,15 @@ _PG_READ_ONLY = "25006"
 #: already, or has not: what a pooler in transaction mode does to psycopg's prepared
 #: statements (the ledger prepares none by name of its own).
 _PG_PREPARED_STATEMENT = ("42P05", "26000")
-#: How PgBouncer (and poolers that copy it) refuses a startup parameter it does not know.
-_REFUSED_STARTUP = re.compile(r"unsupported startup parameter:?\s*(\w*)")
+#: A statement psycopg prepared on this connection whose result columns changed type since
+#: (a `migrate` run while this process was up: schema version 5 widens the dispatch ids):
+#: "cached plan must not change result type", raised before anything ran, on every run
+#: of it on this connection. The function PostgreSQL names is not translated, its message is.
+_PG_FEATURE_NOT_SUPPORTED = "0A000"
+_STALE_PLAN_SOURCE = "RevalidateCachedQuery"
+#: How PgBouncer (and poolers that copy it) refuses a startup parameter it does not know,
+#: or (1.20 and later, which read `options`) a setting in `options` it does not carry.
+_REFUSED_STARTUP = re.compile(r"unsupported startup parameter(?: in options)?:?\s*(\w*)")
 #: What to do about either, in every entry point's words.
 POOLED_HINT = "pass pooled=True (--pooled, QUESTPIE_POOLED)"
 
@@ -38,6 +45,16 @@ class SlotTaken(Exception):
 def was_rolled_back(error: BaseException) -> bool:
     """The server undid the statement to let a concurrent one finish."""
     return getattr(getattr(error, "orig", None), "sqlstate", None) in _PG_ROLLED_BACK
+
+
+def is_stale_plan(error: BaseException) -> bool:
+    """A statement prepared on this connection no longer fits the tables (see
+    `_STALE_PLAN_SOURCE`): it runs on a connection that has not prepared it."""
+    orig = getattr(error, "orig", error)
+    if getattr(orig, "sqlstate", None) != _PG_FEATURE_NOT_SUPPORTED:
+        return False
+    source = getattr(getattr(orig, "diag", None), "source_function", None)
+    return source == _STALE_PLAN_SOURCE or "cached plan must not change" in str(orig)
 
 
 def is_disconnect(error: BaseException) -> bool:
@@ -67,7 +84,10 @@ class Reruns:
             return False
         self.reconnected = True
         if self._log is not None:
-            self._log.info("ledger connection was dropped by the server; reconnecting")
+            self._log.info(
+                "ledger connection was dropped by the server (or its prepared statements "
+                "outlived a migration); reconnecting"
+            )
         return True
 
 
@@ -112,6 +132,14 @@ def _translate(error: exc.DBAPIError, migrate_command: str) -> LedgerError:
             "statements: the ledger's database is reached through a connection pooler "
             f"in transaction mode (PgBouncer); {POOLED_HINT}, and make an engine= of "
             "your own with connect_args={'prepare_threshold': None}"
+        )
+    if is_stale_plan(error):
+        # On an engine of the ledger's own the statement already ran again on a fresh
+        # connection; an engine of one's own keeps the connection, and its stale plan.
+        return LedgerUnavailableError(
+            "a statement prepared before the ledger's tables were migrated no longer fits "
+            "them; connections opened since run it (make an engine= of your own with "
+            "connect_args={'prepare_threshold': None}, or restart this process)"
         )
     if sqlstate in _PG_UNDEFINED or any(text in str(error.orig) for text in _SQLITE_UNDEFINED):
         return schema_missing(migrate_command)

@@ -266,6 +266,13 @@ class Statements:
             )
             .returning(t.id)
         )
+        # The settings for the length of a transaction of the ledger's own (`migrate`'s),
+        # behind a pooler: what an unpooled engine's connections have from startup, so a
+        # schema upgrade waiting for a table lock gives up after the lock timeout instead
+        # of queueing every ledger statement behind it for as long as the holder lasts.
+        self.transaction_settings: Select[Any] | None = (
+            select(preamble) if preamble is not None else None
+        )
         # On a relaxed ledger, what makes one write durable anyway: on PostgreSQL, run
         # after it in its own transaction, before the commit (where the setting counts,
         # and after a pooled statement's preamble turned it off); on SQLite, around it

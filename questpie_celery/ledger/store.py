@@ -212,10 +212,13 @@ class Ledger:
 
     @contextmanager
     def _begin(self) -> Iterator[Connection]:
-        """A connection in a transaction of its own (or, on borrowed connections, in the
-        owner's: Django's atomic block, nested in the caller's if one is open)."""
+        """A connection in a transaction of its own, with the ledger's settings (or, on
+        borrowed connections, in the owner's: Django's atomic block, nested in the
+        caller's if one is open)."""
         if self._borrowed is None:
             with self._transactional.begin() as conn:
+                if self._sql.transaction_settings is not None:
+                    conn.execute(self._sql.transaction_settings)
                 yield conn
             return
         with self._borrowed.atomic(), self.engine.connect() as conn:

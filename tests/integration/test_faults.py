@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from kombu import Connection, Exchange, Queue
+from sqlalchemy import text as sql_text
 
 from questpie_celery import (
     BrokerError,
@@ -184,6 +185,34 @@ def test_backends_killed_while_a_failing_handler_runs_retry_once(
     assert [r["attempt"] for r in stack.runs(t)] == [1, 2]
     assert [r["attempt"] for r in stack.runs(t, phase="end")] == [2]
     assert_no_lost_claim(stack, dispatch_id)
+
+
+def test_a_worker_running_across_the_migration_runs_what_comes_after(
+    make_stack: StackFactory,
+) -> None:
+    """A worker (and a publisher) that ran on version 4's tables long enough for psycopg
+    to prepare the ledger's statements goes on once `migrate` changed the ids' type under
+    it: the delivery that comes next runs, where its claim used to fail with a LedgerError
+    and Celery acknowledged it unrun."""
+    stack = make_stack("redis", concurrency=1, start_worker=False)
+    with stack.ledger.engine.begin() as conn:  # the id columns as version 4 made them
+        for table, column in (
+            ("questpie_queue_dispatch", "id"),
+            ("questpie_schedule", "last_dispatch_id"),
+        ):
+            conn.execute(sql_text(f"ALTER TABLE {table} ALTER COLUMN {column} TYPE varchar(36)"))
+    stack.worker.start()
+    t = tag()
+    for n in range(8):  # past psycopg's prepare threshold in the pool process
+        dispatch_id = stack.questpie.queue.record.publish({"tag": t}, idempotency_key=f"{t}-{n}")
+        assert dispatch_id is not None
+        stack.wait_status(dispatch_id, "completed")
+    stack.questpie.migrate()
+    late = stack.questpie.queue.record.publish({"tag": f"{t}-late"}, idempotency_key=t)
+    assert late is not None
+    assert stack.wait_status(late, "completed").attempt == 1
+    assert len(stack.runs(f"{t}-late")) == 1
+    assert not [line for line in stack.worker.log_about(late) if "raised unexpected" in line]
 
 
 # --- a ledger server that is down --------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from collections.abc import Iterator
@@ -10,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import delete, insert, inspect, text, update
+from sqlalchemy import create_engine, delete, insert, inspect, text, update
 
 from questpie_celery import LedgerError, LedgerSchemaError, LedgerUnavailableError, metadata
 from questpie_celery.ids import MAX_DISPATCH_ID_BYTES, random_dispatch_id, unstorable_id
@@ -23,6 +24,7 @@ from questpie_celery.ledger import (
     dispatch_table,
     open_ledger,
 )
+from questpie_celery.ledger.aio import AsyncLedger
 from questpie_celery.ledger.schema import schema_version_table
 from questpie_celery.ledger.statements import db_time
 from questpie_celery.options import RunOptions, StoredOptions
@@ -626,6 +628,59 @@ def _make_version_4(ledger: Ledger) -> dict[str, int]:
     with pytest.raises(LedgerError, match="StringDataRightTruncation"):
         ledger.insert(_new("y" * 37, idempotency_key=None))
     return _storage(ledger)
+
+
+def test_a_process_running_across_the_migration_goes_on(
+    pg_ledger: Ledger, pg_db: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A process that ran the ledger's statements on version 4's tables has them prepared
+    on its connections (psycopg prepares a statement after its fifth run); once another
+    process migrated to version 5, PostgreSQL refuses to run them ("cached plan must not
+    change result type": the ids' type changed). Each of them, sync and asyncio, then
+    runs again on a fresh connection instead of failing for as long as the process lives
+    (a worker's claim with a LedgerError, which Celery acknowledges unrun). An engine of
+    one's own keeps its connections: there the error is a LedgerUnavailableError (a worker
+    sends its delivery back rather than acknowledging it unrun) saying what to do."""
+    _make_version_4(pg_ledger)
+    pg_ledger.engine.dispose()  # connections opened on version 4's tables from here on
+    theirs = Ledger(create_engine(pg_db))
+    aledger = AsyncLedger(pg_ledger)
+    loop = asyncio.new_event_loop()
+    kept = _new(idempotency_key=None)
+    assert pg_ledger.insert(kept)
+
+    def hot_path(*, ours_only: bool = False) -> None:
+        assert pg_ledger.insert(_new(idempotency_key=None))
+        assert _row(pg_ledger, kept.id).id == kept.id
+        assert pg_ledger.claim(random_dispatch_id(), JOB, 1, 60).outcome == "unknown"
+        pg_ledger.take_due(10, max_sends=5, first_backoff=1, max_backoff=5, accepted_backoff=5)
+        assert loop.run_until_complete(aledger.insert(_new(idempotency_key=None)))
+        assert loop.run_until_complete(aledger.get(kept.id)) is not None
+        if not ours_only:
+            assert theirs.get(kept.id) is not None
+
+    try:
+        for _ in range(8):
+            hot_path()
+        other = open_ledger(pg_db)
+        try:
+            assert other.migrate() == SCHEMA_VERSION
+        finally:
+            other.close()
+        with pytest.raises(LedgerUnavailableError, match="prepare_threshold"):
+            theirs.get(kept.id)
+        with caplog.at_level(logging.INFO, logger="questpie_celery.ledger.store"):
+            hot_path(ours_only=True)
+        assert any("outlived a migration" in r.getMessage() for r in caplog.records), (
+            "no statement met its stale plan"
+        )
+        fresh = _new("plain-call-" + "x" * 40, idempotency_key=None)
+        assert pg_ledger.insert(fresh)
+        assert pg_ledger.claim(fresh.id, JOB, 1, 60).outcome == "claimed"
+    finally:
+        loop.run_until_complete(aledger.close())
+        loop.close()
+        theirs.close()
 
 
 # --- never before the row is due -----------------------------------------------------------

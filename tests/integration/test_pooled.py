@@ -28,7 +28,13 @@ from sqlalchemy.orm import Session
 from questpie_celery import LedgerBusyError, LedgerUnavailableError, Questpie
 from questpie_celery.cli import main
 from questpie_celery.ids import random_dispatch_id
-from questpie_celery.ledger import Ledger, NewDispatch, dispatch_table, open_ledger
+from questpie_celery.ledger import (
+    SCHEMA_VERSION,
+    Ledger,
+    NewDispatch,
+    dispatch_table,
+    open_ledger,
+)
 from questpie_celery.ledger.aio import AsyncLedger
 from questpie_celery.ledger.schema import schedule_table
 from questpie_celery.options import RunOptions, StoredOptions
@@ -276,6 +282,40 @@ def test_a_pooled_ledgers_writes_wait_at_most_the_lock_timeout(
         assert ledger.insert(_new(held.id)) is False  # the caller's row, committed
     finally:
         ledger.close()
+
+
+def test_a_pooled_migrate_waits_at_most_the_lock_timeout_for_the_table(
+    database: tuple[str, str], caller_engine: Engine
+) -> None:
+    """Upgrading the schema takes the dispatch table's exclusive lock (version 5 widens
+    the dispatch ids). Behind a caller's open transaction on the table, a pooled migrate
+    fails with LedgerBusyError after the lock timeout, as an unpooled one does, instead of
+    waiting as long as that transaction lasts with every ledger statement of the fleet
+    queued behind its lock; once the transaction ended, it upgrades the table."""
+    direct, through = database
+    ledger = open_ledger(through, pooled=True)
+    admin = create_engine(direct, isolation_level="AUTOCOMMIT")
+    column = text(
+        "SELECT data_type FROM information_schema.columns "
+        "WHERE table_name = :table AND column_name = 'id'"
+    )
+    try:
+        ledger.migrate()
+        with admin.connect() as conn:  # the dispatch table as schema version 4 made it
+            conn.execute(
+                text(f"ALTER TABLE {dispatch_table.name} ALTER COLUMN id TYPE varchar(36)")
+            )
+        with caller_engine.begin() as conn:
+            assert ledger.insert(_new(), conn=conn)
+            outcome = run_apart({"migrate": ledger.migrate})["migrate"]
+        assert isinstance(outcome, LedgerBusyError), outcome
+        assert "lock_timeout" in str(outcome)
+        assert ledger.migrate() == SCHEMA_VERSION
+        with admin.connect() as conn:
+            assert conn.execute(column, {"table": dispatch_table.name}).scalar() == "text"
+    finally:
+        ledger.close()
+        admin.dispose()
 
 
 def test_the_command_line_takes_pooled(database: tuple[str, str]) -> None:

@@ -108,6 +108,15 @@ def test_an_unreachable_ledger_says_why() -> None:
             "refused the startup parameter 'options'",
         ),
         (
+            # PgBouncer 1.20 and later read `options`, and refuse a setting in it by name.
+            exc.OperationalError,
+            psycopg.OperationalError(
+                'connection failed: connection to server at "10.0.0.1", port 6432 failed: '
+                "FATAL:  unsupported startup parameter in options: lock_timeout"
+            ),
+            "refused the startup parameter 'lock_timeout'",
+        ),
+        (
             exc.ProgrammingError,
             psycopg.errors.DuplicatePreparedStatement('prepared statement "_pg3_0" already exists'),
             "prepared statement",
