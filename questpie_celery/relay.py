@@ -41,6 +41,12 @@ the ledger, a running relay waits until it has reached the ledger again for
 `LAPSE_GRACE_SECONDS` before it ends lapsed leases: long enough for such a
 holder to renew its claim or record its outcome (both retry every second or
 two), which saves the second run a premature lapse would cost.
+
+A ledger that stalls instead of failing (a pooler paused, a table lock, a server
+starved) cuts holders off just as well, without any error to say so: their renewals
+wait behind the same stall as the relay's read of lapsed leases. So a read of lapsed
+leases that took longer than `STALL_SECONDS` ends none of them, and the grace starts
+again from its end.
 """
 
 from __future__ import annotations
@@ -63,6 +69,8 @@ DEFAULT_RELAY_INTERVAL_SECONDS = 2.0
 #: How long a relay must have reached the ledger (after an outage, or since it started)
 #: before it ends lapsed leases.
 LAPSE_GRACE_SECONDS = 10.0
+#: A read of lapsed leases slower than this was a stall of the ledger, not a lapse.
+STALL_SECONDS = 2.0
 #: How often the relays, together, record the backlog the status page plots, and how long
 #: samples are kept.
 BACKLOG_SAMPLE_SECONDS = 30.0
@@ -110,6 +118,8 @@ class Relay:
         self._retention = retention
         self._unrun: deque[Unrun] = deque(maxlen=MAX_UNRUN_WAITING)
         self._unrun_lock = threading.Lock()
+        #: When a pass's read of lapsed leases came back from a stall (see STALL_SECONDS).
+        self._stalled_at: float | None = None
         self._wake = threading.Event()  # a commit notified rows for it, or a delivery ended unrun
 
     def hear_unrun(self, delivery: Unrun) -> None:
@@ -142,7 +152,20 @@ class Relay:
         """One pass: (dispatches moved on, whether it stopped sending with rows still due)."""
         moved = self._handle_unrun()
         if end_lapsed_leases:
-            moved += sum(self._outcomes.lapsed(row) for row in self._ledger.expired_claims())
+            asked = time.monotonic()
+            expired = self._ledger.expired_claims()
+            answered = time.monotonic()
+            if answered - asked <= STALL_SECONDS:
+                moved += sum(self._outcomes.lapsed(row) for row in expired)
+            else:
+                self._stalled_at = answered
+                if expired:
+                    log.warning(
+                        "the ledger stalled for %.0fs; %d lapsed leases wait out the grace, "
+                        "so that workers held up by the same stall can renew them",
+                        answered - asked,
+                        len(expired),
+                    )
         # Giving up needs no broker.
         moved += sum(self._outcomes.gave_up(row) for row in self._outbox.due_out_of_sends())
         deadline = time.monotonic() + PASS_SEND_SECONDS
@@ -216,6 +239,8 @@ class Relay:
                 more_due = self._pass(end_lapsed_leases=settled)[1]
                 if reachable_since is None:
                     reachable_since = started
+                if self._stalled_at is not None:  # the grace starts again, from its end
+                    reachable_since, self._stalled_at = self._stalled_at, None
                 if failing:
                     log.warning("relay passes succeed again")
                 failing = False

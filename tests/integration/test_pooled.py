@@ -38,7 +38,7 @@ from questpie_celery.ledger import (
 from questpie_celery.ledger.aio import AsyncLedger
 from questpie_celery.ledger.schema import schedule_table
 from questpie_celery.options import RunOptions, StoredOptions
-from tests.integration.conftest import POOLED_SECRET
+from tests.integration.conftest import POOLED_SECRET, StackFactory
 from tests.support import jobapp
 from tests.support.brokers import capture, deliver
 from tests.support.services import PgBouncerServer, PostgresServer, free_port
@@ -533,3 +533,45 @@ def test_a_callers_open_transaction_makes_rival_publishes_fail_not_hang(
     assert stack.wait_status(held, "completed").attempt == 1
     assert len(stack.runs(t)) == 1
     assert stack.runs(t + "-rival") == []
+
+
+def test_a_lease_that_lapsed_while_the_pooler_stalled_is_not_ended_at_once(
+    make_stack: StackFactory, pgbouncer: PgBouncerServer
+) -> None:
+    """A paused pooler stalls every statement instead of failing it: the relay's read of
+    lapsed leases waits behind the pause, and so do the holders' renewals. A lease that
+    ran out meanwhile belongs to a worker that could not renew: the pass must not end it
+    the moment the pooler resumes, before the holder can renew."""
+    stack = make_stack("redis", ledger="pooled", start_worker=False)
+    dispatch_id = stack.questpie.queue.record.publish({"tag": tag()}, idempotency_key=tag())
+    assert dispatch_id is not None
+    token = str(uuid.uuid4())
+    now = datetime.now(UTC)
+    with create_engine(stack.env["QP_TEST_RUNS"]).begin() as conn:  # the database itself
+        conn.execute(
+            update(dispatch_table)
+            .where(dispatch_table.c.id == dispatch_id)
+            .values(
+                status="active",
+                attempt=1,
+                claim_token=token,
+                started_at=now,
+                lease_expires_at=now + timedelta(seconds=1),  # runs out during the pause
+            )
+        )
+    database_name = stack.env["QP_TEST_RUNS"].rsplit("/", 1)[1]
+    pgbouncer.console(f"PAUSE {database_name}")
+    try:
+        passing = threading.Thread(
+            target=lambda: stack.questpie.run_relay(once=True, end_lapsed_leases=True)
+        )
+        passing.start()
+        time.sleep(3)  # the stall itself: this is the scenario, not a wait for an event
+    finally:
+        pgbouncer.console(f"RESUME {database_name}")
+    passing.join(30)
+    row = stack.row(dispatch_id)
+    assert (row.status, row.claim_token) == ("active", token)
+    # Once the ledger answers promptly again, a lease still lapsed is ended.
+    assert stack.questpie.run_relay(once=True, end_lapsed_leases=True) >= 1
+    assert stack.row(dispatch_id).status == "retry"

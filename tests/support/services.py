@@ -221,6 +221,8 @@ class PgBouncerServer:
             "unix_socket_dir =\n"
             "pool_mode = transaction\n"
             "auth_type = trust\n"
+            # The console's PAUSE and RESUME, for tests of a stalled pooler.
+            f"admin_users = {postgres.user}\n"
             f"auth_file = {users}\n"
             f"logfile = {self.base / 'log'}\n"
             f"pidfile = {self.base / 'pid'}\n"
@@ -241,6 +243,14 @@ class PgBouncerServer:
         except RuntimeError:
             raise RuntimeError(f"pgbouncer did not start:\n{self.log()}") from None
         return self
+
+    def console(self, command: str) -> None:
+        """Run `command` (PAUSE, RESUME, ...) on PgBouncer's admin console."""
+        subprocess.run(
+            ["psql", "-h", "127.0.0.1", "-p", str(self.port), "-U", self.postgres.user,
+             "-d", "pgbouncer", "-c", command],
+            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        )  # fmt: skip
 
     def url(self, database_url: str) -> str:
         """The URL of `database_url`'s database (on `postgres`) through this pooler."""
