@@ -46,7 +46,8 @@ A ledger that stalls instead of failing (a pooler paused, a table lock, a server
 starved) cuts holders off just as well, without any error to say so: their renewals
 wait behind the same stall as the relay's read of lapsed leases. So a read of lapsed
 leases that took longer than `STALL_SECONDS` ends none of them, and the grace starts
-again from its end.
+again from its end (unless every read is that slow: then the ledger is slow, not
+stalled, and leases lapse as usual, so no dead worker's slot is held for ever).
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ DEFAULT_RELAY_INTERVAL_SECONDS = 2.0
 LAPSE_GRACE_SECONDS = 10.0
 #: A read of lapsed leases slower than this was a stall of the ledger, not a lapse.
 STALL_SECONDS = 2.0
+#: Past this many stalled reads in a row, the ledger is slow, not stalled: leases lapse.
+MAX_STALLS_IN_A_ROW = 3
 #: How often the relays, together, record the backlog the status page plots, and how long
 #: samples are kept.
 BACKLOG_SAMPLE_SECONDS = 30.0
@@ -120,6 +123,7 @@ class Relay:
         self._unrun_lock = threading.Lock()
         #: When a pass's read of lapsed leases came back from a stall (see STALL_SECONDS).
         self._stalled_at: float | None = None
+        self._stalls = 0  # stalled reads of lapsed leases in a row
         self._wake = threading.Event()  # a commit notified rows for it, or a delivery ended unrun
 
     def hear_unrun(self, delivery: Unrun) -> None:
@@ -155,7 +159,11 @@ class Relay:
             asked = time.monotonic()
             expired = self._ledger.expired_claims()
             answered = time.monotonic()
-            if answered - asked <= STALL_SECONDS:
+            stalled = answered - asked > STALL_SECONDS
+            self._stalls = self._stalls + 1 if stalled else 0
+            # A ledger slow on every read is slow, not paused: its holders' renewals get
+            # through as well as this read does, and a dead worker's slot must free.
+            if not stalled or self._stalls > MAX_STALLS_IN_A_ROW:
                 moved += sum(self._outcomes.lapsed(row) for row in expired)
             else:
                 self._stalled_at = answered

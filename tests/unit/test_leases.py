@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from questpie_celery import leases
+from questpie_celery import leases, relay
 from questpie_celery.leases import LeaseKeeper
 from questpie_celery.ledger import Ledger, open_ledger
-from tests.unit.helpers import new_dispatch, sqlite_url, wait_until
+from tests.unit.helpers import IdleApp, new_dispatch, sqlite_url, wait_until
 
 LEASE = 0.3  # renewed every 0.1 s
 
@@ -168,3 +168,26 @@ def test_a_run_past_a_cap_that_ends_its_process_kills_it_before_the_lease_lapses
     count = len(killed)
     keeper._end_process(lease)
     assert len(killed) == count
+
+
+def test_a_ledger_slow_on_every_read_still_frees_lapsed_leases(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stalled read of lapsed leases ends none of them (the holders waited behind the
+    same stall); but a ledger that is that slow on every read is slow, not stalled, and a
+    dead worker's lease must still end, or its slot would be held for ever."""
+    app = IdleApp.build(tmp_path)
+    try:
+        new = new_dispatch(status="queued")
+        assert app.ledger.insert(new)
+        assert app.ledger.claim(new.id, "record", 1, lease_seconds=-1).outcome == "claimed"
+        monkeypatch.setattr(relay, "STALL_SECONDS", -1.0)  # every read counts as stalled
+        for _ in range(relay.MAX_STALLS_IN_A_ROW):
+            assert app.questpie.run_relay(once=True, end_lapsed_leases=True) == 0
+            row = app.ledger.get(new.id)
+            assert row is not None and row.status == "active"
+        assert app.questpie.run_relay(once=True, end_lapsed_leases=True) == 1
+        row = app.ledger.get(new.id)
+        assert row is not None and (row.status, row.last_error) == ("retry", "LeaseExpired")
+    finally:
+        app.close()
