@@ -386,3 +386,30 @@ def test_a_worker_started_before_migrate_waits_and_then_runs_everything_once(
     assert sorted(r["dispatch_id"] for r in stack.runs(t)) == sorted(expected)
     assert stack.row(policy).status == "completed"
     assert stack.row(str(keyed)).status == "completed"
+
+
+def test_a_plain_calls_long_task_id_waits_for_the_ledger_to_be_migrated_to_wide_ids(
+    make_stack: StackFactory,
+) -> None:
+    """A worker upgraded before `migrate` ran meets a ledger of schema version 4, whose
+    dispatch ids hold 36 characters. A plain call of a policy job under a longer task id
+    waits for `migrate`, as on an unmigrated ledger, rather than failing unrun; after it,
+    the call runs once."""
+    stack = make_stack("redis", start_worker=False)
+    with stack.ledger.engine.begin() as conn:  # what version 4 made
+        conn.exec_driver_sql("DELETE FROM questpie_schema_version WHERE version = 5")
+        for table, column in (
+            ("questpie_queue_dispatch", "id"),
+            ("questpie_schedule", "last_dispatch_id"),
+        ):
+            conn.exec_driver_sql(f"ALTER TABLE {table} ALTER COLUMN {column} TYPE varchar(36)")
+    stack.worker.start()
+    t = tag()
+    long_id = f"order-{t}-" + "x" * 40
+    stack.celery_app.send_task("policy.singleton", args=[{"tag": t}], task_id=long_id)
+    stack.wait_log(long_id, "the ledger is not migrated")
+    assert stack.ledger.get(long_id) is None
+    assert not any("raised unexpected" in line for line in stack.worker.log_about(long_id))
+    stack.questpie.migrate()
+    assert stack.wait_status(long_id, "completed", timeout=90).attempt == 1
+    assert [r["attempt"] for r in stack.runs(t)] == [1]
