@@ -28,7 +28,7 @@ from sqlalchemy.sql import Executable
 
 from ..errors import ConfigurationError
 from .engine import create_async_ledger_engine, runs_in_autocommit
-from .errors import Reruns, SlotTaken, translate_errors
+from .errors import Reruns, SlotTaken, drop_stale_plans, translate_errors
 from .rows import DispatchRow, NewDispatch
 from .store import Ledger, batch_params, row_params
 
@@ -181,5 +181,6 @@ class AsyncLedger:
             engine = create_async_ledger_engine(
                 self._ledger.engine, relaxed=self._ledger.relaxed, pooled=self._ledger.pooled
             )
+            drop_stale_plans(engine.sync_engine)
             self._engines[loop] = engine
         return engine

@@ -7,7 +7,8 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from sqlalchemy import exc
+from sqlalchemy import Engine, event, exc
+from sqlalchemy.engine import ExceptionContext
 
 from ..errors import LedgerBusyError, LedgerError, LedgerSchemaError, LedgerUnavailableError
 
@@ -25,6 +26,10 @@ _PG_READ_ONLY = "25006"
 #: already, or has not: what a pooler in transaction mode does to psycopg's prepared
 #: statements (the ledger prepares none by name of its own).
 _PG_PREPARED_STATEMENT = ("42P05", "26000")
+#: A statement prepared on a connection before a migration changed the type of a column
+#: it returns ("cached plan must not change result type"): PostgreSQL refuses it there
+#: each time, before it reads or writes anything.
+_PG_STALE_PLAN = ("0A000", "cached plan must not change result type")
 #: How PgBouncer (and poolers that copy it) refuses a startup parameter it does not know.
 _REFUSED_STARTUP = re.compile(r"unsupported startup parameter:?\s*(\w*)")
 #: What to do about either, in every entry point's words.
@@ -33,6 +38,24 @@ POOLED_HINT = "pass pooled=True (--pooled, QUESTPIE_POOLED)"
 
 class SlotTaken(Exception):
     """A statement met a queue-policy slot index (internal to the ledger)."""
+
+
+def drop_stale_plans(engine: Engine) -> None:
+    """Take a statement that PostgreSQL refuses as prepared before a migration (see
+    `_PG_STALE_PLAN`) for a lost connection: SQLAlchemy then drops that connection and
+    every other one the pool opened before it (which prepared the same statements), and
+    `Reruns` runs the statement again on a fresh one. Without this, every process that
+    ran before `migrate` (a worker, a publisher) would fail those statements until its
+    connections closed. psycopg prepares a statement on its sixth run on a connection."""
+    if not event.contains(engine, "handle_error", _stale_plan_is_a_disconnect):
+        event.listen(engine, "handle_error", _stale_plan_is_a_disconnect)
+
+
+def _stale_plan_is_a_disconnect(context: ExceptionContext) -> None:
+    error = context.original_exception
+    sqlstate, message = _PG_STALE_PLAN
+    if getattr(error, "sqlstate", None) == sqlstate and message in str(error):
+        context.is_disconnect = True
 
 
 def was_rolled_back(error: BaseException) -> bool:

@@ -33,7 +33,14 @@ from .engine import (
     runs_in_autocommit,
     statement_settings,
 )
-from .errors import MIGRATE_COMMAND, Reruns, SlotTaken, schema_missing, translate_errors
+from .errors import (
+    MIGRATE_COMMAND,
+    Reruns,
+    SlotTaken,
+    drop_stale_plans,
+    schema_missing,
+    translate_errors,
+)
 from .rows import Claim, DispatchRow, NewDispatch, ScheduleRow
 from .schema import (
     CLAIMABLE,
@@ -106,6 +113,7 @@ class Ledger:
         self._retention_ready = False  # the schema was seen at RETENTION_SCHEMA_VERSION
         self._wide_ids_ready = False  # ... at WIDE_IDS_SCHEMA_VERSION
         dispose_in_children(engine)
+        drop_stale_plans(engine)
 
     @property
     def dialect(self) -> str:

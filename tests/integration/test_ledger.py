@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ from questpie_celery.ledger import (
     dispatch_table,
     open_ledger,
 )
+from questpie_celery.ledger.aio import AsyncLedger
 from questpie_celery.ledger.schema import schema_version_table
 from questpie_celery.ledger.statements import db_time
 from questpie_celery.options import RunOptions, StoredOptions
@@ -576,6 +578,44 @@ def test_migrating_a_version_4_ledger_widens_its_dispatch_ids(ledger: Ledger) ->
     assert ledger.insert(_new(long_id, idempotency_key=None))
     assert ledger.claim(long_id, JOB, 1, 60).outcome == "claimed"
     assert _row(ledger, kept.id).payload == kept.payload  # the old row came through
+
+
+def test_a_process_running_while_another_migrates_to_wide_ids_keeps_working(
+    ledger: Ledger,
+) -> None:
+    """The migration changes the type of a column the statements return. A process that
+    ran them before (a worker, a publisher) holds them prepared on its connections (psycopg
+    prepares a statement on its sixth run), which PostgreSQL then refuses to run ("cached
+    plan must not change result type"): those connections are dropped and the statement
+    runs again on a fresh one."""
+    _make_version_4(ledger)
+    aledger = AsyncLedger(ledger)  # an event loop's publisher: psycopg's async driver
+
+    async def read_async(dispatch_id: str) -> DispatchRow | None:
+        return await aledger.get(dispatch_id)
+
+    loop = asyncio.new_event_loop()
+    try:
+        for _ in range(8):
+            dispatch_id, token = _claimed(ledger)
+            assert ledger.finish(dispatch_id, token, "completed", None)
+            assert loop.run_until_complete(read_async(dispatch_id)) == _row(ledger, dispatch_id)
+        url = ledger.engine.url.render_as_string(hide_password=False)
+        other = open_ledger(url)
+        try:
+            assert other.migrate() == SCHEMA_VERSION
+        finally:
+            other.close()
+        assert loop.run_until_complete(read_async(dispatch_id)) == _row(ledger, dispatch_id)
+        loop.run_until_complete(aledger.close())
+    finally:
+        loop.close()
+    dispatch_id, token = _claimed(ledger)
+    assert ledger.finish(dispatch_id, token, "completed", None)
+    assert _row(ledger, dispatch_id).status == "completed"
+    long_id = "plain-call-" + "x" * 100
+    assert ledger.insert(_new(long_id, idempotency_key=None))
+    assert ledger.claim(long_id, JOB, 1, 60).outcome == "claimed"
 
 
 def _storage(ledger: Ledger) -> dict[str, int]:

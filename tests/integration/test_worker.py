@@ -388,6 +388,39 @@ def test_a_worker_started_before_migrate_waits_and_then_runs_everything_once(
     assert stack.row(str(keyed)).status == "completed"
 
 
+def _make_version_4(stack: Stack) -> None:
+    """Turn the stack's ledger back into what schema version 4 made: ids of 36 characters."""
+    with stack.ledger.engine.begin() as conn:
+        conn.exec_driver_sql("DELETE FROM questpie_schema_version WHERE version = 5")
+        for table, column in (
+            ("questpie_queue_dispatch", "id"),
+            ("questpie_schedule", "last_dispatch_id"),
+        ):
+            conn.exec_driver_sql(f"ALTER TABLE {table} ALTER COLUMN {column} TYPE varchar(36)")
+
+
+def test_a_worker_running_while_migrate_widens_the_ids_runs_every_delivery_once(
+    make_stack: StackFactory,
+) -> None:
+    """Its pool process prepared the claim and the other statements before the migration
+    changed the type of the id they return; after it, PostgreSQL refuses them as prepared
+    on those connections. Each delivery still runs, once, with no restart."""
+    stack = make_stack("redis", start_worker=False, concurrency=1)
+    _make_version_4(stack)
+    stack.worker.start()
+    t = tag()
+    queue = stack.questpie.queue
+    before = [queue.record.publish({"tag": t}, idempotency_key=f"{t}:{i}") for i in range(8)]
+    for dispatch_id in before:
+        stack.wait_status(str(dispatch_id), "completed")
+    stack.questpie.migrate()
+    after = [queue.record.publish({"tag": t}, idempotency_key=f"{t}:after:{i}") for i in range(4)]
+    for dispatch_id in after:
+        assert stack.wait_status(str(dispatch_id), "completed").attempt == 1
+    assert sorted(r["dispatch_id"] for r in stack.runs(t)) == sorted(map(str, before + after))
+    assert "raised unexpected" not in stack.worker.log()
+
+
 def test_a_plain_calls_long_task_id_waits_for_the_ledger_to_be_migrated_to_wide_ids(
     make_stack: StackFactory,
 ) -> None:
@@ -396,13 +429,7 @@ def test_a_plain_calls_long_task_id_waits_for_the_ledger_to_be_migrated_to_wide_
     waits for `migrate`, as on an unmigrated ledger, rather than failing unrun; after it,
     the call runs once."""
     stack = make_stack("redis", start_worker=False)
-    with stack.ledger.engine.begin() as conn:  # what version 4 made
-        conn.exec_driver_sql("DELETE FROM questpie_schema_version WHERE version = 5")
-        for table, column in (
-            ("questpie_queue_dispatch", "id"),
-            ("questpie_schedule", "last_dispatch_id"),
-        ):
-            conn.exec_driver_sql(f"ALTER TABLE {table} ALTER COLUMN {column} TYPE varchar(36)")
+    _make_version_4(stack)
     stack.worker.start()
     t = tag()
     long_id = f"order-{t}-" + "x" * 40
