@@ -208,9 +208,7 @@ class Questpie:
         self._apublisher = AsyncPublisher(
             self._publisher, self._aledger, self._outbox, sender, self._sends
         )
-        self._retention = Retention(
-            self._ledger, period, redeliver_after=lambda: self._outbox.redeliver_after
-        )
+        self._retention = Retention(self._ledger, period, redeliver_after=self._redelivery_window)
         self._relay = Relay(
             self._ledger, self._outbox, outcomes, slots, relay_interval, self._retention
         )
@@ -539,6 +537,16 @@ class Questpie:
 
     def _on_configure(self, sender: Any = None, **_: Any) -> None:
         self._configure()
+
+    def _redelivery_window(self) -> float:
+        """How long after its end a message of a dispatch may still come again:
+        `redeliver_after`, raised to the broker's visibility timeout by `_configure`. A
+        Celery app configured lazily (`config_from_object`, as Django projects are) loads
+        its settings, and so runs `_configure`, only when one is first read, which in a
+        process that only prunes nothing else has done."""
+        if not self._celery_app.configured:
+            self._celery_app.conf.get("broker_url")  # loads them: on_after_configure
+        return self._outbox.redeliver_after
 
     def _configure(self) -> None:
         configure_app(self._celery_app)

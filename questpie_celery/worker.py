@@ -25,6 +25,7 @@ from .broker import HARD_TIME_LIMIT_GRACE_SECONDS, MessageHeader
 from .context import AppContext
 from .errors import HandlerAbortedError, PermanentFailure
 from .fence import Fence, mark_started
+from .ids import unstorable_id
 from .jobs import JobContext, JobDefinition
 from .options import resolve_options
 from .outcomes import Unrun
@@ -122,6 +123,8 @@ class Runner:
         run. Passed on as an `Unrun` (the relay handles it off this event loop); never
         raises, since Celery is in the middle of its own handling here."""
         try:
+            if unstorable_id(request.id) is not None:
+                return  # no ledger row can have this id (a plain call's): nothing to move on
             header = MessageHeader.from_request(request)
             ledgered = header is not None and header.ledgered
             self._unrun(

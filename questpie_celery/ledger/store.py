@@ -33,7 +33,13 @@ from .engine import (
     runs_in_autocommit,
     statement_settings,
 )
-from .errors import MIGRATE_COMMAND, Reruns, SlotTaken, schema_missing, translate_errors
+from .errors import (
+    MIGRATE_COMMAND,
+    Reruns,
+    SlotTaken,
+    schema_missing,
+    translate_errors,
+)
 from .rows import Claim, DispatchRow, NewDispatch, ScheduleRow
 from .schema import (
     CLAIMABLE,
@@ -56,6 +62,9 @@ log = logging.getLogger(__name__)
 
 #: The schema retention needs: `options` nullable, and its index on `finished_at`.
 RETENTION_SCHEMA_VERSION = 4
+#: The first schema version whose dispatch ids may be longer than a UUID's 36 characters.
+WIDE_IDS_SCHEMA_VERSION = 5
+UUID_LENGTH = 36
 
 
 class Ledger:
@@ -101,6 +110,7 @@ class Ledger:
         self._in_caller = Statements(engine.dialect.name) if settings else self._sql
         self._ledger_id: str | None = None
         self._retention_ready = False  # the schema was seen at RETENTION_SCHEMA_VERSION
+        self._wide_ids_ready = False  # ... at WIDE_IDS_SCHEMA_VERSION
         dispose_in_children(engine)
 
     @property
@@ -287,6 +297,8 @@ class Ledger:
         One statement, so concurrent publishers of one key race inside the database:
         exactly one of them gets True. With `conn`, it runs in the caller's transaction.
         """
+        if len(new.id) > UUID_LENGTH:
+            self._check_wide_ids()
         params = row_params(new)
         if conn is None:
             # A secret's ciphertext exists nowhere else: a relaxed ledger still waits for
@@ -301,6 +313,18 @@ class Ledger:
         # transactions.caller_connection), so the ledger's statements fit its dialect.
         with translate_errors(self.migrate_command):
             return conn.execute(self._in_caller.insert, params).first() is not None
+
+    def _check_wide_ids(self) -> None:
+        """Raise `LedgerSchemaError` before a statement meets a column too narrow for an
+        id longer than a UUID: the package was upgraded and `migrate` has not run since
+        (on PostgreSQL the insert would fail on the old width, leaving a plain call taken
+        into the ledger unrun; as a schema error, the fence waits for the migration)."""
+        if self._wide_ids_ready:
+            return
+        found = self.schema_version()
+        if found is None or found < WIDE_IDS_SCHEMA_VERSION:
+            raise schema_missing(self.migrate_command)
+        self._wide_ids_ready = True  # a schema never goes back
 
     def insert_many(self, batch: Sequence[NewDispatch], conn: Connection | None = None) -> set[str]:
         """Insert the rows in order, each unless its id or policy slot is taken (by an

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import html
 import re
 import uuid
 from collections.abc import Iterator
@@ -216,6 +217,30 @@ def test_search_is_by_exact_id_or_key(site: Site) -> None:
     by_id = site.get(site.base, q=site.ids["charge_queued"]).content.decode()
     assert _listed(by_id) == {site.ids["charge_queued"]}
     assert _listed(site.get(site.base, q="charge:").content.decode()) == set()
+
+
+def test_a_plain_calls_task_id_of_any_shape_is_listed_shown_and_found(site: Site) -> None:
+    """A plain call of a policy job keeps its own task id, whatever its shape: its row is
+    listed, its page opens from the list's link, and an exact search finds it, blanks
+    around it included."""
+    odd = [" lead", "trail ", "a/b?c#d_5F", "line\nbreak", "<b>ünï🚀</b>", "x" * 1000]
+    with site.ledger.engine.begin() as conn:
+        conn.execute(insert(dispatch_table), [_row(i, "plain-job", "failed") for i in odd])
+    links = dict(
+        (html.unescape(text), html.unescape(href))
+        for href, text in re.findall(
+            r'<th class="field-id"><a href="([^"]*)">([^<]*)</a></th>',
+            site.get(site.base, job="plain-job").content.decode(),
+        )
+    )
+    assert set(links) == set(odd)
+    for dispatch_id, href in links.items():
+        page = site.get(href)
+        assert page.status_code == 200
+        assert html.escape(dispatch_id) in page.content.decode()
+        assert _listed(site.get(site.base, q=dispatch_id).content.decode()) == {
+            html.escape(dispatch_id)
+        }
 
 
 def test_a_dispatch_page_is_read_only_and_shows_no_secret(site: Site) -> None:

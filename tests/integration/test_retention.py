@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -193,6 +194,33 @@ def test_an_unkeyed_row_stays_while_a_copy_of_its_message_may_come_again(
     # The period still counts when it is the longer one.
     assert Retention(ledger, WEEK, redeliver_after=lambda: 60).prune(WEEK).deleted == 0
     assert Retention(ledger, 60, redeliver_after=lambda: 60).prune(60).deleted == 1
+
+
+def test_a_lazily_configured_apps_prune_keeps_unkeyed_rows_for_its_visibility_timeout(
+    tmp_path: Path,
+) -> None:
+    """A Celery app configured with `config_from_object` (as a Django project's is) reads
+    its settings only when something first reads one; a process that only prunes (the
+    `prune` command, a cron job) has sent and consumed nothing. Its floor is still the
+    broker's visibility timeout (two hours here), not the default hour."""
+    hour = 3600.0
+    settings = SimpleNamespace(
+        broker_url="redis://127.0.0.1:1/0",  # never connected to
+        broker_transport_options={"visibility_timeout": 2 * hour},
+    )
+    celery_app = Celery("lazy")
+    celery_app.config_from_object(settings)
+    questpie = Questpie(celery_app, ledger_url=f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
+    try:
+        assert not celery_app.configured
+        questpie.migrate()
+        within = _ended(questpie._ledger, "completed", days_ago=1.5 * hour / DAY)
+        past = _ended(questpie._ledger, "completed", days_ago=2.5 * hour / DAY)
+        assert questpie.prune(older_than=0).deleted == 1
+        assert questpie._ledger.get(past) is None
+        assert _row(questpie._ledger, within).status == "completed"
+    finally:
+        questpie.close()
 
 
 def test_the_period_is_honoured(ledger: Ledger) -> None:

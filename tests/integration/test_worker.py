@@ -14,10 +14,13 @@ import pytest
 from celery.result import AsyncResult
 
 from questpie_celery import LedgerSchemaError, derive_dispatch_id
+from questpie_celery.ledger import NewDispatch
+from questpie_celery.options import StoredOptions
 from tests.integration.conftest import StackFactory
 from tests.support.brokers import capture, deliver, queue_depth
 from tests.support.jobapp import Work
 from tests.support.stack import Stack, tag
+from tests.unit.helpers import wait_until
 
 
 def test_unkeyed_publish_runs_once_without_a_ledger_row(stack: Stack) -> None:
@@ -392,6 +395,29 @@ def test_a_dispatch_revoked_before_it_ran_fails_at_once_and_never_runs(
     assert stack.runs(t2) == []
 
 
+@pytest.mark.parametrize("job_name", ["record", "policy.singleton"])
+def test_a_plain_call_under_an_id_no_row_can_have_that_ends_unrun_leaves_the_relay_working(
+    make_stack: StackFactory, job_name: str
+) -> None:
+    """A plain call whose task id holds a NUL (which PostgreSQL text cannot store) expires
+    on arrival: Celery drops it unrun, and no row can have its id, so there is nothing to
+    move on. The worker's relay goes on with its passes, and sends what is due."""
+    stack = make_stack("redis")
+    t = tag()
+    expired = datetime.now(UTC) - timedelta(seconds=5)
+    stack.celery_app.send_task(job_name, args=[{"tag": t}], task_id="plain\0call", expires=expired)
+    wait_until(lambda: "Discarding revoked task" in stack.worker.log(), "the expired call dropped")
+    # A row only the relay sends (as after a broker outage at its publish).
+    due = derive_dispatch_id("record", t)
+    new = NewDispatch(
+        id=due, job_name="record", idempotency_key=t, payload={"tag": t}, options=StoredOptions()
+    )
+    assert stack.ledger.insert(new)
+    assert stack.wait_status(due, "completed").attempt == 1
+    assert "relay pass failed" not in stack.worker.log()
+    assert [r["dispatch_id"] for r in stack.runs(t)] == [due]
+
+
 def test_a_worker_started_before_migrate_waits_and_then_runs_everything_once(
     make_stack: StackFactory,
 ) -> None:
@@ -416,3 +442,35 @@ def test_a_worker_started_before_migrate_waits_and_then_runs_everything_once(
     assert sorted(r["dispatch_id"] for r in stack.runs(t)) == sorted(expected)
     assert stack.row(policy).status == "completed"
     assert stack.row(str(keyed)).status == "completed"
+
+
+def _make_version_4(stack: Stack) -> None:
+    """Turn the stack's ledger back into what schema version 4 made: ids of 36 characters."""
+    with stack.ledger.engine.begin() as conn:
+        conn.exec_driver_sql("DELETE FROM questpie_schema_version WHERE version = 5")
+        for table, column in (
+            ("questpie_queue_dispatch", "id"),
+            ("questpie_schedule", "last_dispatch_id"),
+        ):
+            conn.exec_driver_sql(f"ALTER TABLE {table} ALTER COLUMN {column} TYPE varchar(36)")
+
+
+def test_a_plain_calls_long_task_id_waits_for_the_ledger_to_be_migrated_to_wide_ids(
+    make_stack: StackFactory,
+) -> None:
+    """A worker upgraded before `migrate` ran meets a ledger of schema version 4, whose
+    dispatch ids hold 36 characters. A plain call of a policy job under a longer task id
+    waits for `migrate`, as on an unmigrated ledger, rather than failing unrun; after it,
+    the call runs once."""
+    stack = make_stack("redis", start_worker=False)
+    _make_version_4(stack)
+    stack.worker.start()
+    t = tag()
+    long_id = f"order-{t}-" + "x" * 40
+    stack.celery_app.send_task("policy.singleton", args=[{"tag": t}], task_id=long_id)
+    stack.wait_log(long_id, "the ledger is not migrated")
+    assert stack.ledger.get(long_id) is None
+    assert not any("raised unexpected" in line for line in stack.worker.log_about(long_id))
+    stack.questpie.migrate()
+    assert stack.wait_status(long_id, "completed", timeout=90).attempt == 1
+    assert [r["attempt"] for r in stack.runs(t)] == [1]

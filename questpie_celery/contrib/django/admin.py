@@ -246,7 +246,9 @@ class DispatchAdmin(ReadOnlyAdmin):
         term = search_term.strip()
         if not term:
             return queryset, False
-        ids = {term} | {derive_dispatch_id(job, term) for job in job_names(queryset.db)}
+        # As typed too: a plain call's task id (or a key) may begin or end with a blank.
+        terms = {term, search_term}
+        ids = terms | {derive_dispatch_id(job, t) for job in job_names(queryset.db) for t in terms}
         return queryset.filter(pk__in=sorted(ids)), False
 
 
