@@ -57,7 +57,7 @@ import threading
 import time
 from collections import deque
 
-from .errors import LedgerSchemaError, QuestpieError
+from .errors import LedgerBusyError, LedgerSchemaError, LedgerUnavailableError, QuestpieError
 from .ledger import Ledger, SendWakeups
 from .outbox import Outbox
 from .outcomes import Outcomes, Unrun
@@ -142,10 +142,22 @@ class Relay:
         for index, delivery in enumerate(waiting):
             try:
                 moved += self._outcomes.unrun(delivery)
-            except QuestpieError:
+            except (LedgerUnavailableError, LedgerBusyError, LedgerSchemaError):
                 with self._unrun_lock:  # the ledger is away: the next pass tries them again
                     self._unrun.extendleft(reversed(waiting[index:]))
                 raise
+            except QuestpieError as exc:
+                # Refused for good (a statement this delivery can never pass): tried again,
+                # it would fail every pass, and nothing due would ever be sent. Its row, if
+                # any, still has its own next send. No traceback: the error says it all.
+                log.error(  # noqa: TRY400
+                    "dispatch %s of job %s: its delivery ended unrun and could not be "
+                    "recorded (%s); left to its row's own next send",
+                    delivery.dispatch_id,
+                    delivery.job_name,
+                    exc,
+                    extra={"dispatch_id": delivery.dispatch_id, "job_name": delivery.job_name},
+                )
         return moved
 
     def run_once(self, *, end_lapsed_leases: bool = True) -> int:

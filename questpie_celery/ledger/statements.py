@@ -628,6 +628,7 @@ class Statements:
 _PREAMBLE_UPDATES = (
     "mark_queued", "claim", "renew", "finish", "retry", "lapse_retry", "lapse_fail", "park",
     "unpark", "take_due", "give_back", "give_up", "send_soon", "advance_schedule", "requeue",
+    "send_when_due", "send_unclaimed_now", "end_unclaimed",
 )  # fmt: skip
 
 

@@ -31,6 +31,7 @@ from questpie_celery import BrokerError, Questpie
 from questpie_celery.broker import Sender
 from questpie_celery.ledger import dispatch_table
 from questpie_celery.outbox import MAX_RELAY_SENDS, REFUSED_SEND_RETRY_SECONDS
+from questpie_celery.outcomes import Unrun
 from tests.integration.conftest import StackFactory
 from tests.support import jobapp
 from tests.support.brokers import capture, queue_depth
@@ -592,3 +593,19 @@ def test_an_interrupted_batch_gives_every_taken_row_back(
         assert row.status == "pending" and row.send_count == 0
         assert row.next_send_at is not None
         assert row.next_send_at <= datetime.now(UTC) + timedelta(seconds=10)
+
+
+def test_a_delivery_that_ended_unrun_and_can_never_be_recorded_does_not_stop_the_relay(
+    make_stack: StackFactory,
+) -> None:
+    """A report of a delivery ended unrun whose statement the ledger refuses for good (an
+    id PostgreSQL cannot store, here) is logged and dropped: kept for the next pass, it
+    would fail every pass after, and nothing due would ever be sent by that relay."""
+    stack = relay_stack(make_stack, "redis")
+    dispatch_id = published(stack, queue=f"idle-{uuid.uuid4().hex[:8]}")
+    make_due(stack, dispatch_id)
+    before = stack.row(dispatch_id).send_count
+    stack.questpie._relay.hear_unrun(Unrun("bad\x00id", "record", 1, "lost"))
+    stack.questpie.run_relay(once=True)
+    assert stack.row(dispatch_id).send_count == before + 1  # the pass went on and sent it
+    stack.questpie.run_relay(once=True)  # and the next pass does not meet the report again
