@@ -509,6 +509,7 @@ task_ids = st.one_of(
 @example(task_id="order 42 / retry\t#3 \n(ünïcödé) 🚀 '\";--")
 @example(task_id="x" * MAX_DISPATCH_ID_BYTES)
 @example(task_id="a\0b")  # PostgreSQL text cannot hold NUL
+@example(task_id="\r")  # a log read back with universal newlines lost it
 @example(task_id="é" * MAX_DISPATCH_ID_BYTES)  # twice the bytes the ledger stores
 @settings(
     max_examples=12,

@@ -501,7 +501,12 @@ class CeleryProcess:
         raise RuntimeError(f"{what} not ready after {timeout}s:\n{self.log()}")
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        """The worker's log as written: a task id may hold a carriage return, which
+        universal newlines would turn into a line feed."""
+        if not self.log_path.exists():
+            return ""
+        with open(self.log_path, errors="replace", newline="") as file:
+            return file.read()
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
