@@ -468,7 +468,8 @@ def web(
             f"--host {host} would serve the page beyond this machine, and it has no login; "
             "pass --public to do that on purpose"
         )
-    operator = _operator(app, ledger_url)
+    with _clear_errors():
+        operator = _operator(app, ledger_url)
     label = operator.ledger_label
     click.echo(f"status page of {label} on http://{host}:{port}/ (Ctrl-C stops it)")
     status_page.serve(
