@@ -17,8 +17,10 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Literal
+from types import ModuleType
+from typing import Any, Literal, Never
 
+import click
 from celery import Celery
 from celery.signals import worker_init
 from sqlalchemy import Engine
@@ -252,9 +254,12 @@ class Questpie:
                 raise JobDefinitionError(
                     f"expected a JobDefinition (made with @job), got {type(definition).__name__}"
                 )
-            client = JobClient(definition, self._publisher, self._apublisher, self._schedules)
+            client = JobClient(
+                definition, self._publisher, self._apublisher, self._schedules, self._celery_app
+            )
             if self._registry.add(client):
                 self._tasks[definition.name] = self._runner.register(self._celery_app, definition)
+                definition.compiled_on(self._celery_app)
                 _REGISTERED.add(definition)
 
     def _on_finalize(self, sender: Any = None, **_: Any) -> None:
@@ -351,6 +356,17 @@ class Questpie:
     @property
     def celery_app(self) -> Celery:
         return self._celery_app
+
+    @property
+    def user_options(self) -> Never:
+        """What `celery -A` reads first of the app it loaded: handed a `Questpie` instead
+        of a Celery app, the command stops with a line saying what to write."""
+        celery_spec = spelling_of(self._celery_app, near=self)
+        raise CeleryAppExpected(
+            f"celery -A takes your Celery app, and {spelling_of(self) or 'what it was given'} "
+            f"is its Questpie: write celery -A {celery_spec or 'module:celery_app'} (or the "
+            "module alone, which Celery searches). questpie-celery -A takes either."
+        )
 
     @property
     def definitions(self) -> dict[str, JobDefinition[Any]]:
@@ -554,6 +570,27 @@ class Questpie:
         # Redelivering sooner than the broker's own visibility timeout would only race it.
         visibility = visibility_timeout(self._celery_app)
         self._outbox.redeliver_after = max(self._redeliver_after, visibility)
+
+
+class CeleryAppExpected(click.UsageError, ConfigurationError, AttributeError):
+    """A Celery command was handed a `Questpie` where it takes the Celery app.
+
+    A `click.UsageError`, so Celery's command line prints it as one `Error:` line and
+    exits; an `AttributeError`, so `hasattr(questpie, "user_options")` stays False."""
+
+
+def spelling_of(value: object, *, near: object = None) -> str | None:
+    """`module:attribute` of an imported module's attribute that is `value` (preferring
+    the module that also holds `near`), or None: for messages that say what to write."""
+    found: list[tuple[bool, str]] = []
+    for name, module in list(sys.modules.items()):
+        if name == "__main__" or not isinstance(module, ModuleType):
+            continue
+        held = list(getattr(module, "__dict__", {}).items())
+        for attribute, item in held:
+            if item is value and not attribute.startswith("_"):
+                found.append((not any(v is near for _, v in held), f"{name}:{attribute}"))
+    return min(found)[1] if found else None
 
 
 def _installed_django_database() -> str | None:

@@ -14,9 +14,11 @@ from datetime import datetime
 from typing import Protocol, get_args
 
 import click
+from celery import Celery
+from celery.app.utils import find_app
 
 from . import recorded_policy
-from .app import Questpie
+from .app import Questpie, questpie_of
 from .errors import QuestpieError
 from .ledger import Ledger, Status, open_ledger
 from .operations import DispatchDetail, Operator
@@ -26,14 +28,65 @@ from .schedules import ScheduleInfo
 
 
 def load_questpie(spec: str) -> Questpie:
-    """Import `module:attribute` (default attribute `questpie`) and return it."""
-    module_name, _, attribute = spec.partition(":")
-    sys.path.insert(0, "")
-    module = importlib.import_module(module_name)
-    value = getattr(module, attribute or "questpie", None)
+    """The `Questpie` that `spec` names: `module:attribute` of the `Questpie` itself, or
+    what `celery -A` takes (`proj`, `proj.celery`, `proj.celery:app`), whose Celery app's
+    `Questpie` it is. A module alone means its `questpie` attribute when it has one,
+    else the Celery app that Celery's own search finds there."""
+    sys.path.insert(0, "")  # the working directory first, as celery -A has it
+    module_name, colon, attribute = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+        if colon:
+            value = getattr(module, attribute, None)
+            if value is None:
+                raise click.BadParameter(
+                    f"module {module_name} has no attribute {attribute!r}", param_hint="--app"
+                )
+        else:
+            value = getattr(module, "questpie", None)
+            if not isinstance(value, Questpie):
+                value = _celery_search(spec)
+    except ModuleNotFoundError as exc:
+        if exc.name is None or not module_name.startswith(exc.name):
+            raise  # the project's own import failed: its traceback is what helps
+        raise click.BadParameter(
+            f"no module named {exc.name} (run the command in the folder that holds it, or "
+            "add that folder to PYTHONPATH)",
+            param_hint="--app",
+        ) from None
+    except QuestpieError as exc:
+        raise click.ClickException(f"importing {module_name}: {exc}") from exc
+    if isinstance(value, Celery):
+        found = questpie_of(value)
+        if found is None:
+            raise click.BadParameter(
+                f"{spec!r} is a Celery app that no Questpie(...) was built for on import; "
+                "name your Questpie instead (module:attribute)",
+                param_hint="--app",
+            )
+        return found
     if not isinstance(value, Questpie):
-        raise click.BadParameter(f"{spec!r} is not a Questpie instance", param_hint="--app")
+        raise click.BadParameter(
+            f"{spec!r} is neither a Questpie nor a Celery app", param_hint="--app"
+        )
     return value
+
+
+def _celery_search(module_name: str) -> object:
+    """The Celery app `celery -A module_name` would run: `module.app`, `module.celery`,
+    the `celery` submodule's, or any Celery app the module holds."""
+    try:
+        return find_app(module_name)
+    except AttributeError:
+        raise click.BadParameter(
+            f"module {module_name} holds no Questpie named questpie and no Celery app; "
+            "pass -A module:attribute",
+            param_hint="--app",
+        ) from None
+
+
+#: What every `-A` says of what it takes.
+APP_HELP = "your Questpie (module:attribute), or the app as celery -A takes it (-A proj)"
 
 
 class _Admin(Protocol):
@@ -87,7 +140,7 @@ def main() -> None:
 
 
 @main.command()
-@click.option("-A", "--app", help="module:attribute of your Questpie instance")
+@click.option("-A", "--app", help=APP_HELP)
 @click.option("--ledger-url", envvar="QUESTPIE_LEDGER_URL", help="SQLAlchemy URL of the ledger")
 @_pooled_option
 def migrate(app: str | None, ledger_url: str | None) -> None:
@@ -107,7 +160,7 @@ def policy() -> None:
 @policy.command("set")
 @click.argument("job_name")
 @click.argument("policy_name", metavar="POLICY", type=click.Choice([str(p) for p in QueuePolicy]))
-@click.option("-A", "--app", help="module:attribute of your Questpie instance")
+@click.option("-A", "--app", help=APP_HELP)
 @click.option("--ledger-url", envvar="QUESTPIE_LEDGER_URL", help="SQLAlchemy URL of the ledger")
 @_pooled_option
 @click.option(
@@ -135,7 +188,7 @@ def policy_set(
 
 @policy.command("show")
 @click.argument("job_name")
-@click.option("-A", "--app", help="module:attribute of your Questpie instance")
+@click.option("-A", "--app", help=APP_HELP)
 @click.option("--ledger-url", envvar="QUESTPIE_LEDGER_URL", help="SQLAlchemy URL of the ledger")
 @_pooled_option
 def policy_show(job_name: str, app: str | None, ledger_url: str | None) -> None:
@@ -148,7 +201,7 @@ def policy_show(job_name: str, app: str | None, ledger_url: str | None) -> None:
 
 
 @main.command()
-@click.option("-A", "--app", required=True, help="module:attribute of your Questpie instance")
+@click.option("-A", "--app", required=True, help=APP_HELP)
 @click.option("--once", is_flag=True, help="make one pass and exit")
 @click.option(
     "--end-lapsed-leases",
@@ -189,7 +242,7 @@ def _target(function: Callable[..., None]) -> Callable[..., None]:
     function = click.option(
         "--ledger-url", envvar="QUESTPIE_LEDGER_URL", help="SQLAlchemy URL of the ledger"
     )(function)
-    return click.option("-A", "--app", help="module:attribute of your Questpie instance")(function)
+    return click.option("-A", "--app", help=APP_HELP)(function)
 
 
 def _print(details: list[DispatchDetail], as_json: bool, reasons: list[str] | None = None) -> None:
@@ -329,7 +382,7 @@ def schedules(app: str | None, ledger_url: str | None, as_json: bool) -> None:
 
 @main.command()
 @click.argument("job_name")
-@click.option("-A", "--app", help="module:attribute of your Questpie instance")
+@click.option("-A", "--app", help=APP_HELP)
 @click.option("--ledger-url", envvar="QUESTPIE_LEDGER_URL", help="SQLAlchemy URL of the ledger")
 @_pooled_option
 def unschedule(job_name: str, app: str | None, ledger_url: str | None) -> None:
@@ -341,7 +394,7 @@ def unschedule(job_name: str, app: str | None, ledger_url: str | None) -> None:
 
 
 @main.command()
-@click.option("-A", "--app", help="module:attribute of your Questpie instance")
+@click.option("-A", "--app", help=APP_HELP)
 @click.option("--ledger-url", envvar="QUESTPIE_LEDGER_URL", help="SQLAlchemy URL of the ledger")
 @_pooled_option
 @click.option(
@@ -387,7 +440,7 @@ def _schedule_json(info: ScheduleInfo) -> dict[str, object]:
 
 
 @main.command()
-@click.option("-A", "--app", help="module:attribute of your Questpie instance")
+@click.option("-A", "--app", help=APP_HELP)
 @click.option("--ledger-url", envvar="QUESTPIE_LEDGER_URL", help="SQLAlchemy URL of the ledger")
 @_pooled_option
 @click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on")
@@ -415,7 +468,8 @@ def web(
             f"--host {host} would serve the page beyond this machine, and it has no login; "
             "pass --public to do that on purpose"
         )
-    operator = _operator(app, ledger_url)
+    with _clear_errors():
+        operator = _operator(app, ledger_url)
     label = operator.ledger_label
     click.echo(f"status page of {label} on http://{host}:{port}/ (Ctrl-C stops it)")
     status_page.serve(

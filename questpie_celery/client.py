@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Generic, Never
 
+from celery import Celery
 from pydantic import BaseModel
 from sqlalchemy import Connection
 from sqlalchemy.orm import Session
@@ -16,7 +18,7 @@ if TYPE_CHECKING:
 
 from .apublish import AsyncPublisher
 from .errors import JobDefinitionError, PublishOptionsError, UnknownJobError
-from .jobs import JobDefinition, P
+from .jobs import JobDefinition, P, job_attribute_name
 from .options import DispatchOptions, resolve_many_options, resolve_options, unknown_option_message
 from .policies import QueuePolicy, QueuePolicyName
 from .publish import Publisher
@@ -39,15 +41,23 @@ class JobClient(Generic[P]):
         publisher: Publisher,
         apublisher: AsyncPublisher,
         schedules: Schedules,
+        celery_app: Celery,
     ) -> None:
         self.definition = definition
         self._publisher = publisher
         self._apublisher = apublisher
         self._schedules = schedules
+        self._celery_app = celery_app
 
     @property
     def name(self) -> str:
         return self.definition.name
+
+    @property
+    def task(self) -> Any:
+        """The job's Celery task on this app, for a plain Celery call: `.delay(...)`,
+        `.apply_async(...)`, `.s(...)` and Canvas (unledgered for a standard job)."""
+        return self._celery_app.tasks[self.definition.name]
 
     def publish(
         self,
@@ -358,6 +368,28 @@ class JobRegistry:
     def known(self) -> str:
         return ", ".join(sorted(self._by_name)) or "(none)"
 
+    def suggest(self, asked: str) -> str:
+        """What to write instead of an unknown job name or attribute, then the known jobs:
+        the job whose handler has that name (`queue.<function name>` is the usual slip),
+        else the job whose name or attribute is closest."""
+        clients = list(self._by_name.values())
+        meant: JobClient[Any] | None
+        handler_of = [c for c in clients if getattr(c.definition.handler, "__name__", "") == asked]
+        if handler_of:
+            meant, why = handler_of[0], f"{asked} is the handler of job {handler_of[0].name!r}; "
+        else:
+            spellings = {**self._by_attribute, **self._by_name}
+            close = difflib.get_close_matches(asked, spellings, n=1) or difflib.get_close_matches(
+                job_attribute_name(asked), self._by_attribute, n=1
+            )
+            meant = spellings[close[0]] if close else None
+            why = f"did you mean job {meant.name!r}? " if meant is not None else ""
+        known = f"Known jobs: {self.known()}. "
+        if meant is None:
+            return known
+        attribute, name = meant.definition.attribute_name, meant.name
+        return f'{why}Write questpie.queue.{attribute} or questpie.queue["{name}"]. {known}'
+
 
 @dataclass(frozen=True)
 class Lookups:
@@ -388,8 +420,10 @@ class QueueClient:
             client = self._registry.by_attribute(attribute)
         if client is None:
             raise AttributeError(
-                f"no job is registered as queue.{attribute}; known: {self._registry.known()}. "
-                f"{_HOW_TO_REGISTER}"
+                f"no job is registered as queue.{attribute}; "
+                f"{self._registry.suggest(attribute)}{_HOW_TO_REGISTER}",
+                name=attribute,
+                obj=self,
             )
         return client
 
@@ -400,8 +434,8 @@ class QueueClient:
             client = self._registry.by_name(job_name)
         if client is None:
             raise UnknownJobError(
-                f"no job named {job_name!r} is registered; known: {self._registry.known()}. "
-                f"{_HOW_TO_REGISTER}"
+                f"no job named {job_name!r} is registered; "
+                f"{self._registry.suggest(job_name)}{_HOW_TO_REGISTER}"
             )
         return client
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import inspect
 import re
+import weakref
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar, get_args
 
+from celery import Celery, current_app
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_core import to_jsonable_python
@@ -75,6 +77,7 @@ class JobDefinition(Generic[P]):
             raise JobDefinitionError(f"job {name!r}: schema must be a pydantic BaseModel subclass")
         if not callable(handler):
             raise JobDefinitionError(f"job {name!r}: handler must be callable")
+        _check_signature(name, handler)
         try:
             validated = validate_job_options(options)
         except PublishOptionsError as exc:
@@ -102,6 +105,55 @@ class JobDefinition(Generic[P]):
         self.options: JobOptions = validated
         self.is_async = inspect.iscoroutinefunction(handler)
         self._has_secret_fields = _has_secret_fields(schema)
+        #: The Celery apps whose `Questpie` made this job's task (see `task`).
+        self._apps: weakref.WeakSet[Celery] = weakref.WeakSet()
+
+    @property
+    def task(self) -> Any:
+        """The Celery task this job compiles to, for a plain Celery call: `.delay(...)`,
+        `.apply_async(...)`, `.s(...)` and Canvas (unledgered for a standard job; see
+        docs/dispatching.md, "Calling the task directly").
+
+        It is the task on the Celery app whose `Questpie` registered the job. A job no
+        `Questpie` registered yet is looked up on Celery's current app, finalizing it
+        (which registers the `@job`s that autodiscovery declared), as `shared_task` does.
+        """
+        if not self._apps:
+            _ = current_app.tasks  # finalizes it: its Questpie adopts this job
+        apps = list(self._apps)
+        if len(apps) == 1:
+            return apps[0].tasks[self.name]
+        usage = f"questpie.queue.{self.attribute_name}.task"
+        if not apps:
+            raise JobDefinitionError(
+                f"job {self.name!r} has no Celery task yet: no Questpie registered it (use "
+                f"Questpie(..., jobs=[...]) or questpie.register(...), then {usage})"
+            )
+        raise JobDefinitionError(
+            f"job {self.name!r} is registered with {len(apps)} Celery apps, so it has as many "
+            f"tasks: use {usage} of the Questpie you mean"
+        )
+
+    def compiled_on(self, app: Celery) -> None:
+        """Record that `app` now has this job's task (called by `Questpie.register`)."""
+        self._apps.add(app)
+
+    def __getattr__(self, attribute: str) -> Any:
+        if attribute in _TASK_ATTRIBUTES:
+            handler = getattr(self.handler, "__name__", "handler")
+            raise AttributeError(
+                f"{handler} is the definition of job {self.name!r}, not its Celery task: "
+                f"{handler}.task.{attribute}(...) is a plain Celery call (unledgered for a "
+                f"standard job), questpie.queue.{self.attribute_name}.publish(...) dispatches "
+                "it with keys, policies and the ledger",
+                name=attribute,
+                obj=self,
+            )
+        raise AttributeError(
+            f"{type(self).__name__!r} object has no attribute {attribute!r}",
+            name=attribute,
+            obj=self,
+        )
 
     @property
     def has_secret_fields(self) -> bool:
@@ -186,6 +238,32 @@ def job(
         return definition
 
     return decorate
+
+
+#: What a Celery task offers and a definition does not: `definition.delay(...)` and the
+#: like say where the task is.
+_TASK_ATTRIBUTES = frozenset(
+    {"delay", "apply_async", "apply", "s", "si", "signature", "subtask", "retry", "AsyncResult"}
+    | {"map", "starmap", "chunks"}
+)
+
+
+def _check_signature(name: str, handler: Callable[..., Any]) -> None:
+    """Refuse a handler that cannot be called as `handler(payload, ctx)`: it would be
+    accepted here and fail at every run."""
+    try:
+        signature = inspect.signature(handler)
+    except (TypeError, ValueError):
+        return  # some builtins have none to read: their call will tell
+    try:
+        signature.bind(object(), object())
+    except TypeError as exc:
+        label = getattr(handler, "__qualname__", None) or type(handler).__name__
+        raise JobDefinitionError(
+            f"job {name!r}: its handler {label}{signature} cannot be called as "
+            f"handler(payload, ctx) ({exc}); write it as "
+            f"def {getattr(handler, '__name__', 'handler')}(payload, ctx: JobContext)"
+        ) from None
 
 
 def declared_jobs() -> tuple[JobDefinition[Any], ...]:

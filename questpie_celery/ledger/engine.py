@@ -18,17 +18,18 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from sqlalchemy import Connection, Engine, create_engine, event
-from sqlalchemy.engine import ExceptionContext, make_url
+from sqlalchemy.engine import ExceptionContext
 from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
 from ..errors import ConfigurationError
 from .errors import MIGRATE_COMMAND, is_stale_plan
+from .urls import ledger_url
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
@@ -55,29 +56,22 @@ def create_ledger_engine(url: str, *, relaxed: bool = False, pooled: bool = Fals
     engine sends no startup parameters and prepares no statements on the server (see the
     module's docstring). It changes nothing on SQLite.
     """
+    parsed = ledger_url(url)
     try:
-        parsed = make_url(url)
-        if parsed.drivername in ("postgres", "postgresql"):
-            # postgres:// is what many hosts hand out, and plain postgresql:// means
-            # psycopg2 to SQLAlchemy; the ledger runs on psycopg 3.
-            parsed = parsed.set(drivername="postgresql+psycopg")
-        backend = parsed.get_backend_name()
-        if backend == "sqlite":
+        if parsed.get_backend_name() == "sqlite":
             engine = create_engine(
                 parsed,
-                connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000},
+                # The URL's own timeout, if it gives one, wins.
+                connect_args={}
+                if "timeout" in parsed.query
+                else {"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000},
                 hide_parameters=True,  # errors name no statement value: no payload in logs
             )
             _configure_sqlite(engine, relaxed=relaxed)
             return engine
-        if backend != "postgresql":
-            raise ConfigurationError(
-                f"the ledger runs on PostgreSQL or SQLite, not {backend!r} "
-                "(use postgresql+psycopg://... or sqlite:///path)"
-            )
         engine = create_engine(
             parsed,
-            connect_args=_pg_connect_args(relaxed=relaxed, pooled=pooled),
+            connect_args=_pg_connect_args(relaxed=relaxed, pooled=pooled, query=parsed.query),
             isolation_level="AUTOCOMMIT",
             hide_parameters=True,  # errors name no statement value: no payload in logs
         )
@@ -99,7 +93,7 @@ def create_async_ledger_engine(engine: Engine, *, relaxed: bool, pooled: bool) -
 
     made = create_async_engine(
         engine.url,
-        connect_args=_pg_connect_args(relaxed=relaxed, pooled=pooled),
+        connect_args=_pg_connect_args(relaxed=relaxed, pooled=pooled, query=engine.url.query),
         isolation_level="AUTOCOMMIT",
         hide_parameters=True,
     )
@@ -134,7 +128,10 @@ def statement_settings(*, relaxed: bool) -> dict[str, str]:
     return settings
 
 
-def _pg_connect_args(*, relaxed: bool, pooled: bool) -> dict[str, Any]:
+def _pg_connect_args(*, relaxed: bool, pooled: bool, query: Mapping[str, object]) -> dict[str, Any]:
+    """The connection arguments of the ledger's own PostgreSQL connections. What the
+    URL sets itself (`query`) wins: SQLAlchemy lets connect arguments override the URL's,
+    so each one the URL gives is left out here, and its `options` come after ours."""
     args: dict[str, Any] = {
         "connect_timeout": PG_CONNECT_TIMEOUT_SECONDS,
         # A connection whose server vanished without a word (a host gone, a network
@@ -157,7 +154,9 @@ def _pg_connect_args(*, relaxed: bool, pooled: bool) -> dict[str, Any]:
         args["options"] = " ".join(
             f"-c {name}={value}" for name, value in statement_settings(relaxed=relaxed).items()
         )
-    return args
+        if "options" in query:
+            args["options"] += f" {query['options']}"
+    return {k: v for k, v in args.items() if k == "options" or k not in query}
 
 
 def runs_in_autocommit(engine: Engine) -> bool:

@@ -159,8 +159,11 @@ def _translate(error: exc.DBAPIError, migrate_command: str) -> LedgerError:
             "in progress)"
         )
     if error.connection_invalidated or isinstance(error, exc.OperationalError | exc.InterfaceError):
-        # The driver's first line says why (refused, timed out, auth failed); connection
-        # errors carry no statement parameters, so nothing of a payload.
+        # Connection errors carry no statement parameters, so nothing of a payload.
+        said = connection_failure(str(error.orig))
+        if said is not None:
+            return LedgerUnavailableError(said)
+        # Something else: the driver's first line says why.
         reason = str(error.orig).strip().splitlines()[0] if str(error.orig).strip() else ""
         return LedgerUnavailableError(
             "the dispatch ledger database cannot be reached: "
@@ -168,3 +171,111 @@ def _translate(error: exc.DBAPIError, migrate_command: str) -> LedgerError:
         )
     # Other driver messages may quote statement values: keep only the class.
     return LedgerError(f"ledger statement failed: {type(error.orig).__name__}")
+
+
+#: Where libpq says it tried to connect, in its connection errors.
+_SERVER_AT = re.compile(
+    r'connection to server (?:at "(?P<host>[^"]+)"(?: \([^)]*\))?, port (?P<port>\d+)'
+    r'|on socket "(?P<socket>[^"]+)")'
+)
+_REFUSED = "the dispatch ledger database refused the connection: "
+_UNREACHABLE = "the dispatch ledger database cannot be reached: "
+#: libpq's (and psycopg's) reasons a connection failed, each with what it means and
+#: what to do. A server localized with `lc_messages` says them in its language, and
+#: gets the driver's first line instead.
+_CONNECTION_FAILURES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
+    (re.compile(pattern, re.IGNORECASE), said)
+    for pattern, said in (
+        (
+            r'role "(?P<name>[^"]*)" does not exist',
+            _REFUSED + 'the server has no role "{name}"; create it (CREATE ROLE "{name}" '
+            "LOGIN PASSWORD '...') or put an existing role in the ledger URL",
+        ),
+        (
+            r'database "(?P<name>[^"]*)" does not exist',
+            _REFUSED + 'the server has no database "{name}"; create it (CREATE DATABASE '
+            '"{name}" OWNER <role>), then run questpie-celery migrate',
+        ),
+        (
+            r'password authentication failed for user "(?P<name>[^"]*)"',
+            _REFUSED + 'authentication failed: the server refused the password of role "{name}"; '
+            "correct it in the ledger URL (percent-encoded: '@' is %40) or reset the role's",
+        ),
+        (
+            r"no password supplied",
+            _REFUSED + "the server asks for a password and the ledger URL gives none; write "
+            "postgresql+psycopg://role:password@host/db (or use PGPASSWORD, a .pgpass file)",
+        ),
+        (
+            r'(?P<method>\w+) authentication failed for user "(?P<name>[^"]*)"',
+            _REFUSED + 'authentication failed: {method} authentication of role "{name}", '
+            "which the server's pg_hba.conf asks for from this host; connect as a role it "
+            "allows, or change the rule",
+        ),
+        (
+            r"no encryption|SSL off|SSL connection is required",
+            _REFUSED + "the server takes this connection only over TLS; add sslmode=require "
+            "to the ledger URL (sslmode=verify-full, with sslrootcert=, also checks whose "
+            "certificate it is)",
+        ),
+        (
+            r"server does not support SSL, but SSL was required",
+            _REFUSED + "the ledger URL requires TLS (its sslmode) and the server offers none; "
+            "turn ssl on at the server, or lower sslmode in the URL",
+        ),
+        (
+            r"no pg_hba.conf entry|pg_hba.conf rejects connection",
+            _REFUSED + "the server's pg_hba.conf lets no such connection in (this host, role "
+            "and database); add a rule for it, or connect as a role that one allows",
+        ),
+        (
+            r"too many clients already|remaining connection slots are reserved",
+            _REFUSED + "the server has no connection left for this role (max_connections); "
+            "close idle clients, or put a pooler in front (pooled=True)",
+        ),
+        (
+            r"connection refused",
+            _UNREACHABLE + "nothing accepts connections at {where} (connection refused); is "
+            "PostgreSQL running there, on that port? (the ledger URL's port, 5432 when none)",
+        ),
+        (
+            r'socket "(?P<name>[^"]*)" failed: No such file or directory',
+            _UNREACHABLE + 'no server listens on the socket "{name}"; is PostgreSQL running '
+            "on this machine, and is the URL's host= the folder of its socket?",
+        ),
+        (
+            r"failed to resolve host '(?P<name>[^']*)'|"
+            r'could not translate host name "(?P<other>[^"]*)"',
+            _UNREACHABLE + 'the host name "{name}" does not resolve; correct the host in the '
+            "ledger URL (or its DNS)",
+        ),
+        (
+            r"timeout expired|timed out",
+            _UNREACHABLE + "no answer from {where} before the connect timeout; the host is "
+            "down or a firewall drops the traffic to that port (check the ledger URL's host "
+            "and port)",
+        ),
+        (
+            r"no route to host|network is unreachable",
+            _UNREACHABLE + "there is no route from here to {where}; check the host in the "
+            "ledger URL, and this machine's network",
+        ),
+    )
+)
+
+
+def connection_failure(text: str) -> str | None:
+    """What a driver's connection error means and what to do, or None for another error."""
+    for pattern, said in _CONNECTION_FAILURES:
+        found = pattern.search(text)
+        if found is None:
+            continue
+        groups = found.groupdict()
+        at = _SERVER_AT.search(text)
+        where = "the ledger URL's host"
+        if at is not None:
+            host, port, socket = at.group("host", "port", "socket")
+            where = f'socket "{socket}"' if socket else f'host "{host}", port {port}'
+        name = groups.get("name") or groups.get("other") or ""
+        return said.format(name=name, method=groups.get("method") or "", where=where)
+    return None

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+
+import pytest
+
 from questpie_celery import derive_dispatch_id
+from tests.support.services import ROOT
 from tests.support.stack import Stack, tag
 
 
@@ -38,3 +45,36 @@ def test_several_prefork_children_share_the_sqlite_ledger(sqlite_fs: Stack) -> N
     assert len(runs) == 24
     assert len({r["pid"] for r in runs}) == 2  # both children took work
     assert "database is locked" not in sqlite_fs.worker.log()
+
+
+#: What differs from one run of the demo to the next: its temporary folder, the time, and
+#: random (version 4) ids. Keyed ids derive from their key, the same in every run.
+_RUN_TO_RUN = [
+    (re.compile(r"\S*questpie-demo-[^/\s]+"), "<folder>"),
+    (re.compile(r"\b[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[0-9a-f]{4}-[0-9a-f]{12}\b"), "<id>"),
+    (re.compile(r"handled_at=\d\d:\d\d:\d\d"), "handled_at=<time>"),
+]
+
+
+def _shape(printed: str) -> list[list[str]]:
+    """The demo's output as its sections (blocks between blank lines), with what
+    differs between runs masked, and the worker's lines in a fixed order: its two
+    children run them in whatever order they take them."""
+    for pattern, mask in _RUN_TO_RUN:
+        printed = pattern.sub(mask, printed)
+    sections = [block.splitlines() for block in printed.strip().split("\n\n")]
+    return [
+        [s[0], *sorted(s[1:])] if s[0].startswith("what the worker ran") else s for s in sections
+    ]
+
+
+@pytest.mark.worker
+def test_the_demo_prints_what_the_readme_shows() -> None:
+    readme = (ROOT / "README.md").read_text()
+    shown = readme.split("What the demo prints", 1)[1].split("```text\n", 1)[1].split("```")[0]
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "demo.py")],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert _shape(done.stdout) == _shape(shown)

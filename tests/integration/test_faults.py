@@ -9,6 +9,7 @@ only the ledger and a handler's own bookkeeping survives it.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 import uuid
@@ -16,6 +17,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import sqlalchemy
+from click.testing import CliRunner
 from kombu import Connection, Exchange, Queue
 from sqlalchemy import text as sql_text
 
@@ -25,12 +28,14 @@ from questpie_celery import (
     QuestpieError,
     derive_dispatch_id,
 )
+from questpie_celery.cli import main as cli_main
 from questpie_celery.ledger import DispatchRow, open_ledger
 from questpie_celery.outbox import PENDING_GRACE_SECONDS, REFUSED_SEND_RETRY_SECONDS
 from tests.support import jobapp
 from tests.support.brokers import capture, deliver
 from tests.support.services import PostgresServer, RedisServer, free_port
 from tests.support.stack import Stack, build_stack, tag
+from tests.unit.helpers import wait_until
 
 StackFactory = Callable[..., Stack]
 
@@ -350,3 +355,126 @@ def test_unreachable_ledger_still_lets_an_unkeyed_standard_publish_through(
         assert depth(broker, idle) == 0
     finally:
         questpie.close()
+
+
+# --- a ledger that refuses the connection, or cannot be reached: which, and what to do --
+
+#: The roles the server's pg_hba.conf guards for `guarded_server`: one needs a password,
+#: the other TLS (which this server does not offer, as a managed one requiring it would
+#: refuse a client that does not ask for it).
+PASSWORD_ROLE, TLS_ROLE = "qp_needs_password", "qp_needs_tls"
+
+
+@pytest.fixture(scope="module")
+def guarded_server(postgres: PostgresServer) -> Iterator[PostgresServer]:
+    """The session's server, with rules for two roles of its own ahead of its own rules
+    (which trust everyone); put back afterwards."""
+    admin = sqlalchemy.create_engine(postgres.url(), isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(sql_text(f"CREATE ROLE {PASSWORD_ROLE} LOGIN PASSWORD 'right-one'"))
+        conn.execute(sql_text(f"CREATE ROLE {TLS_ROLE} LOGIN"))
+        hba = Path(conn.execute(sql_text("SHOW hba_file")).scalar_one())
+    rules = hba.read_text()
+    hba.write_text(
+        f"host all {PASSWORD_ROLE} 127.0.0.1/32 scram-sha-256\n"
+        f"hostnossl all {TLS_ROLE} 127.0.0.1/32 reject\n" + rules
+    )
+
+    def reload() -> None:
+        with admin.connect() as conn:
+            conn.execute(sql_text("SELECT pg_reload_conf()"))
+
+    reload()
+    # The postmaster reads the rules on its own time: wait until they hold.
+    refused = f"postgresql+psycopg://{TLS_ROLE}@127.0.0.1:{postgres.port}/postgres"
+    wait_until(lambda: not _connects(refused), "the new pg_hba.conf rules to hold")
+    yield postgres
+    hba.write_text(rules)
+    reload()
+    wait_until(lambda: _connects(refused), "the old pg_hba.conf rules to hold again")
+    with admin.connect() as conn:
+        conn.execute(sql_text(f"DROP ROLE {PASSWORD_ROLE}"))
+        conn.execute(sql_text(f"DROP ROLE {TLS_ROLE}"))
+    admin.dispose()
+
+
+def _connects(url: str) -> bool:
+    engine = sqlalchemy.create_engine(url)
+    try:
+        with engine.connect():
+            return True
+    except sqlalchemy.exc.OperationalError:
+        return False
+    finally:
+        engine.dispose()
+
+
+@pytest.fixture
+def silent_port() -> Iterator[int]:
+    """A port that takes connections and never answers: a host behind a black hole."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        yield listener.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("{user}@{server}/postgres?connect_timeout=2", None),  # the control: it connects
+        ("qp_no_such_role@{server}/postgres",
+         'refused the connection: the server has no role "qp_no_such_role"; create it'),
+        ("{user}@{server}/qp_no_such_db",
+         'refused the connection: the server has no database "qp_no_such_db"; create it'),
+        (f"{PASSWORD_ROLE}:wrong-one@{{server}}/postgres",
+         f'refused the connection: authentication failed: the server refused the password of '
+         f'role "{PASSWORD_ROLE}"'),
+        (f"{PASSWORD_ROLE}@{{server}}/postgres",
+         "refused the connection: the server asks for a password and the ledger URL gives none"),
+        (f"{TLS_ROLE}@{{server}}/postgres",
+         "refused the connection: the server takes this connection only over TLS; add "
+         "sslmode=require"),
+        ("{user}@{server}/postgres?sslmode=require",
+         "refused the connection: the ledger URL requires TLS (its sslmode) and the server "
+         "offers none"),
+        ("{user}@127.0.0.1:{free}/postgres",
+         'cannot be reached: nothing accepts connections at host "127.0.0.1", port {free} '
+         "(connection refused)"),
+        ("{user}@qp-no-such-host.invalid/postgres",
+         'cannot be reached: the host name "qp-no-such-host.invalid" does not resolve'),
+        ("{user}@127.0.0.1:{silent}/postgres?connect_timeout=2",
+         "cannot be reached: no answer from the ledger URL's host before the connect timeout"),
+    ],
+)  # fmt: skip
+def test_a_ledger_that_refuses_or_cannot_be_reached_says_which_and_what_to_do(
+    guarded_server: PostgresServer, silent_port: int, url: str, says: str | None
+) -> None:
+    values = {
+        "user": guarded_server.user,
+        "server": f"127.0.0.1:{guarded_server.port}",
+        "free": str(free_port()),
+        "silent": str(silent_port),
+    }
+    ledger = open_ledger("postgresql://" + url.format(**values))
+    try:
+        if says is None:
+            assert ledger.migrate() > 0
+            return
+        with pytest.raises(LedgerUnavailableError) as caught:
+            ledger.migrate()
+        assert str(caught.value).startswith("the dispatch ledger database "), caught.value
+        assert says.format(**values) in str(caught.value)
+        assert "wrong-one" not in str(caught.value)
+    finally:
+        ledger.close()
+
+
+def test_migrate_on_a_missing_role_prints_what_to_do(guarded_server: PostgresServer) -> None:
+    url = f"postgresql://app@127.0.0.1:{guarded_server.port}/app"
+    result = CliRunner().invoke(cli_main, ["migrate", "--ledger-url", url])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit)
+    assert result.output == (
+        "Error: the dispatch ledger database refused the connection: the server has no role "
+        '"app"; create it (CREATE ROLE "app" LOGIN PASSWORD \'...\') or put an existing role '
+        "in the ledger URL\n"
+    )

@@ -11,6 +11,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+from celery import chain, chord, group
 from celery.result import AsyncResult
 
 from questpie_celery import LedgerSchemaError, derive_dispatch_id
@@ -232,6 +233,33 @@ def test_plain_celery_calls_run_unledgered(stack: Stack) -> None:
     assert len(ends) == 2
     assert all(r["attempt"] == 1 and r["idempotency_key"] is None for r in ends)
     assert all(stack.questpie.queue.get_status(r["dispatch_id"]) is None for r in ends)
+
+
+def test_a_jobs_task_is_one_attribute_away_for_plain_calls_and_canvas(stack: Stack) -> None:
+    """`.task` of a job is its Celery task: `.delay`, `.apply_async`, chains, groups, and
+    (on the stack with a result backend) a chord whose header is questpie jobs, one of
+    them a policy job whose plain call the worker takes into the ledger."""
+    t = tag()
+    record = stack.questpie.queue.record.task
+    short = stack.questpie.queue.policy_short.task
+    record.delay({"tag": f"{t}-delay"})
+    record.apply_async(args=[{"tag": f"{t}-apply"}], priority=3)
+    chain(record.si({"tag": f"{t}-chain1"}), record.si({"tag": f"{t}-chain2"})).apply_async()
+    group(record.s({"tag": f"{t}-group{n}"}) for n in range(2)).apply_async()
+    tags = ["delay", "apply", "chain1", "chain2", "group0", "group1"]
+    for name in tags:
+        assert len(stack.wait_ends(f"{t}-{name}", 1)) == 1, name
+    if stack.broker != "redis":
+        return  # the RabbitMQ stack stores no results: a chord needs a result backend
+    header = [record.s({"tag": f"{t}-h{n}"}) for n in range(2)] + [short.s({"tag": f"{t}-h2"})]
+    result = chord(header)(stack.celery_app.tasks["tests.gather"].s())
+    # record returns its tag; a policy job's handler here returns nothing.
+    assert result.get(timeout=60) == [None, f"{t}-h0", f"{t}-h1"]  # sorted by gather
+    [taken_in] = stack.runs(f"{t}-h2")
+    status = stack.questpie.queue.get_status(taken_in["dispatch_id"])
+    assert status is not None and status.status == "completed"  # through the ledger
+    assert all(stack.questpie.queue.get_status(r["dispatch_id"]) is None
+               for n in range(2) for r in stack.runs(f"{t}-h{n}"))  # fmt: skip
 
 
 def test_bad_messages_fail_without_killing_the_worker(stack: Stack) -> None:

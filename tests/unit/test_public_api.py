@@ -7,6 +7,7 @@ import os
 import pkgutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, get_args
@@ -291,3 +292,132 @@ def test_submodules_are_attributes_of_the_package_in_a_fresh_process() -> None:
         "    raise SystemExit('no AttributeError')\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[2])
+
+
+# --- the Celery task of a job, one attribute away ---------------------------------------
+
+
+def test_a_jobs_celery_task_is_its_task_attribute() -> None:
+    definition = job(name="task-attribute", schema=Empty)(_noop)
+    questpie = _questpie(jobs=[definition])
+    task = questpie.celery_app.tasks["task-attribute"]
+    assert definition.task is task
+    assert questpie.queue.task_attribute.task is task
+    assert definition.task.s({}).task == "task-attribute"  # Canvas takes it as it is
+
+
+def test_a_definition_asked_for_a_task_method_says_where_the_task_is() -> None:
+    definition = job(name="no-delay-here", schema=Empty)(_noop)
+    _questpie(jobs=[definition])
+    for method in ("delay", "apply_async", "s", "si", "signature"):
+        with pytest.raises(AttributeError) as caught:
+            getattr(definition, method)
+        message = str(caught.value)
+        assert f"_noop.task.{method}(...)" in message
+        assert "questpie.queue.no_delay_here.publish(...)" in message
+    assert not hasattr(definition, "delay")
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        _ = definition.nothing  # type: ignore[attr-defined]
+
+
+def test_a_task_plain_call_runs_the_handler_in_eager_mode() -> None:
+    seen: list[str] = []
+
+    class Hello(BaseModel):
+        name: str
+
+    @job(name="eager-plain-call", schema=Hello)
+    def hello(payload: Hello, ctx: JobContext) -> str:
+        seen.append(payload.name)
+        return payload.name
+
+    questpie = _questpie(jobs=[hello])
+    questpie.migrate()
+    questpie.celery_app.conf.task_always_eager = True
+    assert hello.task.delay({"name": "ada"}).get() == "ada"
+    assert hello.task.apply_async(args=[{"name": "bob"}]).get() == "bob"
+    assert seen == ["ada", "bob"]
+
+
+def test_a_declared_job_gets_its_task_from_the_current_app_as_shared_task_does() -> None:
+    app = Celery("current", broker="memory://")  # the current app from here on
+    _ = Questpie(app, ledger_url="sqlite://")
+    declared = job(name="declared-later", schema=Empty)(_noop)
+    assert not app.finalized
+    assert declared.task is app.tasks["declared-later"]  # finalized: the Questpie adopted it
+
+
+def test_a_job_without_one_task_says_which_to_use() -> None:
+    shared = job(name="on-two-apps", schema=Empty)(_noop)
+    _questpie(jobs=[shared])
+    _questpie(jobs=[shared])
+    with pytest.raises(JobDefinitionError, match=r"questpie\.queue\.on_two_apps\.task"):
+        _ = shared.task
+
+
+# --- -A: what celery -A takes, the Questpie, and the two mixed up -----------------------
+
+DJANGO_LIKE = {
+    # Celery's own layout for Django: the package imports its app, as the docs say.
+    "__init__.py": "from .celery import app as celery_app\n",
+    "celery.py": (
+        "import os\n"
+        "from celery import Celery\n"
+        "from questpie_celery import Questpie\n"
+        "app = Celery('proj', broker='memory://')\n"
+        "questpie = Questpie(app, ledger_url=os.environ['PROJ_LEDGER'])\n"
+    ),
+}
+
+
+@pytest.fixture
+def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A package with Celery's Django layout, importable under a name of its own."""
+    name = f"proj_{os.getpid()}_{len(list(tmp_path.parent.iterdir()))}"
+    (tmp_path / name).mkdir()
+    for file, body in DJANGO_LIKE.items():
+        (tmp_path / name / file).write_text(body)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PROJ_LEDGER", f"sqlite:///{tmp_path / 'ledger.sqlite3'}")
+    yield name
+    for module in [m for m in sys.modules if m == name or m.startswith(f"{name}.")]:
+        del sys.modules[module]
+
+
+@pytest.mark.parametrize("spec", ["{p}", "{p}.celery", "{p}.celery:app", "{p}.celery:questpie"])
+def test_the_cli_takes_what_celery_a_takes_and_the_questpie_itself(project: str, spec: str) -> None:
+    result = CliRunner().invoke(main, ["migrate", "-A", spec.format(p=project)])
+    assert result.exit_code == 0, result.output
+    assert f"version {SCHEMA_VERSION}" in result.output
+
+
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        ("{p}.celery:nothing", "has no attribute 'nothing'"),
+        ("{p}.celery:os", "neither a Questpie nor a Celery app"),
+        ("{p}_missing", "no module named"),
+    ],
+)
+def test_the_cli_says_what_is_wrong_with_an_app_it_cannot_use(
+    project: str, spec: str, says: str
+) -> None:
+    result = CliRunner().invoke(main, ["migrate", "-A", spec.format(p=project)])
+    assert result.exit_code == 2, result.output
+    assert says in result.output
+    assert isinstance(result.exception, SystemExit)  # no traceback
+
+
+def test_celery_given_the_questpie_says_what_to_write(project: str, tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", f"{project}.celery:questpie", "worker"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert "Error: celery -A takes your Celery app" in done.stderr
+    assert f"write celery -A {project}.celery:app" in done.stderr
