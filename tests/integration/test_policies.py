@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
@@ -32,6 +31,7 @@ from questpie_celery.signals import publish_suppressed
 from tests.support import jobapp
 from tests.support.brokers import capture, deliver, queue_depth
 from tests.support.stack import Stack, tag
+from tests.unit.helpers import wait_until
 
 BROKERS = ["redis", "rabbitmq"]
 StackFactory = Callable[..., Stack]
@@ -65,13 +65,6 @@ def spans(stack: Stack, t: str) -> list[Span]:
 def assert_no_overlap(found: list[Span]) -> None:
     for (_, end, before, _), (start, _, after, _) in itertools.pairwise(found):
         assert start >= end, f"runs {before} and {after} of one slot overlapped"
-
-
-def wait_until(predicate: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"not reached in {timeout}s: {what}"
-        time.sleep(0.05)
 
 
 def slot_rows(stack: Stack, job_name: str, key: str) -> int:

@@ -21,6 +21,7 @@ from questpie_celery import BrokerError, LedgerUnavailableError, QuestpieError
 from tests.support import jobapp
 from tests.support.services import PostgresServer, RedisServer
 from tests.support.stack import Stack, build_stack, tag
+from tests.unit.helpers import wait_until
 
 #: How long each server stays down.
 OUTAGE_SECONDS = 4.0
@@ -73,13 +74,6 @@ class PublishLoop:
             self._thread.join(30)
 
 
-def wait_until(predicate: object, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():  # type: ignore[operator]
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-
-
 def completions(stack: Stack, t: str) -> Counter[str]:
     """How many times each dispatch of `t` ran its handler to the end."""
     with stack.runs_engine.connect() as conn:
@@ -112,7 +106,7 @@ def assert_each_completed_once(
         )
 
     try:
-        wait_until(all_done, timeout, "every accepted dispatch to complete")
+        wait_until(all_done, "every accepted dispatch to complete", timeout)
     except AssertionError:
         stuck = [
             (i, row.status, row.attempt, row.send_count, row.next_send_at, row.last_error)
@@ -154,15 +148,15 @@ def test_postgres_restarted_under_worker_relay_and_publishers(
     stack = build_stack(env, tmp_path, "redis")
     loop = PublishLoop(stack, tag()).start()
     try:
-        wait_until(lambda: len(loop.accepted) >= 10, 30, "publishes before the outage")
+        wait_until(lambda: len(loop.accepted) >= 10, "publishes before the outage", 30)
         own_postgres.stop()
         stopped = time.monotonic()
         time.sleep(OUTAGE_SECONDS)  # the outage itself: this is the scenario, not a wait
         own_postgres.start()
         restarted = time.monotonic()
-        wait_until(lambda: loop.successes_after(restarted + 1), 30, "publishes after restart")
+        wait_until(lambda: loop.successes_after(restarted + 1), "publishes after restart", 30)
         accepted_after = len(loop.accepted)
-        wait_until(lambda: len(loop.accepted) >= accepted_after + 10, 30, "more publishes")
+        wait_until(lambda: len(loop.accepted) >= accepted_after + 10, "more publishes", 30)
     finally:
         loop.stop()
     try:
@@ -193,7 +187,7 @@ def test_redis_restarted_under_worker_relay_and_publishers(
     stack = build_stack(env, tmp_path, "redis")
     loop = PublishLoop(stack, tag()).start()
     try:
-        wait_until(lambda: len(loop.accepted) >= 10, 30, "publishes before the outage")
+        wait_until(lambda: len(loop.accepted) >= 10, "publishes before the outage", 30)
         own_redis.stop()
         time.sleep(OUTAGE_SECONDS)  # the outage itself
         # A keyed publish needs only the ledger: it is accepted while the broker is down.
@@ -207,7 +201,7 @@ def test_redis_restarted_under_worker_relay_and_publishers(
             stack.questpie.queue.record.publish({"tag": "unkeyed-during-outage"})
         own_redis.start()
         restarted = time.monotonic()
-        wait_until(lambda: loop.successes_after(restarted + 1), 30, "publishes after restart")
+        wait_until(lambda: loop.successes_after(restarted + 1), "publishes after restart", 30)
     finally:
         loop.stop()
     try:

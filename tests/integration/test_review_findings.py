@@ -10,9 +10,8 @@ the publisher's ledger traffic meets the faults.
 
 from __future__ import annotations
 
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
@@ -31,23 +30,13 @@ from tests.support.brokers import capture, deliver
 from tests.support.faultproxy import FaultProxy
 from tests.support.services import PostgresServer, RedisServer, free_port
 from tests.support.stack import Stack, tag
+from tests.unit.helpers import wait_until
 
 T = TypeVar("T")
 
 BROKERS = ["redis", "rabbitmq"]
 #: A short lease and a fast relay: a claim orphaned by a bug lapses within the test.
 SHORT_LEASE = {"QP_TEST_LEASE": "3", "QP_TEST_RELAY": "0.5"}
-
-
-def wait_until(probe: Callable[[], T], what: str, timeout: float = 30.0) -> T:
-    """Poll `probe` until it returns something truthy; fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        found = probe()
-        if found:
-            return found
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def idle_queue() -> str:

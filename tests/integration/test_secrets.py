@@ -18,7 +18,7 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -34,6 +34,7 @@ from tests.integration.conftest import new_stack
 from tests.support import jobapp
 from tests.support.brokers import capture, deliver, queue_depth
 from tests.support.stack import Stack, tag
+from tests.unit.helpers import wait_until
 
 SECRET = "s" * 16 + "-test-secret-0123456789abcdef"
 OLD_SECRET = "o" * 16 + "-old-secret-0123456789abcdefgh"
@@ -94,13 +95,6 @@ def ledger_dump(engine: Engine) -> bytes:
             for row in conn.execute(text(f'SELECT * FROM "{table}"')):
                 out.append(repr(tuple(bytes(v) if isinstance(v, memoryview) else v for v in row)))
     return "\n".join(out).encode()
-
-
-def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 class EventLog:
@@ -234,7 +228,7 @@ def test_plaintext_reaches_the_handler_and_nothing_else(secret_redis: Stack) -> 
         )
         assert second is not None
         stack.wait_status(second, "failed")
-        wait_for(
+        wait_until(
             lambda: (
                 events.has("task-retried", first)
                 and events.has("task-succeeded", first)

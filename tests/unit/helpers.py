@@ -24,7 +24,7 @@ T = TypeVar("T")
 
 
 def wait_until(
-    probe: Callable[[], T | None], what: str, timeout: float = 10.0, interval: float = 0.02
+    probe: Callable[[], T | None], what: str, timeout: float = 30.0, interval: float = 0.02
 ) -> T:
     """Poll `probe` until it returns something truthy; fail after `timeout` seconds."""
     deadline = time.monotonic() + timeout
