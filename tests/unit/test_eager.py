@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from celery import Celery
 from pydantic import BaseModel
+from sqlalchemy import create_engine
+from sqlalchemy.orm import Session
 
 from questpie_celery import JobContext, PermanentFailure, Questpie, derive_dispatch_id, job
 from questpie_celery.ledger import open_ledger
@@ -179,3 +181,77 @@ def test_publish_many_decides_each_item_after_the_one_before_ran(questpie: Quest
     ids = questpie.queue.eager_sync.publish_many([{"order_id": "a"}, {"order_id": "b"}])
     assert None not in ids
     assert [r[1] for r in runs] == ids
+
+
+class Named(BaseModel):
+    name: str
+
+
+class Exit(BaseModel):
+    code: int
+
+
+stepped: list[str] = []
+
+
+@job(name="eager.step", schema=Named, options={"retry_limit": 0})
+def step(payload: Named, ctx: JobContext) -> None:
+    stepped.append(payload.name)
+    if payload.name.startswith("bad"):
+        raise PermanentFailure(f"{payload.name} refused")
+
+
+@job(name="eager.exit", schema=Exit, options={"retry_limit": 0})
+def leave(payload: Exit, ctx: JobContext) -> None:
+    raise SystemExit(payload.code)
+
+
+@pytest.fixture
+def propagating(tmp_path: Path) -> Iterator[tuple[Questpie, str]]:
+    """An eager Questpie whose handler errors propagate to the caller; its ledger URL."""
+    url = f"sqlite:///{tmp_path / 'ledger.sqlite3'}"
+    app = Celery("eager-propagates", broker="memory://")
+    app.conf.update(task_always_eager=True, task_eager_propagates=True)
+    made = Questpie(app, ledger_url=url, jobs=[step, leave])
+    made.migrate()
+    stepped.clear()
+    yield made, url
+    made.close()
+
+
+def test_a_failing_eager_run_after_commit_does_not_strand_the_commits_others(
+    propagating: tuple[Questpie, str],
+) -> None:
+    """publish(session=...) runs a commit's dispatches in the Session's after-commit
+    hook; with task_eager_propagates the first handler error is raised from commit()
+    only after every dispatch of the commit ran. Before the fix the first error stopped
+    the loop and the others stayed `pending` for good (no relay runs in eager tests).
+    Two failing dispatches make this independent of the order the rows are read in."""
+    questpie, url = propagating
+    caller = create_engine(url)
+    ids: list[str | None] = []
+    try:
+        with pytest.raises(PermanentFailure), Session(caller) as session:
+            for name in ("bad-1", "bad-2", "good"):
+                ids.append(questpie.queue.eager_step.publish({"name": name}, session=session))
+            session.commit()
+    finally:
+        caller.dispose()
+    assert sorted(stepped) == ["bad-1", "bad-2", "good"]
+    statuses = []
+    for dispatch_id in ids:
+        assert dispatch_id is not None
+        status = questpie.queue.get_status(dispatch_id)
+        assert status is not None
+        statuses.append(status.status)
+    assert statuses == ["failed", "failed", "completed"]
+
+
+def test_a_handler_s_system_exit_keeps_its_exit_code(propagating: tuple[Questpie, str]) -> None:
+    """The fence records a handler's SystemExit as a failed attempt, then lets the
+    process stop as asked, with the exit code the handler gave. Before the fix it raised
+    a new SystemExit() without arguments: exit code 0, a clean exit."""
+    questpie, _ = propagating
+    with pytest.raises(SystemExit) as raised:
+        questpie.queue.eager_exit.publish({"code": 3}, idempotency_key="exit")
+    assert raised.value.code == 3
