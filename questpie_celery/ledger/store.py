@@ -380,10 +380,17 @@ class Ledger:
         rows = self._execute(self._sql.get_many, {"dispatch_ids": list(dispatch_ids)})
         return [DispatchRow.from_mapping(row) for row in rows]
 
-    def mark_queued(self, dispatch_ids: Sequence[str], redeliver_in: float) -> None:
-        """Record that the broker accepted these dispatches, in one batch."""
+    def mark_queued(
+        self, dispatch_ids: Sequence[str], redeliver_in: float, accepted_ago: float = 0.0
+    ) -> None:
+        """Record that the broker accepted these dispatches, in one batch, `accepted_ago`
+        seconds ago (the newest of them: a batch is written a moment after)."""
         if dispatch_ids:
-            params = {"dispatch_ids": list(dispatch_ids), "redeliver_in": redeliver_in}
+            params = {
+                "dispatch_ids": list(dispatch_ids),
+                "redeliver_in": redeliver_in,
+                "accepted_ago": max(accepted_ago, 0.0),
+            }
             self._execute(self._sql.mark_queued, params)
 
     def send_soon(self, dispatch_ids: Sequence[str], attempt: int, send_in: float) -> None:
