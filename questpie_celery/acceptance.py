@@ -16,7 +16,7 @@ import time
 import weakref
 from collections.abc import Callable
 
-from .errors import QuestpieError
+from .errors import LedgerUnavailableError, QuestpieError
 from .forking import reset_in_child
 from .ledger import Ledger
 
@@ -81,12 +81,18 @@ class AcceptanceRecorder:
                 batch, self.redeliver_in(), accepted_ago=time.monotonic() - newest
             )
         except QuestpieError as exc:
-            log.warning(
+            unreachable = isinstance(exc, LedgerUnavailableError)
+            if unreachable:
+                self.ledger.outage.failed(exc)  # its line tells the log; this is detail
+            log.log(
+                logging.DEBUG if unreachable else logging.WARNING,
                 "could not record broker acceptance of %d dispatch(es) (%s); "
                 "they stay pending and the relay sends them again",
                 len(batch),
                 type(exc).__name__,
             )
+        else:
+            self.ledger.outage.reached()
 
     def _loop(self) -> None:
         failing: str | None = None

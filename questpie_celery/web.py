@@ -12,6 +12,7 @@ index range scan or one grouped count, so it stays quick on a large ledger.
 from __future__ import annotations
 
 import ipaddress
+import logging
 import socket
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -31,6 +32,9 @@ from .errors import QuestpieError
 from .ledger import Status
 from .ledger.schema import WAITING
 from .operations import DispatchDetail, Operator, Overview
+from .outages import Outage
+
+log = logging.getLogger(__name__)
 
 STATUSES: tuple[str, ...] = get_args(Status)
 PLOT_SECONDS = 3600
@@ -213,9 +217,19 @@ def status_app(
     hostname that resolves to 127.0.0.1 (DNS rebinding).
     """
 
+    # Every browser refreshing the page while the ledger is down would otherwise say so
+    # on each request: the log hears of the outage once, then each minute, then its end.
+    outage = Outage("the dispatch ledger", logger=log)
+
     async def read() -> Overview:
-        with anyio.fail_after(READ_TIMEOUT_SECONDS):
-            return await run_in_threadpool(operator.overview)
+        try:
+            with anyio.fail_after(READ_TIMEOUT_SECONDS):
+                overview = await run_in_threadpool(operator.overview)
+        except (QuestpieError, TimeoutError) as exc:
+            outage.failed(_unavailable(exc))
+            raise
+        outage.reached()
+        return overview
 
     async def page(request: Request) -> Response:
         try:

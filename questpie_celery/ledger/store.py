@@ -23,6 +23,7 @@ from sqlalchemy.engine import RowMapping
 from sqlalchemy.sql import Executable
 
 from ..errors import LedgerBusyError, LedgerSchemaError
+from ..outages import Outage
 from ..policies import QueuePolicy
 from . import statements
 from .engine import (
@@ -77,6 +78,9 @@ class Ledger:
         #: The database is reached through a pooler in transaction mode: no statement
         #: leaves state on its connection, and relays poll instead of listening.
         self.pooled = pooled
+        #: Whether this process reaches the database, as the parts that wait out an
+        #: outage report it (see `outages.py`): they tell the log, not the ledger.
+        self.outage = Outage("the dispatch ledger")
         self.rebind(engine)
 
     def rebind(self, engine: Engine) -> None:
