@@ -112,6 +112,13 @@ class JobCount:
 
 
 @dataclass(frozen=True)
+class StuckCount:
+    reason: str  # as `Operator.stuck` names it
+    job_name: str
+    count: int
+
+
+@dataclass(frozen=True)
 class ParkedSlot:
     job_name: str
     slot: str  # the singleton key, or "" for the job as a whole
@@ -194,6 +201,12 @@ class Operator:
             grace=self._grace, redeliver_after=self._redeliver_after, limit=limit
         )
         return [(reason, DispatchDetail.of(row)) for reason, row in found]
+
+    def stuck_counts(self) -> list[StuckCount]:
+        """How many dispatches of each job are stuck, by the reasons of `stuck`, without
+        listing them: what a monitoring system watches."""
+        found = self._ledger.stuck_counts(grace=self._grace, redeliver_after=self._redeliver_after)
+        return [StuckCount(reason, job, count) for reason, job, count in found]
 
     def failed(self, limit: int = 50, job: str | None = None) -> list[DispatchDetail]:
         return self.dispatches(status="failed", job=job, limit=limit)

@@ -73,6 +73,8 @@ from .schema import (
 
 #: The most due rows one backlog sample counts; past it the plot shows the cap.
 BACKLOG_CAP = 100_000
+#: The most rows one reason's stuck count counts (for every job together).
+STUCK_COUNT_CAP = 100_000
 #: The PostgreSQL channel a `publish(connection=...)` notifies in the caller's transaction
 #: and every relay listens on: the notification arrives only once that transaction commits,
 #: exactly when the row becomes visible to the relay.
@@ -773,29 +775,47 @@ def counts() -> Select[Any]:
     )
 
 
+def _stuck_where(*, grace: float, redeliver_after: float) -> dict[str, ColumnElement[bool]]:
+    """What should have moved on and did not, by reason: the one definition the list and
+    the count share."""
+    t = dispatch_table.c
+    return {
+        # Never accepted by the broker, well past the time the relay should have sent it.
+        "never sent": and_(t.status == "pending", t.next_send_at < db_time(-grace)),
+        "lease lapsed": and_(t.status == "active", t.lease_expires_at < db_time()),
+        "accepted, never claimed": and_(
+            t.status == "queued", t.queued_at < db_time(-redeliver_after)
+        ),
+        "parked, slot free": and_(t.status == "parked", ~_slot_busy(t.job_name, t.slot)),
+    }
+
+
+#: The reasons a dispatch is stuck, in the order the operator lists them.
+STUCK_REASONS: tuple[str, ...] = tuple(_stuck_where(grace=0.0, redeliver_after=0.0))
+
+
 def stuck(*, grace: float, redeliver_after: float, limit: int) -> dict[str, Select[Any]]:
     """What should have moved on and did not, by reason."""
     t = dispatch_table.c
     newest = (t.created_at.desc(), t.id.desc())
     return {
-        # Never accepted by the broker, well past the time the relay should have sent it.
-        "never sent": select(dispatch_table)
-        .where(t.status == "pending", t.next_send_at < db_time(-grace))
-        .order_by(*newest)
-        .limit(limit),
-        "lease lapsed": select(dispatch_table)
-        .where(t.status == "active", t.lease_expires_at < db_time())
-        .order_by(*newest)
-        .limit(limit),
-        "accepted, never claimed": select(dispatch_table)
-        .where(t.status == "queued", t.queued_at < db_time(-redeliver_after))
-        .order_by(*newest)
-        .limit(limit),
-        "parked, slot free": select(dispatch_table)
-        .where(t.status == "parked", ~_slot_busy(t.job_name, t.slot))
-        .order_by(*newest)
-        .limit(limit),
+        reason: select(dispatch_table).where(where).order_by(*newest).limit(limit)
+        for reason, where in _stuck_where(grace=grace, redeliver_after=redeliver_after).items()
     }
+
+
+def stuck_counts(*, grace: float, redeliver_after: float) -> dict[str, Select[Any]]:
+    """(job, count) of what is stuck, by reason. Counted through a capped subquery, like
+    the backlog: a ledger stuck by the million costs a bounded scan, and reads as the cap."""
+    counts: dict[str, Select[Any]] = {}
+    for reason, where in _stuck_where(grace=grace, redeliver_after=redeliver_after).items():
+        found = select(dispatch_table.c.job_name).where(where).limit(STUCK_COUNT_CAP).subquery()
+        counts[reason] = (
+            select(found.c.job_name, func.count().label("count"))
+            .group_by(found.c.job_name)
+            .order_by(found.c.job_name)
+        )
+    return counts
 
 
 def parked_slots(limit: int) -> Select[Any]:

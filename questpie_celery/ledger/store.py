@@ -872,6 +872,16 @@ class Ledger:
             found += [(reason, DispatchRow.from_mapping(row)) for row in self._execute(stmt, {})]
         return found
 
+    def stuck_counts(self, *, grace: float, redeliver_after: float) -> list[tuple[str, str, int]]:
+        """(reason, job, count) of what should have moved on and did not; each reason
+        counts up to `statements.STUCK_COUNT_CAP` rows."""
+        found: list[tuple[str, str, int]] = []
+        for reason, stmt in statements.stuck_counts(
+            grace=grace, redeliver_after=redeliver_after
+        ).items():
+            found += [(reason, r["job_name"], int(r["count"])) for r in self._execute(stmt, {})]
+        return found
+
     def parked_slots(self, limit: int = 50) -> list[tuple[str, str, int, datetime]]:
         """(job, slot, count, oldest created_at) of parked runs, the fullest slots first."""
         rows = self._execute(statements.parked_slots(limit), {})
