@@ -16,7 +16,7 @@ import time
 import weakref
 from collections.abc import Callable
 
-from .errors import QuestpieError
+from .errors import LedgerUnavailableError, QuestpieError
 from .forking import reset_in_child
 from .ledger import Ledger
 
@@ -29,6 +29,7 @@ class AcceptanceRecorder:
     """Batches `pending -> queued` writes; `redeliver_in()` is the redelivery delay."""
 
     _accepted: list[str]
+    _newest: float  # when the newest of `_accepted` was accepted (monotonic)
     _lock: threading.Lock
     _thread: threading.Thread | None
 
@@ -58,6 +59,7 @@ class AcceptanceRecorder:
             return
         with self._lock:
             self._accepted.append(dispatch_id)
+            self._newest = time.monotonic()
             if self._thread is None:
                 thread = threading.Thread(
                     target=self._loop, name="questpie-acceptance", daemon=True
@@ -69,17 +71,28 @@ class AcceptanceRecorder:
         """Write every recorded acceptance now."""
         with self._lock:
             batch, self._accepted = self._accepted, []
+            newest = self._newest
         if not batch:
             return
         try:
-            self.ledger.mark_queued(batch, self.redeliver_in())
+            # Each row's queued_at is when the newest of the batch was accepted: a moment
+            # (a batch interval at most) after its own acceptance, never before it.
+            self.ledger.mark_queued(
+                batch, self.redeliver_in(), accepted_ago=time.monotonic() - newest
+            )
         except QuestpieError as exc:
-            log.warning(
+            unreachable = isinstance(exc, LedgerUnavailableError)
+            if unreachable:
+                self.ledger.outage.failed(exc)  # its line tells the log; this is detail
+            log.log(
+                logging.DEBUG if unreachable else logging.WARNING,
                 "could not record broker acceptance of %d dispatch(es) (%s); "
                 "they stay pending and the relay sends them again",
                 len(batch),
                 type(exc).__name__,
             )
+        else:
+            self.ledger.outage.reached()
 
     def _loop(self) -> None:
         failing: str | None = None
@@ -101,5 +114,6 @@ class AcceptanceRecorder:
     def _forked(self) -> None:
         # The parent flushes its own batch; the child starts empty, with a fresh lock.
         self._accepted = []
+        self._newest = 0.0
         self._lock = threading.Lock()
         self._thread = None

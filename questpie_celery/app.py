@@ -31,7 +31,13 @@ from .broker import Sender, configure_app, use_ledger_scheduler, visibility_time
 from .client import JobClient, JobRegistry, Lookups, QueueClient
 from .context import AppContext, ContextFactory, checked_factory
 from .crypto import MIN_SECRET_BYTES, Keyring
-from .errors import ConfigurationError, JobDefinitionError, PublishOptionsError, QuestpieError
+from .errors import (
+    ConfigurationError,
+    JobDefinitionError,
+    LedgerUnavailableError,
+    PublishOptionsError,
+    QuestpieError,
+)
 from .fence import Fence
 from .jobs import HandlerContext, JobDefinition, P, declared_jobs, job
 from .leases import LeaseKeeper
@@ -39,6 +45,7 @@ from .ledger import DispatchRow, Ledger, create_ledger_engine, is_private_sqlite
 from .ledger.aio import AsyncLedger
 from .operations import Operator
 from .options import JobOptions
+from .outages import Outage
 from .outbox import DEFAULT_REDELIVER_AFTER_SECONDS, Outbox
 from .outcomes import Outcomes
 from .policies import QueuePolicy
@@ -285,9 +292,14 @@ class Questpie:
         logged, not raised, and False returned: a beat tries again until it succeeds."""
         try:
             self._schedules.sync_job_options(self.definitions)
+        except LedgerUnavailableError as exc:
+            self._ledger.outage.failed(exc)  # its line tells the log, once a minute at most
+            log.info("could not store the jobs' cron schedules yet (%s)", exc)
+            return False
         except QuestpieError as exc:
             log.warning("could not store the jobs' cron schedules yet (%s)", exc)
             return False
+        self._ledger.outage.reached()
         return True
 
     def _registered_definition(self, job_name: str) -> JobDefinition[Any] | None:
@@ -424,6 +436,11 @@ class Questpie:
     def _ledger_idle(self) -> None:
         """The calling thread is between units of work (for `LedgerScheduler`'s ticks)."""
         self._ledger.idle()
+
+    @property
+    def _ledger_outage(self) -> Outage:
+        """Whether this process reaches the ledger (for `LedgerScheduler`'s ticks)."""
+        return self._ledger.outage
 
     def set_policy(self, job_name: str, policy: QueuePolicy | str) -> None:
         """Record `policy` for a job on purpose; dispatches accepted from now on follow it

@@ -35,7 +35,8 @@ from celery.schedules import schedule as interval_schedule
 from celery.schedules import solar
 
 from .app import Questpie, questpie_of
-from .errors import ConfigurationError, QuestpieError
+from .errors import ConfigurationError, LedgerUnavailableError, QuestpieError
+from .outages import Outage
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,9 @@ class LedgerScheduler(Scheduler):  # type: ignore[misc]  # Celery ships no type 
                 "app in the module `celery -A` imports"
             )
         self._questpie: Questpie = questpie
+        self._unreadable = Outage(
+            "questpie schedules", trouble="cannot be read", recovered="can be read again"
+        )
         self._synced = False
         self._failing = False
         self._last_sync_try = float("-inf")
@@ -91,8 +95,13 @@ class LedgerScheduler(Scheduler):  # type: ignore[misc]  # Celery ships no type 
             self._sync_job_schedules()
         try:
             until_next = self._questpie.schedules.fire_due()
+        except LedgerUnavailableError as exc:
+            # Told by the ledger's outage line: once, each minute while it lasts, and when
+            # it is back (not once a second).
+            self._questpie._ledger_outage.failed(exc)
+            until_next = LOOK_EVERY_SECONDS
         except QuestpieError as exc:
-            log.warning("questpie schedules could not be read (%s); trying again", exc)
+            self._unreadable.failed(exc)  # a ledger not migrated, say: the same cadence
             until_next = LOOK_EVERY_SECONDS
         except Exception:
             # Whatever went wrong, beat must live on: its other entries depend on it. One
@@ -103,6 +112,8 @@ class LedgerScheduler(Scheduler):  # type: ignore[misc]  # Celery ships no type 
             until_next = LOOK_EVERY_SECONDS
         else:
             self._failing = False
+            self._questpie._ledger_outage.reached()
+            self._unreadable.reached()
         self._questpie._ledger_idle()  # a tick is a unit of work (Django's CONN_MAX_AGE)
         return min(delay, until_next, LOOK_EVERY_SECONDS)
 

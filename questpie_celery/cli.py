@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
+import logging
 import sys
 import threading
 import time
@@ -215,6 +216,7 @@ def relay(app: str, once: bool, end_lapsed_leases: bool) -> None:
         moved = questpie.run_relay(once=True, end_lapsed_leases=end_lapsed_leases)
         click.echo(f"moved {moved} dispatch(es)")
         return
+    _log_with_times()
     stop = threading.Event()
     click.echo(f"relay running every {questpie.relay_interval}s; Ctrl-C stops it")
     try:
@@ -471,12 +473,22 @@ def web(
     with _clear_errors():
         operator = _operator(app, ledger_url)
     label = operator.ledger_label
+    _log_with_times()
     click.echo(f"status page of {label} on http://{host}:{port}/ (Ctrl-C stops it)")
     status_page.serve(
         status_page.status_app(operator, ledger=label, refresh_seconds=refresh, public=public),
         host=host,
         port=port,
     )
+
+
+def _log_with_times() -> None:
+    """For the commands that run until stopped: warnings (an outage, its end) on stderr
+    with their time, unless the program configured logging itself."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(
+            level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
 
 
 @contextlib.contextmanager

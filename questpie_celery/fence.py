@@ -498,16 +498,23 @@ class Fence:
         """
         deadline = time.monotonic() + min(CLAIM_PATIENCE_SECONDS, _time_before_soft_limit(task))
         pause = 0.2
+        waited = False  # this delivery said it waits (once: the ledger's outage says the rest)
+        outage = self._ledger.outage
         while True:
             try:
                 try:
-                    return step()
+                    found = step()
                 except (LedgerUnavailableError, LedgerBusyError, LedgerSchemaError) as exc:
                     if task.request.is_eager:
                         raise  # publish() is waiting on this run inline: tell it
+                    if isinstance(exc, LedgerUnavailableError):
+                        outage.failed(exc)
                     if time.monotonic() >= deadline and self._requeue(task, exc, back):
                         raise Ignore() from None
-                    log.warning(
+                    level = logging.DEBUG if waited else _waiting_level(exc)
+                    waited = True
+                    log.log(
+                        level,
                         "dispatch %s: %s (%s); waiting to claim it",
                         task.request.id,
                         "the ledger is not migrated"
@@ -516,6 +523,9 @@ class Fence:
                         exc,
                         extra={"dispatch_id": task.request.id},
                     )
+                else:
+                    outage.reached()
+                    return found
                 # Never sleep past the deadline: the soft limit follows it closely.
                 left = deadline - time.monotonic()
                 time.sleep(min(pause, left) if left > 0 else pause)
@@ -536,7 +546,7 @@ class Fence:
             signature.options["headers"] = headers
             signature.apply_async(countdown=REQUEUE_DELAY_SECONDS)
         except Exception as send_error:
-            log.warning(
+            log.info(
                 "dispatch %s: the ledger is unreachable (%s) and the broker refused the "
                 "delivery back (%s); trying both again",
                 task.request.id,
@@ -545,7 +555,7 @@ class Fence:
                 extra={"dispatch_id": task.request.id},
             )
             return False
-        log.warning(
+        log.info(
             "dispatch %s: the ledger stayed unreachable (%s); the delivery went back to the "
             "broker and runs when the ledger is back",
             task.request.id,
@@ -570,6 +580,13 @@ class Fence:
             dispatch_id=row.id,
         )
         return definition.validate(plaintext)
+
+
+def _waiting_level(exc: Exception) -> int:
+    """How loud a delivery's first word of waiting is: INFO when the ledger's outage
+    line already told the log (see `outages.py`), WARNING for a held row or a ledger
+    not migrated yet, which no other line tells."""
+    return logging.INFO if isinstance(exc, LedgerUnavailableError) else logging.WARNING
 
 
 def shown_id(task_id: object) -> str:

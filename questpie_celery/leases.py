@@ -27,6 +27,7 @@ from typing import Any
 
 from celery.signals import worker_init, worker_process_init
 
+from .errors import LedgerUnavailableError
 from .forking import reset_in_child
 from .ledger import Ledger
 
@@ -90,6 +91,7 @@ class Lease:
     deadline: float  # monotonic time after which the claim is no longer renewed
     lost: bool = False
     ends_process: bool = False  # past the deadline, the run's process ends itself
+    failing: bool = False  # its renewals fail (said once, until one succeeds)
 
     def still_held(self) -> bool:
         """Whether the claim is still this run's: renewed, and within its time cap."""
@@ -169,14 +171,27 @@ class LeaseKeeper:
             renewed = self._ledger.renew(lease.dispatch_id, lease.token, self.lease_seconds)
         except Exception as exc:
             # The ledger is unreachable: keep trying; the lease is long enough to ride
-            # out a short outage.
-            log.warning(
-                "could not renew the claim of dispatch %s: %s",
+            # out a short outage. The ledger's outage line tells the log of it; each
+            # claim says once that it waits.
+            unreachable = isinstance(exc, LedgerUnavailableError)
+            if unreachable:
+                self._ledger.outage.failed(exc)
+            log.log(
+                logging.DEBUG
+                if lease.failing
+                else logging.INFO
+                if unreachable
+                else logging.WARNING,
+                "could not renew the claim of dispatch %s: %s; trying again every %.0fs",
                 lease.dispatch_id,
                 type(exc).__name__,
+                RENEW_RETRY_SECONDS,
                 extra={"dispatch_id": lease.dispatch_id},
             )
+            lease.failing = True
             return False
+        self._ledger.outage.reached()
+        lease.failing = False
         if renewed:
             return True
         with self._lock:

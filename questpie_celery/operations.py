@@ -14,6 +14,7 @@ from typing import Any
 
 from .errors import LedgerSchemaError, PublishOptionsError
 from .ledger import DispatchRow, Ledger
+from .ledger.schema import RESENDABLE
 from .outbox import DEFAULT_REDELIVER_AFTER_SECONDS, PENDING_GRACE_SECONDS
 from .schedules import ScheduleInfo, schedule_infos
 
@@ -47,18 +48,25 @@ class DispatchDetail:
     retry_delay: float | None
     retry_backoff: bool | None
     expire_in_seconds: int | None
-    send_count: int
+    #: The relay's sends of the attempt waiting to be sent; None when none waits (the
+    #: dispatch runs, is parked or has ended), since the count starts again at each claim.
+    send_count: int | None
     created_at: datetime
+    #: When the broker first accepted a message of it (at the latest, its first claim).
     queued_at: datetime | None
+    #: When its latest attempt was claimed.
     started_at: datetime | None
+    #: When it ended (completed or failed); None until then, and again once requeued.
     finished_at: datetime | None
     run_after: datetime
+    #: When the relay looks at it next; None when nothing is due for the relay.
     next_send_at: datetime | None
     lease_expires_at: datetime | None
 
     @classmethod
     def of(cls, row: DispatchRow) -> DispatchDetail:
         run = None if row.pruned else row.options.run
+        waits_for_relay = row.status in RESENDABLE
         return cls(
             dispatch_id=row.id,
             job_name=row.job_name,
@@ -78,13 +86,13 @@ class DispatchDetail:
             retry_delay=run.retry_delay if run else None,
             retry_backoff=run.retry_backoff if run else None,
             expire_in_seconds=run.expire_in_seconds if run else None,
-            send_count=row.send_count,
+            send_count=row.send_count if waits_for_relay else None,
             created_at=row.created_at,
             queued_at=row.queued_at,
             started_at=row.started_at,
             finished_at=row.finished_at,
             run_after=row.run_after,
-            next_send_at=row.next_send_at,
+            next_send_at=row.next_send_at if waits_for_relay else None,
             lease_expires_at=row.lease_expires_at,
         )
 
@@ -101,6 +109,13 @@ class JobCount:
     #: Since when the longest-waiting one that is due to run became due (None: none is
     #: due yet); a dispatch with a far-off start does not count before its start.
     oldest_due_seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class StuckCount:
+    reason: str  # as `Operator.stuck` names it
+    job_name: str
+    count: int
 
 
 @dataclass(frozen=True)
@@ -186,6 +201,12 @@ class Operator:
             grace=self._grace, redeliver_after=self._redeliver_after, limit=limit
         )
         return [(reason, DispatchDetail.of(row)) for reason, row in found]
+
+    def stuck_counts(self) -> list[StuckCount]:
+        """How many dispatches of each job are stuck, by the reasons of `stuck`, without
+        listing them: what a monitoring system watches."""
+        found = self._ledger.stuck_counts(grace=self._grace, redeliver_after=self._redeliver_after)
+        return [StuckCount(reason, job, count) for reason, job, count in found]
 
     def failed(self, limit: int = 50, job: str | None = None) -> list[DispatchDetail]:
         return self.dispatches(status="failed", job=job, limit=limit)

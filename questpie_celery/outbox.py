@@ -19,9 +19,10 @@ from typing import Any, Protocol
 
 from .acceptance import AcceptanceRecorder
 from .broker import MessageHeader, Sender
-from .errors import BrokerError, QuestpieError
+from .errors import BrokerError, LedgerUnavailableError, QuestpieError
 from .ledger import DispatchRow, Ledger
 from .options import StoredOptions
+from .outages import Outage
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,8 @@ class Outbox:
         self._sender = sender
         self.redeliver_after = redeliver_after
         self._acceptance = AcceptanceRecorder(ledger, lambda: self.redeliver_after)
+        #: Whether the relay's sends reach the broker (see `outages.py`).
+        self.broker_outage = Outage("the broker")
 
     def close(self) -> None:
         """Write the acceptance marks still batched."""
@@ -209,8 +212,10 @@ class Outbox:
     def _due_soon(self, dispatch_ids: Sequence[str], attempt: int, send_in: float) -> None:
         try:
             self._ledger.send_soon(dispatch_ids, attempt - 1, send_in)
+            self._ledger.outage.reached()
         except QuestpieError as exc:
-            log.warning(
+            log.log(
+                self._ledger_trouble(exc),
                 "%d dispatch(es) (first %s): could not mark them due for the relay (%s); "
                 "the relay sends them at their fallback time",
                 len(dispatch_ids),
@@ -332,13 +337,17 @@ class Outbox:
             self._give_back(taken)
             raise
         if refusal is not None:
+            self.broker_outage.failed(refusal.__cause__ or refusal)
             self._relay_refused(taken, sent, refusal)
+        elif sent:
+            self.broker_outage.reached()
         self._accepted([row.id for row in taken[:sent] if row.attempt == 0])
         return RelayBatch(len(taken), sent, refused=refusal is not None)
 
     def _relay_refused(self, taken: list[DispatchRow], sent: int, exc: BrokerError) -> None:
         refused = taken[sent]
-        log.warning(
+        # The broker's outage line tells the log of it; which dispatch waits is detail.
+        log.info(
             "dispatch %s of job %s: the broker refused the relay's send (%s); %d more of "
             "its batch wait for the next pass",
             refused.id,
@@ -362,8 +371,10 @@ class Outbox:
             return
         try:
             self._ledger.give_back(unsent, REFUSED_SEND_RETRY_SECONDS)
+            self._ledger.outage.reached()
         except QuestpieError as exc:
-            log.warning(
+            log.log(
+                self._ledger_trouble(exc),
                 "%d dispatch(es) the relay took but did not send could not be made due "
                 "again (%s); the relay sends them when their backoff ends",
                 len(unsent),
@@ -378,10 +389,20 @@ class Outbox:
             return
         try:
             self._ledger.mark_queued(dispatch_ids, self.redeliver_after)
+            self._ledger.outage.reached()
         except QuestpieError as exc:
-            log.warning(
+            log.log(
+                self._ledger_trouble(exc),
                 "could not record broker acceptance of %d dispatch(es) (%s); they stay "
                 "pending and the relay sends them again",
                 len(dispatch_ids),
                 type(exc).__name__,
             )
+
+    def _ledger_trouble(self, exc: QuestpieError) -> int:
+        """The level of a line about a ledger write the relay could not make: an outage
+        goes to the ledger's outage line (DEBUG here), anything else is a WARNING."""
+        if isinstance(exc, LedgerUnavailableError):
+            self._ledger.outage.failed(exc)
+            return logging.DEBUG
+        return logging.WARNING

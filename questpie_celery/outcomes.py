@@ -115,19 +115,29 @@ class Outcomes:
     def _patiently(self, write: Callable[[], bool], row: DispatchRow) -> bool:
         until = time.monotonic() + OUTCOME_PATIENCE_SECONDS
         pause = 0.1
+        outage = self._ledger.outage
+        said = False  # that this write waits: once, the ledger's outage line says the rest
         while True:
             try:
                 try:
-                    return write()
+                    written = write()
                 except (LedgerUnavailableError, LedgerBusyError) as exc:
+                    unreachable = isinstance(exc, LedgerUnavailableError)
+                    if unreachable:
+                        outage.failed(exc)
                     if time.monotonic() + pause >= until:
                         raise
-                    log.warning(
+                    log.log(
+                        logging.DEBUG if said else logging.INFO if unreachable else logging.WARNING,
                         "dispatch %s: could not record its outcome yet (%s); trying again",
                         row.id,
                         exc,
                         extra={"dispatch_id": row.id, "job_name": row.job_name},
                     )
+                    said = True
+                else:
+                    outage.reached()
+                    return written
                 time.sleep(pause)
                 pause = min(pause * 2, MAX_WRITE_PAUSE_SECONDS)
             except SoftTimeLimitExceeded:

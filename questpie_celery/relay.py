@@ -257,6 +257,7 @@ class Relay:
                     reachable_since is not None and started - reachable_since >= LAPSE_GRACE_SECONDS
                 )
                 more_due = self._pass(end_lapsed_leases=settled)[1]
+                self._ledger.outage.reached()
                 if reachable_since is None:
                     reachable_since = started
                 if self._stalled_at is not None:  # the grace starts again, from its end
@@ -271,6 +272,11 @@ class Relay:
                     sampling = self._sample_backlog(warn=sampling)
                 if self._retention is not None:
                     self._retention.now_and_then()  # rate-limited; never raises
+            except LedgerUnavailableError as exc:
+                # The ledger's outage line tells the log (once, then each minute).
+                reachable_since = None
+                self._ledger.outage.failed(exc)
+                log.debug("relay pass failed (%s); retrying every %.0fs", exc, self.interval)
             except QuestpieError as exc:
                 reachable_since = None
                 if not failing:
@@ -282,8 +288,11 @@ class Relay:
                     )
                 failing = True
             except Exception:
-                # Never let one bad pass end recovery for the life of the worker.
-                log.exception("relay pass failed unexpectedly; trying again")
+                # Never let one bad pass end recovery for the life of the worker; one
+                # traceback until a pass succeeds, not one a pass.
+                if not failing:
+                    log.exception("relay pass failed unexpectedly; trying again")
+                failing = True
             self._ledger.idle()  # a pass is a unit of work: Django's connection rules apply
             if more_due:
                 continue  # a backlog: the next pass follows at once
@@ -306,32 +315,51 @@ class Relay:
     def _listen(self, wakeups: SendWakeups, wake: threading.Event, done: threading.Event) -> None:
         """Hold the listening connection and set `wake` on every notification; reopen it
         when it is lost (the loop polls meanwhile). Never raises: a relay that stopped
-        listening would still poll, but only every interval."""
-        lost = False
+        listening would still poll, but only every interval.
+
+        A lost connection is opened again at once: if that fails, the ledger cannot be
+        reached, which its outage line tells (this thread adds nothing); if it succeeds,
+        only that connection was lost (a server restart, an idle timeout), said at INFO.
+        """
+        outage = self._ledger.outage
+        lost: Exception | None = None  # why the connection just closed, not said yet
+        lost_at = float("-inf")
+        unexpected = False  # a traceback was logged; the next one waits for a success
         while not done.is_set():
             try:
                 wakeups.open()
-                # What committed while nobody listened was announced to no one: look now.
-                wake.set()
-                if lost:
-                    log.warning("relay listens for committed dispatches again")
-                lost = False
+            except QuestpieError as exc:
+                outage.failed(exc)
+                lost = None
+                done.wait(RELISTEN_SECONDS)
+                continue
+            except Exception:
+                if not unexpected:
+                    log.exception("relay's listener failed unexpectedly; it polls meanwhile")
+                unexpected = True
+                wakeups.close()
+                done.wait(RELISTEN_SECONDS)
+                continue
+            outage.reached()
+            unexpected = False
+            # What committed while nobody listened was announced to no one: look now.
+            wake.set()
+            if lost is not None:
+                log.info(
+                    "relay's listening connection was lost (%s); it listens for committed "
+                    "dispatches again",
+                    lost,
+                )
+                lost = None
+            try:
                 while not done.is_set():
                     if wakeups.wait(_LISTEN_SLICE_SECONDS):
                         wake.set()
-            except QuestpieError as exc:
-                if not lost:
-                    log.warning(
-                        "relay cannot listen for committed dispatches (%s); it polls every "
-                        "%.0fs and tries to listen again every %.0fs",
-                        exc,
-                        self.interval,
-                        RELISTEN_SECONDS,
-                    )
-                lost = True
-            except Exception:
-                log.exception("relay's listener failed unexpectedly; it polls meanwhile")
-                lost = True
+            except Exception as exc:
+                lost = exc
             wakeups.close()
-            done.wait(RELISTEN_SECONDS)
+            # At once the first time; a connection lost again soon after waits a while.
+            if time.monotonic() - lost_at < RELISTEN_SECONDS:
+                done.wait(RELISTEN_SECONDS)
+            lost_at = time.monotonic()
         wakeups.close()

@@ -22,7 +22,12 @@ from datetime import datetime
 from typing import Any, Literal
 
 from .cron import Cron
-from .errors import PayloadValidationError, PublishOptionsError, QuestpieError
+from .errors import (
+    LedgerUnavailableError,
+    PayloadValidationError,
+    PublishOptionsError,
+    QuestpieError,
+)
 from .jobs import JobDefinition
 from .ledger import Ledger, ScheduleRow, Status
 from .options import FIRE_KEY_PREFIX, DispatchOptions, resolve_options
@@ -199,6 +204,8 @@ class Schedules:
             assert now is not None
             try:
                 self._fire(row, now)
+            except LedgerUnavailableError:
+                raise  # the ledger went away mid-pass: the caller tells of the outage
             except QuestpieError as exc:
                 # The ledger or the broker is down: every beat tries again next pass, and
                 # the tick's key keeps it to one dispatch when it succeeds.

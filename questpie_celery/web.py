@@ -2,23 +2,29 @@
 
 One page (and the same data as JSON at `/overview.json`): dispatches per job and
 status, what is stuck and why, what failed, parked runs per queue-policy slot, and
-the relay's backlog over the last hour. It only reads, so it offers nothing to
-steer with; `questpie-celery dispatches requeue` does that.
+the relay's backlog over the last hour; and `/metrics`, the figures for Prometheus
+(`metrics.py`). It only reads, so it offers nothing to steer with;
+`questpie-celery dispatches requeue` does that.
 
-It needs the `web` extra (Starlette, uvicorn, Jinja2). Every query behind it is an
-index range scan or one grouped count, so it stays quick on a large ledger.
+It needs the `web` extra (Starlette, uvicorn, Jinja2, prometheus_client). Every query
+behind it is an index range scan or one grouped count, so it stays quick on a large
+ledger.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import logging
 import socket
+from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, get_args
+from typing import Any, TypeVar, get_args
 
 import anyio
 import jinja2
+from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.middleware import Middleware
@@ -30,7 +36,12 @@ from starlette.routing import Route
 from .errors import QuestpieError
 from .ledger import Status
 from .ledger.schema import WAITING
+from .metrics import Figures, LedgerCollector, read_figures
 from .operations import DispatchDetail, Operator, Overview
+from .outages import Outage
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 STATUSES: tuple[str, ...] = get_args(Status)
 PLOT_SECONDS = 3600
@@ -213,13 +224,23 @@ def status_app(
     hostname that resolves to 127.0.0.1 (DNS rebinding).
     """
 
-    async def read() -> Overview:
-        with anyio.fail_after(READ_TIMEOUT_SECONDS):
-            return await run_in_threadpool(operator.overview)
+    # Every browser refreshing the page while the ledger is down would otherwise say so
+    # on each request: the log hears of the outage once, then each minute, then its end.
+    outage = Outage("the dispatch ledger", logger=log)
+
+    async def read(what: Callable[[], T]) -> T:
+        try:
+            with anyio.fail_after(READ_TIMEOUT_SECONDS):
+                found = await run_in_threadpool(what)
+        except (QuestpieError, TimeoutError) as exc:
+            outage.failed(_unavailable(exc))
+            raise
+        outage.reached()
+        return found
 
     async def page(request: Request) -> Response:
         try:
-            overview = await read()
+            overview = await read(operator.overview)
         except (QuestpieError, TimeoutError) as exc:
             # The ledger is down or stalled: say so, and keep refreshing until it is back.
             body = _templates.get_template("unavailable.html").render(
@@ -230,10 +251,28 @@ def status_app(
 
     async def as_json(request: Request) -> Response:
         try:
-            overview = await read()
+            overview = await read(operator.overview)
         except (QuestpieError, TimeoutError) as exc:
             return JSONResponse({"error": _unavailable(exc)}, status_code=503)
         return JSONResponse(overview_json(overview))
+
+    # The page's own registry, not prometheus_client's global one: only the ledger's
+    # figures, whatever else the process (an app mounting this one) registers there.
+    # The collector reads the figures this request read: a scrape reads the ledger once,
+    # off the event loop, under the page's timeout, and concurrent scrapes keep theirs.
+    scraped: ContextVar[Figures | None] = ContextVar("scraped")
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(LedgerCollector(scraped.get))
+
+    async def metrics(request: Request) -> Response:
+        try:
+            figures: Figures | None = await read(lambda: read_figures(operator))
+        except (QuestpieError, TimeoutError):
+            # Answered, not refused: Prometheus's own `up` then still tells a page that is
+            # down from a ledger that is, which `questpie_ledger_up` tells.
+            figures = None
+        scraped.set(figures)
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_PLAIN_0_0_4)
 
     middleware = (
         []
@@ -241,7 +280,8 @@ def status_app(
         else [Middleware(TrustedHostMiddleware, allowed_hosts=["localhost", "127.0.0.1", "[::1]"])]
     )
     return Starlette(
-        routes=[Route("/", page), Route("/overview.json", as_json)], middleware=middleware
+        routes=[Route("/", page), Route("/overview.json", as_json), Route("/metrics", metrics)],
+        middleware=middleware,
     )
 
 

@@ -73,6 +73,8 @@ from .schema import (
 
 #: The most due rows one backlog sample counts; past it the plot shows the cap.
 BACKLOG_CAP = 100_000
+#: The most rows one reason's stuck count counts (for every job together).
+STUCK_COUNT_CAP = 100_000
 #: The PostgreSQL channel a `publish(connection=...)` notifies in the caller's transaction
 #: and every relay listens on: the notification arrives only once that transaction commits,
 #: exactly when the row becomes visible to the relay.
@@ -299,16 +301,24 @@ class Statements:
         # A fast worker may already have claimed the row: keep its status then, and only a
         # row still waiting for its first claim gets a redelivery time.
         still_pending = t.status == "pending"
+        # When the broker took the message: the mark is batched, so it comes a moment
+        # later (`accepted_ago`, measured by the publisher), never before the row was
+        # written, and never after a run started (on a row a release before this one
+        # claimed without recording its acceptance).
+        accepted = _larger(t.created_at, db_time(-seconds("accepted_ago")))
         # One statement (one commit) for a whole batch of acceptances.
         self.mark_queued: Update = (
             update(dispatch_table)
             .where(
                 t.id.in_(bindparam("dispatch_ids", expanding=True)),
-                # Rows already marked (or claimed and marked) are left alone: no write.
+                # Rows already marked (or claimed, which records acceptance too) are left
+                # alone: no write.
                 or_(still_pending, t.queued_at.is_(None)),
             )
             .values(
-                queued_at=func.coalesce(t.queued_at, now),
+                queued_at=func.coalesce(
+                    t.queued_at, _smaller(accepted, func.coalesce(t.started_at, accepted))
+                ),
                 status=case((still_pending, "queued"), else_=t.status),
                 next_send_at=case(
                     (
@@ -334,6 +344,11 @@ class Statements:
         # waits for its start or its retry (a forged one, a stale copy) runs nothing early.
         # Eager mode runs everything at once, as Celery's does (`any_time`).
         started = or_(bindparam("any_time", type_=Boolean), t.run_after <= now)
+        # A delivery is proof that the broker had its message: a claim (or a park, or the
+        # end of a revoked one) records the acceptance if the publisher's batched mark has
+        # not landed yet, and the mark then leaves the row alone. Never after now: a claim
+        # that waited on a mark's row lock started before the mark.
+        delivered = case((or_(t.queued_at.is_(None), t.queued_at > now), now), else_=t.queued_at)
         self.claim: Update = (
             update(dispatch_table)
             .where(deliverable, started)
@@ -344,6 +359,9 @@ class Statements:
                 claim_token=bindparam("new_token"),
                 lease_expires_at=db_time(seconds("lease")),
                 started_at=now,
+                queued_at=delivered,
+                # Nothing is due for the relay while a claim holds: it watches the lease.
+                next_send_at=None,
             )
             .returning(*dispatch_table.c)
         )
@@ -372,6 +390,7 @@ class Statements:
         terminal = {
             **ended,
             "finished_at": now,
+            "next_send_at": None,  # an ended dispatch is never sent again
             # Key erasure is part of the terminal write, never a second step.
             "secret_ciphertext": None,
             "secret_wrapped_key": None,
@@ -422,11 +441,16 @@ class Statements:
         self.end_unclaimed: Update = (
             update(dispatch_table)
             .where(deliverable)
-            .values(status="failed", claim_token=None, **terminal)
+            .values(status="failed", claim_token=None, queued_at=delivered, **terminal)
             .returning(*dispatch_table.c)
         )
 
-        self.park: Update = update(dispatch_table).where(deliverable).values(status="parked")
+        # Parked, a run waits for its slot, not for the relay: unparking makes it due again.
+        self.park: Update = (
+            update(dispatch_table)
+            .where(deliverable)
+            .values(status="parked", queued_at=delivered, next_send_at=None)
+        )
         self.oldest_parked: Select[Any] = (
             select(t.id).where(in_slot, t.status == "parked").order_by(t.created_at, t.id).limit(1)
         )
@@ -751,29 +775,47 @@ def counts() -> Select[Any]:
     )
 
 
+def _stuck_where(*, grace: float, redeliver_after: float) -> dict[str, ColumnElement[bool]]:
+    """What should have moved on and did not, by reason: the one definition the list and
+    the count share."""
+    t = dispatch_table.c
+    return {
+        # Never accepted by the broker, well past the time the relay should have sent it.
+        "never sent": and_(t.status == "pending", t.next_send_at < db_time(-grace)),
+        "lease lapsed": and_(t.status == "active", t.lease_expires_at < db_time()),
+        "accepted, never claimed": and_(
+            t.status == "queued", t.queued_at < db_time(-redeliver_after)
+        ),
+        "parked, slot free": and_(t.status == "parked", ~_slot_busy(t.job_name, t.slot)),
+    }
+
+
+#: The reasons a dispatch is stuck, in the order the operator lists them.
+STUCK_REASONS: tuple[str, ...] = tuple(_stuck_where(grace=0.0, redeliver_after=0.0))
+
+
 def stuck(*, grace: float, redeliver_after: float, limit: int) -> dict[str, Select[Any]]:
     """What should have moved on and did not, by reason."""
     t = dispatch_table.c
     newest = (t.created_at.desc(), t.id.desc())
     return {
-        # Never accepted by the broker, well past the time the relay should have sent it.
-        "never sent": select(dispatch_table)
-        .where(t.status == "pending", t.next_send_at < db_time(-grace))
-        .order_by(*newest)
-        .limit(limit),
-        "lease lapsed": select(dispatch_table)
-        .where(t.status == "active", t.lease_expires_at < db_time())
-        .order_by(*newest)
-        .limit(limit),
-        "accepted, never claimed": select(dispatch_table)
-        .where(t.status == "queued", t.queued_at < db_time(-redeliver_after))
-        .order_by(*newest)
-        .limit(limit),
-        "parked, slot free": select(dispatch_table)
-        .where(t.status == "parked", ~_slot_busy(t.job_name, t.slot))
-        .order_by(*newest)
-        .limit(limit),
+        reason: select(dispatch_table).where(where).order_by(*newest).limit(limit)
+        for reason, where in _stuck_where(grace=grace, redeliver_after=redeliver_after).items()
     }
+
+
+def stuck_counts(*, grace: float, redeliver_after: float) -> dict[str, Select[Any]]:
+    """(job, count) of what is stuck, by reason. Counted through a capped subquery, like
+    the backlog: a ledger stuck by the million costs a bounded scan, and reads as the cap."""
+    counts: dict[str, Select[Any]] = {}
+    for reason, where in _stuck_where(grace=grace, redeliver_after=redeliver_after).items():
+        found = select(dispatch_table.c.job_name).where(where).limit(STUCK_COUNT_CAP).subquery()
+        counts[reason] = (
+            select(found.c.job_name, func.count().label("count"))
+            .group_by(found.c.job_name)
+            .order_by(found.c.job_name)
+        )
+    return counts
 
 
 def parked_slots(limit: int) -> Select[Any]:

@@ -23,6 +23,7 @@ from sqlalchemy.engine import RowMapping
 from sqlalchemy.sql import Executable
 
 from ..errors import LedgerBusyError, LedgerSchemaError
+from ..outages import Outage
 from ..policies import QueuePolicy
 from . import statements
 from .engine import (
@@ -77,6 +78,9 @@ class Ledger:
         #: The database is reached through a pooler in transaction mode: no statement
         #: leaves state on its connection, and relays poll instead of listening.
         self.pooled = pooled
+        #: Whether this process reaches the database, as the parts that wait out an
+        #: outage report it (see `outages.py`): they tell the log, not the ledger.
+        self.outage = Outage("the dispatch ledger")
         self.rebind(engine)
 
     def rebind(self, engine: Engine) -> None:
@@ -380,10 +384,17 @@ class Ledger:
         rows = self._execute(self._sql.get_many, {"dispatch_ids": list(dispatch_ids)})
         return [DispatchRow.from_mapping(row) for row in rows]
 
-    def mark_queued(self, dispatch_ids: Sequence[str], redeliver_in: float) -> None:
-        """Record that the broker accepted these dispatches, in one batch."""
+    def mark_queued(
+        self, dispatch_ids: Sequence[str], redeliver_in: float, accepted_ago: float = 0.0
+    ) -> None:
+        """Record that the broker accepted these dispatches, in one batch, `accepted_ago`
+        seconds ago (the newest of them: a batch is written a moment after)."""
         if dispatch_ids:
-            params = {"dispatch_ids": list(dispatch_ids), "redeliver_in": redeliver_in}
+            params = {
+                "dispatch_ids": list(dispatch_ids),
+                "redeliver_in": redeliver_in,
+                "accepted_ago": max(accepted_ago, 0.0),
+            }
             self._execute(self._sql.mark_queued, params)
 
     def send_soon(self, dispatch_ids: Sequence[str], attempt: int, send_in: float) -> None:
@@ -859,6 +870,16 @@ class Ledger:
             grace=grace, redeliver_after=redeliver_after, limit=limit
         ).items():
             found += [(reason, DispatchRow.from_mapping(row)) for row in self._execute(stmt, {})]
+        return found
+
+    def stuck_counts(self, *, grace: float, redeliver_after: float) -> list[tuple[str, str, int]]:
+        """(reason, job, count) of what should have moved on and did not; each reason
+        counts up to `statements.STUCK_COUNT_CAP` rows."""
+        found: list[tuple[str, str, int]] = []
+        for reason, stmt in statements.stuck_counts(
+            grace=grace, redeliver_after=redeliver_after
+        ).items():
+            found += [(reason, r["job_name"], int(r["count"])) for r in self._execute(stmt, {})]
         return found
 
     def parked_slots(self, limit: int = 50) -> list[tuple[str, str, int, datetime]]:

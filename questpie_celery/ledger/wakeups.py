@@ -15,7 +15,7 @@ import contextlib
 import inspect
 from typing import Any
 
-from sqlalchemy import Engine
+from sqlalchemy import Engine, exc
 
 from ..errors import LedgerUnavailableError
 from .errors import translate_errors
@@ -43,10 +43,32 @@ class SendWakeups:
         return cls(engine)
 
     def open(self) -> None:
-        """(Re)open the listening connection; raises `LedgerUnavailableError` if it cannot."""
+        """(Re)open the listening connection; raises `LedgerUnavailableError` if it cannot.
+
+        The connection comes from the engine's pool, whose idle connections may all be
+        dead after a server restart: LISTEN failing on one is tried again on the next (a
+        few times), so only a database that cannot be reached fails here.
+        """
         self.close()
+        for _ in range(_OPEN_TRIES - 1):
+            with contextlib.suppress(_ListenFailed):
+                self._conn = self._listening()
+                return
+        try:
+            self._conn = self._listening()
+        except _ListenFailed as failed:
+            raise _unavailable(failed.error) from failed.error
+
+    def _listening(self) -> Any:
         with translate_errors():
-            pooled = self._engine.raw_connection()
+            try:
+                pooled = self._engine.raw_connection()
+            except self._driver.Error as error:
+                # The pool hands the driver's own error on (only a Connection wraps it):
+                # wrapped as a statement's would be, it says why as every ledger error does.
+                raise exc.DBAPIError.instance(
+                    None, None, error, self._driver.Error, connection_invalidated=True
+                ) from error
         # Out of the pool for good: a listening connection is never free to hand to a
         # statement, and the pool keeps its whole size for statements.
         pooled.detach()
@@ -57,8 +79,8 @@ class SendWakeups:
             conn.execute(LISTEN_FOR_SENDS)
         except self._driver.Error as error:
             conn.close()
-            raise _unavailable(error) from error
-        self._conn = conn
+            raise _ListenFailed(error) from error
+        return conn
 
     def wait(self, timeout: float) -> bool:
         """Whether a notification arrived within `timeout` seconds. Every notification
@@ -81,6 +103,18 @@ class SendWakeups:
             # A connection the server already dropped closes as well as it can.
             with contextlib.suppress(Exception):
                 conn.close()
+
+
+#: Pooled connections LISTEN is tried on before the listener gives up for now.
+_OPEN_TRIES = 4
+
+
+class _ListenFailed(Exception):
+    """LISTEN failed on a connection the pool handed out (dead, most likely)."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 def _unavailable(error: Exception) -> LedgerUnavailableError:

@@ -9,6 +9,7 @@ only the ledger and a handler's own bookkeeping survives it.
 from __future__ import annotations
 
 import logging
+import re
 import socket
 import threading
 import time
@@ -33,6 +34,7 @@ from questpie_celery.ledger import DispatchRow, open_ledger
 from questpie_celery.outbox import PENDING_GRACE_SECONDS, REFUSED_SEND_RETRY_SECONDS
 from tests.support import jobapp
 from tests.support.brokers import capture, deliver
+from tests.support.faultproxy import FaultProxy
 from tests.support.services import PostgresServer, RedisServer, free_port
 from tests.support.stack import Stack, build_stack, tag
 from tests.unit.helpers import wait_until
@@ -264,6 +266,98 @@ def test_delivery_meeting_an_unreachable_ledger_is_not_lost(
         assert stack.worker.alive()
     finally:
         stack.close()
+
+
+@pytest.fixture
+def proxy(postgres: PostgresServer) -> Iterator[FaultProxy]:
+    made = FaultProxy(postgres.port)
+    yield made
+    made.close()
+
+
+#: A worker's log line: `[time: LEVEL/Process] message`.
+LOG_LINE = re.compile(r"^\[[^\]]*: (?P<level>[A-Z]+)/(?P<process>[^\]]+)\] (?P<message>.*)$")
+DOWN = "the dispatch ledger cannot be reached ("
+BACK = "the dispatch ledger can be reached again, after"
+
+
+def test_a_ledger_outage_is_one_line_per_process_with_its_cause_and_one_when_it_ends(
+    make_stack: StackFactory, postgres: PostgresServer, proxy: FaultProxy
+) -> None:
+    """The ledger goes away under a worker whose run renews its lease, whose relay
+    passes and listens, while a delivery waits to claim and the run's outcome waits to be
+    written. Each process of the worker says once that the ledger cannot be reached, with
+    the cause and no traceback, and once that it is back; which dispatch waits is INFO,
+    said once. Before, every part warned on each try (renewals every second, claims and
+    outcomes every few seconds, the relay's listener with a traceback every 5 s)."""
+    direct = postgres.create_database("outage")
+    stack = make_stack(
+        "redis",
+        env={
+            "QP_TEST_LEDGER": proxy.url(direct, postgres.port),
+            "QP_TEST_RUNS": runs_database(postgres),
+            "QP_TEST_LEASE": "12",  # renewed every 4 s, a failed renewal tried every second
+            "QP_TEST_RELAY": "0.5",
+        },
+    )
+    stack.ledger.close()
+    stack.ledger = open_ledger(direct)
+    t, idle = tag(), idle_queue()
+    gate = stack.gate()
+    running = stack.questpie.queue.record.publish(
+        {"tag": t, "gate": str(gate)}, idempotency_key=f"{t}:run"
+    )
+    waiting = stack.questpie.queue.record.publish(
+        {"tag": t}, idempotency_key=f"{t}:wait", queue=idle
+    )
+    assert running is not None and waiting is not None
+    stack.wait_status(running, "active")
+    message = capture(stack, idle)
+    stack.questpie.close()  # this process's acceptance marks are written; nothing more
+    before = len(stack.worker.log().splitlines())
+
+    proxy.cut()
+    try:
+        stack.wait_log(running, "could not renew the claim")
+        deliver(stack, message)
+        stack.wait_log(waiting, "the ledger is unreachable")
+        gate.open()
+        stack.wait_log(running, "could not record its outcome yet")
+        # Every part tries again many times before the ledger is back.
+        tries = proxy.refused
+        wait_until(lambda: proxy.refused >= tries + 40, "forty more tries to connect", 60)
+    finally:
+        proxy.heal()
+    stack.wait_status(running, "completed", timeout=60)
+    stack.wait_status(waiting, "completed", timeout=60)
+
+    def said() -> list[re.Match[str]]:
+        found = [LOG_LINE.match(line) for line in stack.worker.log().splitlines()[before:]]
+        return [m for m in found if m is not None]
+
+    def told(text: str) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for m in said():
+            if text in m["message"]:
+                counts[m["process"]] = counts.get(m["process"], 0) + 1
+        return counts
+
+    wait_until(lambda: told(BACK) == told(DOWN), "every process to say the ledger is back", 30)
+    log = "\n".join(stack.worker.log().splitlines()[before:])
+    down, back = told(DOWN), told(BACK)
+    assert "MainProcess" in down, log  # the relay (and its listener)
+    assert len(down) >= 2, log  # ... and the pool process that ran the handler
+    assert set(down.values()) == {1} and down == back, log
+    assert "Traceback" not in log, log
+    loud = [m.group(0) for m in said() if m["level"] in ("WARNING", "ERROR", "CRITICAL")]
+    assert all(DOWN in line or BACK in line for line in loud), "\n".join(loud)
+    for m in said():
+        if DOWN in m["message"]:
+            assert "OperationalError" in m["message"], m.group(0)  # the cause
+    # Which dispatch waited is said once per wait, at INFO.
+    renewals = [line for line in stack.worker.log_about(running) if "could not renew" in line]
+    assert len(renewals) == 1, renewals
+    assert len(stack.runs(t)) == 2
 
 
 def test_unreachable_ledger_raises_quickly_and_sends_nothing(redis_server: RedisServer) -> None:

@@ -11,6 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 from sqlalchemy import create_engine, delete, insert, inspect, text, update
 
 from questpie_celery import LedgerSchemaError, LedgerUnavailableError, metadata
@@ -27,7 +30,9 @@ from questpie_celery.ledger import (
 from questpie_celery.ledger.aio import AsyncLedger
 from questpie_celery.ledger.schema import schema_version_table
 from questpie_celery.ledger.statements import db_time
+from questpie_celery.operations import DispatchDetail
 from questpie_celery.options import RunOptions, StoredOptions
+from questpie_celery.policies import QueuePolicy
 from tests.support.services import PostgresServer, free_port
 from tests.unit.helpers import wait_until
 
@@ -96,6 +101,177 @@ def test_mark_queued_records_broker_acceptance(ledger: Ledger) -> None:
     ledger.mark_queued([other], 3600)
     assert _row(ledger, other).status == "active"
     assert _row(ledger, other).queued_at is not None
+
+
+def test_an_acceptance_mark_that_lands_after_the_run_keeps_the_times_in_order(
+    ledger: Ledger,
+) -> None:
+    """The publisher's acceptance mark is batched, off the publish path: a fast worker
+    may claim and finish the dispatch before it lands. The claim records the acceptance
+    (the delivery proves it), so the late mark changes nothing: never a `queued_at` after
+    the run, and a completed row has nothing due."""
+    new = _new()
+    assert ledger.insert(new)
+    claim = ledger.claim(new.id, JOB, 1, 60)
+    assert claim.token is not None
+    assert ledger.finish(new.id, claim.token, "completed", None)
+    ledger.mark_queued([new.id], 3600, accepted_ago=0.01)
+    row = _row(ledger, new.id)
+    assert row.queued_at is not None and row.started_at is not None
+    assert row.finished_at is not None
+    assert row.created_at <= row.queued_at <= row.started_at <= row.finished_at
+    assert row.next_send_at is None
+    shown = DispatchDetail.of(row)
+    assert (shown.next_send_at, shown.send_count) == (None, None)
+    # A mark that lands first dates the acceptance from the publisher's measure of it:
+    # when the broker took the message, not when the batch was written.
+    waiting = _new()
+    assert ledger.insert(waiting)
+    before = ledger.now()
+    ledger.mark_queued([waiting.id], 3600, accepted_ago=0.2)
+    marked = _row(ledger, waiting.id)
+    assert marked.queued_at is not None
+    assert marked.created_at <= marked.queued_at < before
+    assert DispatchDetail.of(marked).send_count == 0
+
+
+def test_every_transition_keeps_the_times_the_state_machine_promises(ledger: Ledger) -> None:
+    """Random walks through the dispatch states (publish, acceptance marks early and late,
+    claims, outcomes, retries, lapsed leases, parking, relay sends, give-ups, revokes,
+    requeues): after every step each row's times are in order (created, then queued,
+    then started, then finished) and each status shows only the times it has (see the
+    table in docs/operations.md)."""
+    run_state_machine_as_test(
+        lambda: Transitions(ledger),
+        settings=settings(
+            max_examples=25,
+            stateful_step_count=25,
+            deadline=None,
+            suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+        ),
+    )
+
+
+def check_times(row: DispatchRow) -> None:
+    """What docs/operations.md says each status shows, and the order of the times."""
+    said = f"{row.status} row {row}"
+    if row.queued_at is not None:
+        assert row.created_at <= row.queued_at, said
+    if row.started_at is not None:
+        assert row.queued_at is not None and row.queued_at <= row.started_at, said
+    if row.finished_at is not None:
+        assert row.created_at <= row.finished_at, said
+        if row.started_at is not None:
+            assert row.started_at <= row.finished_at, said
+    assert (row.attempt == 0) == (row.started_at is None), said
+    waits_for_relay = row.status in ("pending", "queued", "retry")
+    assert (row.next_send_at is not None) == waits_for_relay, said
+    assert (row.lease_expires_at is not None) == (row.status == "active"), said
+    assert (row.finished_at is not None) == (row.status in ("completed", "failed")), said
+    if row.status in ("queued", "parked", "active", "completed"):
+        assert row.queued_at is not None, said
+    if row.status in ("active", "retry", "completed"):
+        assert row.started_at is not None, said
+    shown = DispatchDetail.of(row)
+    assert (shown.send_count is not None) == waits_for_relay, said
+
+
+class Transitions(RuleBasedStateMachine):
+    """A few dispatches of a singleton job (each its own slot, so it can park), moved
+    through the ledger's operations as workers, publishers and relays would."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        super().__init__()
+        self.ledger = ledger
+        self.ids: list[str] = []
+        self.tokens: dict[str, str] = {}
+
+    def _pick(self, index: int) -> DispatchRow | None:
+        if not self.ids:
+            return None
+        return _row(self.ledger, self.ids[index % len(self.ids)])
+
+    @rule(taken_in=st.booleans())
+    def publish(self, taken_in: bool) -> None:
+        if len(self.ids) >= 3:
+            return
+        # A publish writes `pending`; a worker taking a plain call in writes `queued`.
+        new = _new(
+            idempotency_key=None,
+            status="queued" if taken_in else "pending",
+            policy=QueuePolicy.SINGLETON,
+            singleton_key=random_dispatch_id(),
+        )
+        assert self.ledger.insert(new)
+        self.ids.append(new.id)
+
+    @rule(index=st.integers(0, 2), ago=st.floats(0, 0.5))
+    def acceptance_mark(self, index: int, ago: float) -> None:
+        row = self._pick(index)
+        if row is not None:  # early or late, on any row: the publisher's batch
+            self.ledger.mark_queued([row.id], 3600, accepted_ago=ago)
+
+    @rule(index=st.integers(0, 2), lease=st.sampled_from([60.0, -1.0]))
+    def claim(self, index: int, lease: float) -> None:
+        row = self._pick(index)
+        if row is not None and row.status in ("pending", "queued", "retry"):
+            claim = self.ledger.claim(row.id, JOB, row.attempt + 1, lease)
+            if claim.token is not None:
+                self.tokens[row.id] = claim.token
+
+    @rule(index=st.integers(0, 2), outcome=st.sampled_from(["completed", "failed", "retry"]))
+    def end_attempt(self, index: int, outcome: str) -> None:
+        row = self._pick(index)
+        if row is None or row.status != "active":
+            return
+        token = self.tokens[row.id]
+        if outcome == "retry":
+            self.ledger.retry(row.id, token, retry_in=0, relay_in=0, error="E")
+        else:
+            self.ledger.finish(row.id, token, outcome, "E" if outcome == "failed" else None)  # type: ignore[arg-type]
+
+    @rule(index=st.integers(0, 2), again=st.booleans())
+    def lease_lapses(self, index: int, again: bool) -> None:
+        row = self._pick(index)
+        if row is not None and row in self.ledger.expired_claims():
+            self.ledger.lapse(row, retry_in=0 if again else None, relay_in=0)
+
+    @rule(index=st.integers(0, 2))
+    def park_and_unpark(self, index: int) -> None:
+        row = self._pick(index)
+        if row is None:
+            return
+        if row.status == "parked" and row.slot is not None:
+            self.ledger.unpark_next(JOB, row.slot, 3600)
+        elif row.status in ("pending", "queued", "retry"):
+            self.ledger.park(row.id, JOB, row.attempt + 1)
+
+    @rule()
+    def relay_sends(self) -> None:
+        self.ledger.take_due(50, max_sends=25, first_backoff=0, max_backoff=0, accepted_backoff=0)
+
+    @rule(index=st.integers(0, 2), how=st.sampled_from(["give up", "revoke", "lost"]))
+    def unrun(self, index: int, how: str) -> None:
+        row = self._pick(index)
+        if row is None or row.status not in ("pending", "queued", "retry"):
+            return
+        if how == "give up":
+            self.ledger.give_up(row)
+        elif how == "revoke":
+            self.ledger.end_unclaimed(row.id, JOB, row.attempt + 1, "Revoked")
+        else:
+            self.ledger.send_unclaimed_now(row.id, JOB, row.attempt + 1, horizon=60)
+
+    @rule(index=st.integers(0, 2))
+    def requeue(self, index: int) -> None:
+        row = self._pick(index)
+        if row is not None and row.status == "failed":
+            self.ledger.requeue(row.id)
+
+    @invariant()
+    def times_are_honest(self) -> None:
+        for dispatch_id in self.ids:
+            check_times(_row(self.ledger, dispatch_id))
 
 
 def test_claim_fences_every_kind_of_duplicate(ledger: Ledger) -> None:

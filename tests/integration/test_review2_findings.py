@@ -155,7 +155,8 @@ def test_b_an_outcome_write_pauses_between_tries_while_the_ledger_is_down(
     pauses (0.1 s, 0.2 s, 0.4 s ... up to 2 s), not in a busy loop that floods the log
     and the database with connection attempts. (B's fix moved the pause under the new
     `except SoftTimeLimitExceeded`: the tries after an outage error no longer pause.)"""
-    stack = via_proxy(make_stack, postgres, proxy, broker)
+    # Every try is logged (after the first, at DEBUG).
+    stack = via_proxy(make_stack, postgres, proxy, broker, loglevel="debug")
     t = tag()
     gate = stack.gate()
     dispatch_id = stack.questpie.queue.record.publish(

@@ -173,7 +173,12 @@ def test_r3_a_ledger_outage_longer_than_the_lease_does_not_run_a_live_handler_tw
     it. Before the fix the relay (every 0.2 s) ended the lapsed lease before the renewer
     (every lease/3 s) tried again, and a second run started beside the live one."""
     stack = via_proxy(
-        make_stack, postgres, proxy, broker, env={"QP_TEST_LEASE": "6", "QP_TEST_RELAY": "0.2"}
+        make_stack,
+        postgres,
+        proxy,
+        broker,
+        env={"QP_TEST_LEASE": "6", "QP_TEST_RELAY": "0.2"},
+        loglevel="debug",  # every failed renewal is logged (after the first, at DEBUG)
     )
     t = tag()
     gate = stack.gate()

@@ -1,6 +1,7 @@
 """The status page, served by `questpie-celery web` and looked at in headless Chromium, on a
 PostgreSQL ledger that a real worker filled: completed, failed, parked, stuck and secret
-dispatches, and the relay's backlog."""
+dispatches, and the relay's backlog; and its Prometheus figures at `/metrics`, parsed with
+prometheus_client."""
 
 from __future__ import annotations
 
@@ -19,9 +20,10 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
-from sqlalchemy import insert, update
+from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy import func, insert, select, update
 
-from questpie_celery.ledger import dispatch_table
+from questpie_celery.ledger import dispatch_table, open_ledger
 from questpie_celery.ledger.schema import backlog_table
 from tests.integration.conftest import StackFactory
 from tests.support.services import free_port, wait_for_port
@@ -204,6 +206,109 @@ def test_a_page_for_this_machine_refuses_requests_addressed_to_another_name(
         raised.value.close()
         with urllib.request.urlopen(f"{base}/overview.json", timeout=30) as response:
             assert response.status == 200
+
+
+Figures = dict[str, dict[tuple[tuple[str, str], ...], float]]
+
+
+def scrape(base: str) -> tuple[str, Figures]:
+    """`/metrics` as Prometheus fetches it, and parsed: {name: {sorted labels: value}}."""
+    with urllib.request.urlopen(f"{base}/metrics", timeout=30) as response:
+        assert response.status == 200
+        assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        body = response.read().decode()
+    figures = {
+        family.name: {tuple(sorted(s.labels.items())): s.value for s in family.samples}
+        for family in text_string_to_metric_families(body)
+    }
+    return body, figures
+
+
+def test_the_metrics_tell_prometheus_what_the_ledger_holds(
+    filled: tuple[Stack, dict[str, str]],
+) -> None:
+    stack, ids = filled
+    ledger, rows = stack.ledger, dispatch_table.c
+
+    def waiting_since(dispatch_id: str) -> float:
+        with ledger.engine.connect() as conn:
+            run_after = conn.execute(
+                select(rows.run_after).where(rows.id == dispatch_id)
+            ).scalar_one()
+        return (ledger.now() - run_after).total_seconds()
+
+    with serve(stack.env["QP_TEST_LEDGER"]) as base:
+        # The record job's one waiting dispatch, due since its creation: its longest wait.
+        before = waiting_since(ids["never_sent"])
+        body, figures = scrape(base)
+        after = waiting_since(ids["never_sent"])
+
+    assert figures["questpie_ledger_up"] == {(): 1}
+    # Every count, read from the table itself; every other status of each job is a zero.
+    with ledger.engine.connect() as conn:
+        held = {
+            (job, status): count
+            for job, status, count in conn.execute(
+                select(rows.job_name, rows.status, func.count()).group_by(
+                    rows.job_name, rows.status
+                )
+            )
+        }
+    dispatches = figures["questpie_dispatches"]
+    served = {(dict(k)["job"], dict(k)["status"]): v for k, v in dispatches.items()}
+    assert {k: v for k, v in served.items() if v} == held
+    assert len(served) == 7 * len({job for job, _ in held})
+    assert served[("record", "failed")] == 1
+    assert served[("policy.stately", "active")] == served[("policy.stately", "parked")] == 1
+
+    assert figures["questpie_dispatches_waiting"][(("job", "policy.stately"),)] == 1
+    assert figures["questpie_dispatches_waiting"][(("job", "record"),)] == sum(
+        held.get(("record", status), 0) for status in ("pending", "queued", "parked")
+    )
+    assert before <= figures["questpie_oldest_waiting_seconds"][(("job", "record"),)] <= after
+    stuck = figures["questpie_dispatches_stuck"]
+    assert stuck[(("job", "policy.stately"), ("reason", "lease lapsed"))] == 1
+    assert stuck[(("job", "record"), ("reason", "never sent"))] == 1
+    assert stuck[(("job", "secret.link"), ("reason", "never sent"))] == 1
+    assert sum(stuck.values()) == 3  # and nothing else is stuck
+    assert figures["questpie_parked_runs"][(("job", "policy.stately"),)] == 1
+    assert figures["questpie_parked_oldest_age_seconds"][(("job", "policy.stately"),)] > 0
+
+    sampled_at, due = ledger.backlog_history(3600)[-1]
+    assert figures["questpie_relay_backlog"] == {(): due}
+    assert figures["questpie_relay_backlog_sampled_timestamp_seconds"] == {
+        (): pytest.approx(sampled_at.timestamp())
+    }
+    # Only the ledger's figures (no process metrics), and nothing of a payload or a key.
+    assert all(name.startswith("questpie_") for name in figures)
+    assert ids["canary"] not in body and ids["tag"] not in body
+
+
+def test_the_metrics_are_read_only_and_for_this_machine_like_the_page(pg_db: str) -> None:
+    ledger = open_ledger(pg_db)
+    ledger.migrate()
+    ledger.close()
+    with serve(pg_db) as base:
+        _, figures = scrape(base)
+        assert figures["questpie_ledger_up"] == {(): 1}
+        for refused, code in (
+            (urllib.request.Request(f"{base}/metrics", method="POST", data=b""), 405),
+            (urllib.request.Request(f"{base}/metrics", headers={"Host": "evil.example"}), 400),
+        ):
+            with pytest.raises(urllib.error.HTTPError) as raised:
+                urllib.request.urlopen(refused, timeout=30)
+            assert raised.value.code == code
+            raised.value.close()
+
+
+def test_an_unreachable_ledger_is_scraped_as_down() -> None:
+    """Answered, with `questpie_ledger_up 0`: the scrape itself succeeds, so Prometheus's
+    `up` still tells a stopped page from an unreachable ledger."""
+    url = f"postgresql+psycopg://nobody:hunter2@127.0.0.1:{free_port()}/ledger"
+    with serve(url) as base:
+        body, figures = scrape(base)
+    assert figures == {"questpie_ledger_up": {(): 0}}
+    assert "hunter2" not in body
 
 
 def test_an_unreachable_ledger_gets_a_page_that_says_so() -> None:

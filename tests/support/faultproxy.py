@@ -11,7 +11,8 @@ every statement it receives.
   failover right after a commit looks like to a client. `fired` is set, and
   `fired_data` holds the chunk.
 - `cut()`: close every open connection and refuse new ones until `heal()`: the
-  server is unreachable for as long as the test wants.
+  server is unreachable for as long as the test wants. `refused` counts the
+  connections refused so far: how often clients tried meanwhile.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class FaultProxy:
         self._refuse_for = 0.0
         self._refuse_until = 0.0
         self._cut = False
+        self.refused = 0
         self._open: set[socket.socket] = set()
         self._closed = False
         threading.Thread(target=self._accept, daemon=True).start()
@@ -82,6 +84,7 @@ class FaultProxy:
             except OSError:
                 return
             if self._refusing():
+                self.refused += 1
                 _close(client)
                 continue
             try:

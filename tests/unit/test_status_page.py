@@ -1,22 +1,33 @@
 """The status page's parts without a browser: the backlog samples the relay records, the
-plot, escaping, and the refusal to serve beyond this machine unasked."""
+plot, escaping, the refusal to serve beyond this machine unasked, and the Prometheus
+figures at `/metrics`."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import httpx
 import pytest
 from click.testing import CliRunner
+from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import func, insert, select, text, update
 
 from questpie_celery.cli import main
 from questpie_celery.ledger import Ledger, dispatch_table, open_ledger
 from questpie_celery.ledger.schema import backlog_table
 from questpie_celery.operations import Operator
-from questpie_celery.web import PLOT_WIDTH, backlog_plot, is_loopback, job_rows, render
+from questpie_celery.web import (
+    PLOT_WIDTH,
+    backlog_plot,
+    is_loopback,
+    job_rows,
+    render,
+    status_app,
+)
 from tests.unit.helpers import IdleApp, new_dispatch, sqlite_url, wait_until
 
 
@@ -181,3 +192,84 @@ def test_a_ledger_of_an_older_schema_still_gets_its_page(ledger: Ledger) -> None
     assert overview.missing and "migrate" in overview.missing[0]
     page = render(overview, ledger="x", refresh_seconds=10)
     assert "Not shown" in page and "record" in page
+
+
+def scrape(ledger: Ledger) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+    """`/metrics`, parsed by prometheus_client: {name: {sorted labels: value}}."""
+    app = status_app(Operator(ledger), ledger="x")
+
+    async def get() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
+            return await client.get("/metrics")
+
+    response = asyncio.run(get())
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
+    return {
+        family.name: {tuple(sorted(s.labels.items())): s.value for s in family.samples}
+        for family in text_string_to_metric_families(response.text)
+    }
+
+
+def test_the_metrics_count_what_the_ledger_holds_zeros_included(ledger: Ledger) -> None:
+    due(ledger, 2)  # pending, an hour past their send: stuck as "never sent"
+    (done,) = due(ledger, 1)
+    (parked,) = due(ledger, 1, job_name="stately")
+    with ledger.engine.begin() as conn:
+        rows = dispatch_table.c
+        conn.execute(update(dispatch_table).where(rows.id == done).values(status="completed"))
+        conn.execute(
+            update(dispatch_table)
+            .where(rows.id == parked)
+            .values(status="parked", slot="tenant", next_send_at=None)
+        )
+        conn.execute(insert(backlog_table).values(sampled_at=datetime.now(UTC), backlog=7))
+    figures = scrape(ledger)
+
+    dispatches = figures["questpie_dispatches"]
+    assert dispatches[(("job", "record"), ("status", "pending"))] == 2
+    assert dispatches[(("job", "record"), ("status", "completed"))] == 1
+    assert dispatches[(("job", "record"), ("status", "failed"))] == 0
+    assert dispatches[(("job", "stately"), ("status", "parked"))] == 1
+    assert len(dispatches) == 2 * 7  # every status of every job
+    assert figures["questpie_dispatches_waiting"] == {
+        (("job", "record"),): 2,
+        (("job", "stately"),): 1,
+    }
+    # Due since their run_after (their creation), a moment ago: an age, not None.
+    assert figures["questpie_oldest_waiting_seconds"][(("job", "record"),)] >= 0
+    stuck = figures["questpie_dispatches_stuck"]
+    assert stuck[(("job", "record"), ("reason", "never sent"))] == 2
+    assert stuck[(("job", "stately"), ("reason", "parked, slot free"))] == 1
+    assert stuck[(("job", "record"), ("reason", "lease lapsed"))] == 0
+    assert len(stuck) == 2 * 4
+    assert figures["questpie_parked_runs"] == {(("job", "record"),): 0, (("job", "stately"),): 1}
+    assert figures["questpie_relay_backlog"] == {(): 7}
+    assert figures["questpie_ledger_up"] == {(): 1}
+    # The page's own registry: no process or platform metrics, nothing but the ledger's.
+    assert all(name.startswith("questpie_") for name in figures)
+
+
+def test_the_stuck_counts_agree_with_the_stuck_list(ledger: Ledger) -> None:
+    due(ledger, 3)
+    due(ledger, 2, job_name="other")
+    operator = Operator(ledger)
+    listed: dict[tuple[str, str], int] = {}
+    for reason, detail in operator.stuck():
+        listed[(reason, detail.job_name)] = listed.get((reason, detail.job_name), 0) + 1
+    counted = {(c.reason, c.job_name): c.count for c in operator.stuck_counts()}
+    assert counted == listed == {("never sent", "record"): 3, ("never sent", "other"): 2}
+
+
+def test_the_metrics_of_a_ledger_of_an_older_schema_leave_the_backlog_out(
+    ledger: Ledger,
+) -> None:
+    due(ledger, 1)
+    with ledger.engine.begin() as conn:  # as a version-2 ledger is
+        conn.execute(text("DROP TABLE questpie_relay_backlog"))
+        conn.execute(text("DROP TABLE questpie_schedule"))
+    figures = scrape(ledger)
+    assert "questpie_relay_backlog" not in figures
+    assert figures["questpie_dispatches"][(("job", "record"), ("status", "pending"))] == 1
+    assert figures["questpie_ledger_up"] == {(): 1}
