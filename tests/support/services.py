@@ -17,9 +17,12 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
+from celery import Celery
 from kombu import Connection
 from sqlalchemy import create_engine, text
 
@@ -578,3 +581,68 @@ class Beat(CeleryProcess):
         ]  # fmt: skip
         self._launch(cmd, ready="beat: Starting...", what="celery beat", timeout=timeout)
         return self
+
+
+@dataclass
+class Flower(CeleryProcess):
+    """A real Flower (`celery flower`, from PyPI) on a stack's broker, its HTTP API open
+    without authentication, on 127.0.0.1 only. Persistent: on `stop()` it saves what its
+    events told it (its task states) to `db`, so a test can read that too."""
+
+    env: dict[str, str]
+    app: str = "tests.support.jobapp:celery_app"
+    port: int = field(default_factory=free_port)
+    folder: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="qp-flower-")))
+    proc: subprocess.Popen[bytes] | None = None
+    cwd: Path = ROOT
+    pythonpath: str = str(ROOT)
+
+    def __post_init__(self) -> None:
+        self.log_path = self.folder / "log"
+        self.env = {**self.env, "FLOWER_UNAUTHENTICATED_API": "true"}
+
+    @property
+    def db(self) -> Path:
+        return self.folder / "state"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 60.0) -> Flower:
+        cmd = [
+            sys.executable, "-m", "celery", "-A", self.app, "flower",
+            f"--port={self.port}", "--address=127.0.0.1", "--persistent=True",
+            f"--db={self.db}", "--logging=debug",
+        ]  # fmt: skip
+        self._launch(cmd, ready="Visit me at", what="flower", timeout=timeout)
+        wait_for_port(self.port, timeout)
+        self._wait_subscribed(timeout)
+        return self
+
+    def _wait_subscribed(self, timeout: float) -> None:
+        """Wait until Flower hears the broker's events: it subscribes after it listens
+        on its port, and an event sent before is lost to it. A probe worker's heartbeat
+        is sent until Flower lists that worker, then the probe says it went offline."""
+        app = Celery("flower-probe", broker=self.env["QP_TEST_BROKER"])
+        probe = f"flower-probe-{uuid.uuid4().hex[:8]}@localhost"
+        deadline = time.monotonic() + timeout
+        try:
+            with app.connection_for_write() as conn:
+                dispatcher = app.events.Dispatcher(conn, hostname=probe)
+                while probe not in self.get("/workers?json=1").text:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"flower hears no events:\n{self.log()}")
+                    dispatcher.send("worker-heartbeat", freq=60.0, active=0, processed=0)
+                    time.sleep(0.1)
+                dispatcher.send("worker-offline")
+                dispatcher.close()
+        finally:
+            app.close()
+
+    def get(self, path: str) -> httpx.Response:
+        return httpx.get(self.url + path, timeout=30)
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self.folder, ignore_errors=True)
