@@ -283,6 +283,9 @@ def test_a_pasted_ledger_url_runs_on_psycopg3_or_sqlite3(pasted: str, runs_on: s
         ("mysql://app:s3cret@db/app", "PostgreSQL or SQLite, not 'mysql'"),
         ("/var/lib/ledger.sqlite3", "write sqlite:////var/lib/ledger.sqlite3"),
         ("ledger.sqlite3", "is a file path: write sqlite:////"),
+        # a slash or the scheme missing: not a file path, and the password stays out
+        ("postgresql:/app:s3cret@db.example/app", "invalid ledger URL: write postgresql+psycopg://"),
+        ("app:s3cret@db.example/app", "invalid ledger URL: write postgresql+psycopg://"),
         ("sqlite://ledger.sqlite3", "a SQLite URL has no host: write sqlite:////"),
         ("sqlite:///ledger.sqlite3?journal=wal", "'journal' is not one of Python's sqlite3"),
         ("sqlite+pysqlcipher:///ledger.db", "with Python's sqlite3, not 'pysqlcipher'"),
