@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect as inspect_module
 import os
 import pkgutil
 import subprocess
@@ -11,6 +12,7 @@ from collections.abc import Iterator
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, get_args
+from unittest import mock
 
 import pytest
 from celery import Celery
@@ -353,6 +355,27 @@ def test_a_job_without_one_task_says_which_to_use() -> None:
     _questpie(jobs=[shared])
     with pytest.raises(JobDefinitionError, match=r"questpie\.queue\.on_two_apps\.task"):
         _ = shared.task
+
+
+def test_a_job_without_one_task_still_looks_like_an_object_without_that_attribute() -> None:
+    """No task (or one per app) is also an AttributeError: `hasattr`, `getattr(...,
+    default)`, `inspect.getmembers` and `mock.create_autospec` keep working on it."""
+    _ = Celery("no-questpie", broker="memory://")  # the current app, with no Questpie
+    alone = job(name="task-on-no-app", schema=Empty)(_noop)
+    _assert_has_no_task_attribute(alone)
+    shared = job(name="task-on-two-apps", schema=Empty)(_noop)
+    _questpie(jobs=[shared])
+    _questpie(jobs=[shared])
+    _assert_has_no_task_attribute(shared)
+
+
+def _assert_has_no_task_attribute(definition: JobDefinition[Any]) -> None:
+    assert not hasattr(definition, "task")
+    assert getattr(definition, "task", None) is None
+    assert "task" not in dict(inspect_module.getmembers(definition))
+    assert callable(mock.create_autospec(definition).validate)
+    with pytest.raises(JobDefinitionError, match=r"\.task"):
+        _ = definition.task
 
 
 # --- -A: what celery -A takes, the Questpie, and the two mixed up -----------------------
