@@ -431,6 +431,33 @@ def test_the_cli_says_what_is_wrong_with_an_app_it_cannot_use(
     assert isinstance(result.exception, SystemExit)  # no traceback
 
 
+@pytest.mark.parametrize(
+    ("files", "spec"),
+    [
+        # Celery's search for the app imports proj.celery and forgets why that failed.
+        ({"{p}/__init__.py": "", "{p}/celery.py": "import qp_missing_dependency\n"}, "{p}"),
+        # The missing module's name begins the project's own.
+        ({"{p}_tasks.py": "import {p}\n"}, "{p}_tasks"),
+    ],
+)
+def test_an_import_error_inside_the_project_is_raised_as_it_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, files: dict[str, str], spec: str
+) -> None:
+    name = f"qpbroken_{os.getpid()}"
+    for file, body in files.items():
+        path = tmp_path / file.format(p=name)
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(body.format(p=name))
+    monkeypatch.chdir(tmp_path)
+    try:
+        result = CliRunner().invoke(main, ["migrate", "-A", spec.format(p=name)])
+    finally:
+        for module in [m for m in sys.modules if m.startswith(name)]:
+            del sys.modules[module]
+    assert isinstance(result.exception, ModuleNotFoundError), result.output
+    assert result.exception.name in ("qp_missing_dependency", name)
+
+
 def test_celery_given_the_questpie_says_what_to_write(project: str, tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "celery", "-A", f"{project}.celery:questpie", "worker"],
