@@ -261,11 +261,19 @@ _TASK_ATTRIBUTES = frozenset(
 )
 
 
+_VARIADIC = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+
+
 def _check_signature(name: str, handler: Callable[..., Any]) -> None:
     """Refuse a handler that cannot be called as `handler(payload, ctx)`: it would be
     accepted here and fail at every run."""
     try:
-        signature = inspect.signature(handler)
+        # What is called is the handler itself: a functools.wraps wrapper of its own
+        # signature (one adapting a payload-only function, say) takes what it says.
+        signature = inspect.signature(handler, follow_wrapped=False)
+        if all(p.kind in _VARIADIC for p in signature.parameters.values()):
+            # A wrapper taking anything hands it on: what it wraps must take it.
+            signature = inspect.signature(handler)
     except (TypeError, ValueError):
         return  # some builtins have none to read: their call will tell
     try:

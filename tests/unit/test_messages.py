@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -200,10 +200,33 @@ def wants_a_keyword(payload: Widget, ctx: JobContext, *, dry_run: bool) -> None:
     del payload, ctx, dry_run
 
 
+def without_ctx(handler: Callable[[Widget], None]) -> Callable[[Widget, JobContext], None]:
+    """A decorator adapting a payload-only function into a handler, as projects write."""
+
+    @functools.wraps(handler)
+    def adapted(payload: Widget, ctx: JobContext) -> None:
+        del ctx
+        handler(payload)
+
+    return adapted
+
+
+def passed_through(handler: Callable[..., None]) -> Callable[..., None]:
+    """A decorator that calls what it wraps with whatever it is given."""
+
+    @functools.wraps(handler)
+    def wrapper(*args: Any, **kwargs: Any) -> None:
+        handler(*args, **kwargs)
+
+    return wrapper
+
+
 @pytest.mark.parametrize(
     ("handler", "named"),
     [
         (takes_the_payload_only, "takes_the_payload_only(payload: 'Widget')"),
+        # a wrapper taking anything hands both on: what it wraps must take them
+        (passed_through(takes_the_payload_only), "takes_the_payload_only(payload: 'Widget')"),
         (wants_a_keyword, "wants_a_keyword(payload: 'Widget', ctx: 'JobContext', *, dry_run"),
         (lambda: None, "<lambda>()"),
     ],
@@ -234,6 +257,9 @@ class Handlers:
         lambda *args: None,
         lambda payload, ctx, extra=1: None,
         functools.partial(lambda services, payload, ctx: None, "services"),
+        # its own signature is what is called, not the one functools.wraps copied
+        without_ctx(takes_the_payload_only),
+        passed_through(rename_widget_job),
     ],
 )
 def test_a_handler_that_can_take_payload_and_ctx_is_accepted(handler: Any) -> None:
