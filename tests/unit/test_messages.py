@@ -381,7 +381,12 @@ AT = 'connection failed: connection to server at "10.0.0.5", port 5432 failed: '
          ['Ident authentication of role "app"', "pg_hba.conf"]),
         (AT + 'FATAL:  no pg_hba.conf entry for host "10.0.0.9", user "app", database "shop", '
               "no encryption",
-         ["takes this connection only over TLS; add sslmode=require"]),
+         ["if it takes them over TLS, add sslmode=require", "otherwise add a rule"]),
+        # sslmode=prefer tried TLS first, and was refused there too: TLS is not the way in
+        (AT + 'FATAL:  no pg_hba.conf entry for host "10.0.0.9", user "app", database "shop", '
+              "SSL encryption\n" + AT + 'FATAL:  no pg_hba.conf entry for host "10.0.0.9", '
+              'user "app", database "shop", no encryption',
+         ["pg_hba.conf lets no such connection in (this host, role and database)"]),
         (AT + "FATAL:  SSL connection is required. Please specify SSL options and retry.",
          ["only over TLS"]),
         (AT + "server does not support SSL, but SSL was required",
