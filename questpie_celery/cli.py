@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import json
 import logging
 import sys
@@ -48,7 +49,7 @@ def load_questpie(spec: str) -> Questpie:
             if not isinstance(value, Questpie):
                 value = _celery_search(spec)
     except ModuleNotFoundError as exc:
-        if exc.name is None or not module_name.startswith(exc.name):
+        if exc.name is None or not (module_name + ".").startswith(exc.name + "."):
             raise  # the project's own import failed: its traceback is what helps
         raise click.BadParameter(
             f"no module named {exc.name} (run the command in the folder that holds it, or "
@@ -79,6 +80,12 @@ def _celery_search(module_name: str) -> object:
     try:
         return find_app(module_name)
     except AttributeError:
+        submodule = f"{module_name}.celery"
+        if getattr(sys.modules[module_name], "__path__", None) and importlib.util.find_spec(
+            submodule
+        ):
+            # Celery's search swallowed why this one failed to import: let it say.
+            importlib.import_module(submodule)
         raise click.BadParameter(
             f"module {module_name} holds no Questpie named questpie and no Celery app; "
             "pass -A module:attribute",

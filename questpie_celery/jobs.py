@@ -118,6 +118,9 @@ class JobDefinition(Generic[P]):
         `Questpie` registered yet is looked up on Celery's current app, finalizing it
         (which registers the `@job`s that autodiscovery declared), as `shared_task` does.
         """
+        return self._task()
+
+    def _task(self) -> Any:
         if not self._apps:
             _ = current_app.tasks  # finalizes it: its Questpie adopts this job
         apps = list(self._apps)
@@ -125,11 +128,11 @@ class JobDefinition(Generic[P]):
             return apps[0].tasks[self.name]
         usage = f"questpie.queue.{self.attribute_name}.task"
         if not apps:
-            raise JobDefinitionError(
+            raise _NoTask(
                 f"job {self.name!r} has no Celery task yet: no Questpie registered it (use "
                 f"Questpie(..., jobs=[...]) or questpie.register(...), then {usage})"
             )
-        raise JobDefinitionError(
+        raise _NoTask(
             f"job {self.name!r} is registered with {len(apps)} Celery apps, so it has as many "
             f"tasks: use {usage} of the Questpie you mean"
         )
@@ -139,6 +142,10 @@ class JobDefinition(Generic[P]):
         self._apps.add(app)
 
     def __getattr__(self, attribute: str) -> Any:
+        if attribute == "task":
+            # `task` raised an AttributeError (`_NoTask`): Python asks here next, and its
+            # message, saying which task to use, is the one to raise.
+            return self._task()
         if attribute in _TASK_ATTRIBUTES:
             handler = getattr(self.handler, "__name__", "handler")
             raise AttributeError(
@@ -240,6 +247,12 @@ def job(
     return decorate
 
 
+class _NoTask(JobDefinitionError, AttributeError):
+    """A definition without one Celery task: an `AttributeError` too, so `hasattr`,
+    `getattr(..., default)`, `inspect.getmembers` and `mock.create_autospec` see no
+    `task` attribute instead of stopping on it."""
+
+
 #: What a Celery task offers and a definition does not: `definition.delay(...)` and the
 #: like say where the task is.
 _TASK_ATTRIBUTES = frozenset(
@@ -248,11 +261,19 @@ _TASK_ATTRIBUTES = frozenset(
 )
 
 
+_VARIADIC = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+
+
 def _check_signature(name: str, handler: Callable[..., Any]) -> None:
     """Refuse a handler that cannot be called as `handler(payload, ctx)`: it would be
     accepted here and fail at every run."""
     try:
-        signature = inspect.signature(handler)
+        # What is called is the handler itself: a functools.wraps wrapper of its own
+        # signature (one adapting a payload-only function, say) takes what it says.
+        signature = inspect.signature(handler, follow_wrapped=False)
+        if all(p.kind in _VARIADIC for p in signature.parameters.values()):
+            # A wrapper taking anything hands it on: what it wraps must take it.
+            signature = inspect.signature(handler)
     except (TypeError, ValueError):
         return  # some builtins have none to read: their call will tell
     try:

@@ -180,6 +180,10 @@ _SERVER_AT = re.compile(
 )
 _REFUSED = "the dispatch ledger database refused the connection: "
 _UNREACHABLE = "the dispatch ledger database cannot be reached: "
+_PG_HBA = (
+    _REFUSED + "the server's pg_hba.conf lets no such connection in (this host, role and "
+    "database); add a rule for it, or connect as a role that one allows"
+)
 #: libpq's (and psycopg's) reasons a connection failed, each with what it means and
 #: what to do. A server localized with `lc_messages` says them in its language, and
 #: gets the driver's first line instead.
@@ -213,7 +217,22 @@ _CONNECTION_FAILURES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
             "allows, or change the rule",
         ),
         (
-            r"no encryption|SSL off|SSL connection is required",
+            # Refused over TLS too (libpq's sslmode=prefer tries it first): TLS is not it.
+            r"(?:no pg_hba.conf entry|pg_hba.conf rejects connection)[^\n]*SSL encryption",
+            _PG_HBA,
+        ),
+        (
+            # PostgreSQL says this of every unencrypted connection its pg_hba.conf refuses,
+            # a rule for TLS only (hostssl, hostnossl ... reject) or none at all alike.
+            r"no encryption|SSL off",
+            _REFUSED + "the server's pg_hba.conf lets no unencrypted connection in for this "
+            "host, role and database: if it takes them over TLS, add sslmode=require to the "
+            "ledger URL (sslmode=verify-full, with sslrootcert=, also checks whose "
+            "certificate it is); otherwise add a rule for them to pg_hba.conf, or connect "
+            "as a role one allows",
+        ),
+        (
+            r"SSL connection is required",
             _REFUSED + "the server takes this connection only over TLS; add sslmode=require "
             "to the ledger URL (sslmode=verify-full, with sslrootcert=, also checks whose "
             "certificate it is)",
@@ -223,11 +242,7 @@ _CONNECTION_FAILURES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
             _REFUSED + "the ledger URL requires TLS (its sslmode) and the server offers none; "
             "turn ssl on at the server, or lower sslmode in the URL",
         ),
-        (
-            r"no pg_hba.conf entry|pg_hba.conf rejects connection",
-            _REFUSED + "the server's pg_hba.conf lets no such connection in (this host, role "
-            "and database); add a rule for it, or connect as a role that one allows",
-        ),
+        (r"no pg_hba.conf entry|pg_hba.conf rejects connection", _PG_HBA),
         (
             r"too many clients already|remaining connection slots are reserved",
             _REFUSED + "the server has no connection left for this role (max_connections); "

@@ -38,6 +38,7 @@ _FOREIGN = {
     "ssl": f"write sslmode= with one of {', '.join(_SSL_MODES)}",
     "sslcontext": "write sslmode=, sslrootcert=, sslcert= and sslkey=",
 }
+_SQLITE_ENDINGS = (".sqlite3", ".sqlite", ".db")
 FIX_SQLITE = "write sqlite:////absolute/path/ledger.sqlite3"
 
 
@@ -49,7 +50,9 @@ def ledger_url(url: str) -> URL:
             f"{FIX_SQLITE.removeprefix('write ')}"
         )
     url = url.strip()
-    if "://" not in url and ("/" in url or url.endswith((".sqlite3", ".sqlite", ".db"))):
+    # An '@' means a user (and maybe a password) of a URL that lost its scheme or a
+    # slash, not a file: that message would repeat it.
+    if "://" not in url and "@" not in url and ("/" in url or url.endswith(_SQLITE_ENDINGS)):
         _refuse_path(url)
     try:
         parsed = make_url(url)

@@ -454,9 +454,9 @@ def test_unreachable_ledger_still_lets_an_unkeyed_standard_publish_through(
 # --- a ledger that refuses the connection, or cannot be reached: which, and what to do --
 
 #: The roles the server's pg_hba.conf guards for `guarded_server`: one needs a password,
-#: the other TLS (which this server does not offer, as a managed one requiring it would
-#: refuse a client that does not ask for it).
-PASSWORD_ROLE, TLS_ROLE = "qp_needs_password", "qp_needs_tls"
+#: one TLS (which this server does not offer, as a managed one requiring it would
+#: refuse a client that does not ask for it), and one no rule lets in at all.
+PASSWORD_ROLE, TLS_ROLE, NO_RULE_ROLE = "qp_needs_password", "qp_needs_tls", "qp_no_rule"
 
 
 @pytest.fixture(scope="module")
@@ -467,11 +467,13 @@ def guarded_server(postgres: PostgresServer) -> Iterator[PostgresServer]:
     with admin.connect() as conn:
         conn.execute(sql_text(f"CREATE ROLE {PASSWORD_ROLE} LOGIN PASSWORD 'right-one'"))
         conn.execute(sql_text(f"CREATE ROLE {TLS_ROLE} LOGIN"))
+        conn.execute(sql_text(f"CREATE ROLE {NO_RULE_ROLE} LOGIN"))
         hba = Path(conn.execute(sql_text("SHOW hba_file")).scalar_one())
     rules = hba.read_text()
     hba.write_text(
         f"host all {PASSWORD_ROLE} 127.0.0.1/32 scram-sha-256\n"
-        f"hostnossl all {TLS_ROLE} 127.0.0.1/32 reject\n" + rules
+        f"hostnossl all {TLS_ROLE} 127.0.0.1/32 reject\n"
+        f"host all {NO_RULE_ROLE} 127.0.0.1/32 reject\n" + rules
     )
 
     def reload() -> None:
@@ -489,6 +491,7 @@ def guarded_server(postgres: PostgresServer) -> Iterator[PostgresServer]:
     with admin.connect() as conn:
         conn.execute(sql_text(f"DROP ROLE {PASSWORD_ROLE}"))
         conn.execute(sql_text(f"DROP ROLE {TLS_ROLE}"))
+        conn.execute(sql_text(f"DROP ROLE {NO_RULE_ROLE}"))
     admin.dispose()
 
 
@@ -525,9 +528,12 @@ def silent_port() -> Iterator[int]:
          f'role "{PASSWORD_ROLE}"'),
         (f"{PASSWORD_ROLE}@{{server}}/postgres",
          "refused the connection: the server asks for a password and the ledger URL gives none"),
+        # The server refuses both in the same words: the message names both ways out.
         (f"{TLS_ROLE}@{{server}}/postgres",
-         "refused the connection: the server takes this connection only over TLS; add "
-         "sslmode=require"),
+         "refused the connection: the server's pg_hba.conf lets no unencrypted connection in "
+         "for this host, role and database: if it takes them over TLS, add sslmode=require"),
+        (f"{NO_RULE_ROLE}@{{server}}/postgres",
+         "; otherwise add a rule for them to pg_hba.conf, or connect as a role one allows"),
         ("{user}@{server}/postgres?sslmode=require",
          "refused the connection: the ledger URL requires TLS (its sslmode) and the server "
          "offers none"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -200,10 +200,33 @@ def wants_a_keyword(payload: Widget, ctx: JobContext, *, dry_run: bool) -> None:
     del payload, ctx, dry_run
 
 
+def without_ctx(handler: Callable[[Widget], None]) -> Callable[[Widget, JobContext], None]:
+    """A decorator adapting a payload-only function into a handler, as projects write."""
+
+    @functools.wraps(handler)
+    def adapted(payload: Widget, ctx: JobContext) -> None:
+        del ctx
+        handler(payload)
+
+    return adapted
+
+
+def passed_through(handler: Callable[..., None]) -> Callable[..., None]:
+    """A decorator that calls what it wraps with whatever it is given."""
+
+    @functools.wraps(handler)
+    def wrapper(*args: Any, **kwargs: Any) -> None:
+        handler(*args, **kwargs)
+
+    return wrapper
+
+
 @pytest.mark.parametrize(
     ("handler", "named"),
     [
         (takes_the_payload_only, "takes_the_payload_only(payload: 'Widget')"),
+        # a wrapper taking anything hands both on: what it wraps must take them
+        (passed_through(takes_the_payload_only), "takes_the_payload_only(payload: 'Widget')"),
         (wants_a_keyword, "wants_a_keyword(payload: 'Widget', ctx: 'JobContext', *, dry_run"),
         (lambda: None, "<lambda>()"),
     ],
@@ -234,6 +257,9 @@ class Handlers:
         lambda *args: None,
         lambda payload, ctx, extra=1: None,
         functools.partial(lambda services, payload, ctx: None, "services"),
+        # its own signature is what is called, not the one functools.wraps copied
+        without_ctx(takes_the_payload_only),
+        passed_through(rename_widget_job),
     ],
 )
 def test_a_handler_that_can_take_payload_and_ctx_is_accepted(handler: Any) -> None:
@@ -283,6 +309,9 @@ def test_a_pasted_ledger_url_runs_on_psycopg3_or_sqlite3(pasted: str, runs_on: s
         ("mysql://app:s3cret@db/app", "PostgreSQL or SQLite, not 'mysql'"),
         ("/var/lib/ledger.sqlite3", "write sqlite:////var/lib/ledger.sqlite3"),
         ("ledger.sqlite3", "is a file path: write sqlite:////"),
+        # a slash or the scheme missing: not a file path, and the password stays out
+        ("postgresql:/app:s3cret@db.example/app", "invalid ledger URL: write postgresql+psycopg://"),
+        ("app:s3cret@db.example/app", "invalid ledger URL: write postgresql+psycopg://"),
         ("sqlite://ledger.sqlite3", "a SQLite URL has no host: write sqlite:////"),
         ("sqlite:///ledger.sqlite3?journal=wal", "'journal' is not one of Python's sqlite3"),
         ("sqlite+pysqlcipher:///ledger.db", "with Python's sqlite3, not 'pysqlcipher'"),
@@ -352,7 +381,12 @@ AT = 'connection failed: connection to server at "10.0.0.5", port 5432 failed: '
          ['Ident authentication of role "app"', "pg_hba.conf"]),
         (AT + 'FATAL:  no pg_hba.conf entry for host "10.0.0.9", user "app", database "shop", '
               "no encryption",
-         ["takes this connection only over TLS; add sslmode=require"]),
+         ["if it takes them over TLS, add sslmode=require", "otherwise add a rule"]),
+        # sslmode=prefer tried TLS first, and was refused there too: TLS is not the way in
+        (AT + 'FATAL:  no pg_hba.conf entry for host "10.0.0.9", user "app", database "shop", '
+              "SSL encryption\n" + AT + 'FATAL:  no pg_hba.conf entry for host "10.0.0.9", '
+              'user "app", database "shop", no encryption',
+         ["pg_hba.conf lets no such connection in (this host, role and database)"]),
         (AT + "FATAL:  SSL connection is required. Please specify SSL options and retry.",
          ["only over TLS"]),
         (AT + "server does not support SSL, but SSL was required",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect as inspect_module
 import os
 import pkgutil
 import subprocess
@@ -11,6 +12,7 @@ from collections.abc import Iterator
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, get_args
+from unittest import mock
 
 import pytest
 from celery import Celery
@@ -355,6 +357,27 @@ def test_a_job_without_one_task_says_which_to_use() -> None:
         _ = shared.task
 
 
+def test_a_job_without_one_task_still_looks_like_an_object_without_that_attribute() -> None:
+    """No task (or one per app) is also an AttributeError: `hasattr`, `getattr(...,
+    default)`, `inspect.getmembers` and `mock.create_autospec` keep working on it."""
+    _ = Celery("no-questpie", broker="memory://")  # the current app, with no Questpie
+    alone = job(name="task-on-no-app", schema=Empty)(_noop)
+    _assert_has_no_task_attribute(alone)
+    shared = job(name="task-on-two-apps", schema=Empty)(_noop)
+    _questpie(jobs=[shared])
+    _questpie(jobs=[shared])
+    _assert_has_no_task_attribute(shared)
+
+
+def _assert_has_no_task_attribute(definition: JobDefinition[Any]) -> None:
+    assert not hasattr(definition, "task")
+    assert getattr(definition, "task", None) is None
+    assert "task" not in dict(inspect_module.getmembers(definition))
+    assert callable(mock.create_autospec(definition).validate)
+    with pytest.raises(JobDefinitionError, match=r"\.task"):
+        _ = definition.task
+
+
 # --- -A: what celery -A takes, the Questpie, and the two mixed up -----------------------
 
 DJANGO_LIKE = {
@@ -406,6 +429,33 @@ def test_the_cli_says_what_is_wrong_with_an_app_it_cannot_use(
     assert result.exit_code == 2, result.output
     assert says in result.output
     assert isinstance(result.exception, SystemExit)  # no traceback
+
+
+@pytest.mark.parametrize(
+    ("files", "spec"),
+    [
+        # Celery's search for the app imports proj.celery and forgets why that failed.
+        ({"{p}/__init__.py": "", "{p}/celery.py": "import qp_missing_dependency\n"}, "{p}"),
+        # The missing module's name begins the project's own.
+        ({"{p}_tasks.py": "import {p}\n"}, "{p}_tasks"),
+    ],
+)
+def test_an_import_error_inside_the_project_is_raised_as_it_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, files: dict[str, str], spec: str
+) -> None:
+    name = f"qpbroken_{os.getpid()}"
+    for file, body in files.items():
+        path = tmp_path / file.format(p=name)
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(body.format(p=name))
+    monkeypatch.chdir(tmp_path)
+    try:
+        result = CliRunner().invoke(main, ["migrate", "-A", spec.format(p=name)])
+    finally:
+        for module in [m for m in sys.modules if m.startswith(name)]:
+            del sys.modules[module]
+    assert isinstance(result.exception, ModuleNotFoundError), result.output
+    assert result.exception.name in ("qp_missing_dependency", name)
 
 
 def test_celery_given_the_questpie_says_what_to_write(project: str, tmp_path: Path) -> None:
