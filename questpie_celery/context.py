@@ -141,9 +141,9 @@ def _in_async_context(
         run_ctx = dataclasses.replace(ctx, app=app)
 
         def handle() -> Any:
-            if definition.is_async:
-                return runner.run(definition.handler(model, run_ctx))
-            return definition.handler(model, run_ctx)
+            returned = definition.handler(model, run_ctx)
+            # A plain wrapper of an `async def` returns its coroutine: run in this loop.
+            return runner.run(returned) if inspect.iscoroutine(returned) else returned
 
         return _around(
             handle, lambda *end: runner.run(kind.__aexit__(made, *end)), ctx, secret, held

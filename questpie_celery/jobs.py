@@ -103,7 +103,11 @@ class JobDefinition(Generic[P]):
         self.schema: type[P] = schema
         self.handler = handler
         self.options: JobOptions = validated
-        self.is_async = inspect.iscoroutinefunction(handler)
+        #: Also true for a callable object whose `__call__` is `async def`: its call
+        #: returns a coroutine that must be run, not dropped.
+        self.is_async = inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(
+            type(handler).__call__
+        )
         self._has_secret_fields = _has_secret_fields(schema)
         #: The Celery apps whose `Questpie` made this job's task (see `task`).
         self._apps: weakref.WeakSet[Celery] = weakref.WeakSet()
@@ -373,7 +377,18 @@ def call_handler(definition: JobDefinition[Any], model: Any, ctx: HandlerContext
         if in_running_loop():
             return in_fresh_thread(lambda: asyncio.run(definition.handler(model, ctx)))
         return asyncio.run(definition.handler(model, ctx))
-    return definition.handler(model, ctx)
+    return run_returned(definition.handler(model, ctx))
+
+
+def run_returned(result: Any) -> Any:
+    """What a sync-looking handler returned; a coroutine it returned (a plain wrapper of an
+    `async def`) is run to its end here, since dropping it would record a run that did
+    nothing as completed."""
+    if not inspect.iscoroutine(result):
+        return result
+    if in_running_loop():
+        return in_fresh_thread(lambda: asyncio.run(result))
+    return asyncio.run(result)
 
 
 def in_running_loop() -> bool:

@@ -7,8 +7,11 @@ The ledger here is a real SQLite file.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from celery import Celery
@@ -255,3 +258,56 @@ def test_a_handler_s_system_exit_keeps_its_exit_code(propagating: tuple[Questpie
     with pytest.raises(SystemExit) as raised:
         questpie.queue.eager_exit.publish({"code": 3}, idempotency_key="exit")
     assert raised.value.code == 3
+
+
+awaited: list[str] = []
+
+
+class AsyncCallable:
+    """A handler object whose `__call__` is `async def`."""
+
+    async def __call__(self, payload: Named, ctx: JobContext) -> str:
+        await asyncio.sleep(0)
+        awaited.append(f"object {payload.name}")
+        return payload.name
+
+
+async def _notify(payload: Named, ctx: JobContext) -> str:
+    await asyncio.sleep(0)
+    awaited.append(f"wrapped {payload.name}")
+    return payload.name
+
+
+@functools.wraps(_notify)
+def _plain_wrapper(payload: Named, ctx: JobContext) -> Any:
+    return _notify(payload, ctx)  # a sync decorator's wrapper: returns the coroutine
+
+
+async_object = job(name="eager.async-object", schema=Named)(AsyncCallable())
+async_wrapped = job(name="eager.async-wrapped", schema=Named)(_plain_wrapper)
+
+
+@pytest.mark.parametrize("job_name", ["eager.async-object", "eager.async-wrapped"])
+def test_a_handler_that_is_async_without_looking_so_runs_to_its_end(
+    tmp_path: Path, job_name: str
+) -> None:
+    """Before, the coroutine such a handler returns was dropped unawaited: the dispatch
+    was recorded completed although its body never ran."""
+    app = Celery("eager-async-shapes", broker="memory://")
+    app.conf.task_always_eager = True
+    made = Questpie(
+        app, ledger_url=f"sqlite:///{tmp_path / 'ledger.db'}", jobs=[async_object, async_wrapped]
+    )
+    made.migrate()
+    awaited.clear()
+    try:
+        dispatch_id = made.queue[job_name].publish({"name": "n1"}, idempotency_key="k")
+        assert dispatch_id is not None
+        status = made.queue.get_status(dispatch_id)
+        assert status is not None and status.status == "completed"
+        assert awaited == [f"{'object' if 'object' in job_name else 'wrapped'} n1"]
+        # A plain Celery call of the task (no ledger) runs it to its end too.
+        made.queue["eager.async-wrapped"].task.delay({"name": "n2"})
+        assert awaited[-1] == "wrapped n2"
+    finally:
+        made.close()
