@@ -235,3 +235,67 @@ def test_a_long_entry_name_is_claimed_on_postgresql(postgres: PostgresServer) ->
             assert conn.default_channel.queue_declare("names-idle").message_count == 1
     finally:
         questpie.close()
+
+
+QUIET_PROJECT = """
+import os
+from celery import Celery
+from pydantic import BaseModel
+from questpie_celery import JobContext, Questpie, job
+
+app = Celery("quietbeat", broker=os.environ["BP_BROKER"])
+app.conf.task_default_queue = os.environ["BP_QUEUE"]
+
+
+class Report(BaseModel):
+    note: str = ""
+
+
+@job(name="quietbeat.report", schema=Report, options={"cron": "0 3 * * *"})
+def report(payload: Report, ctx: JobContext) -> None:
+    pass
+
+
+questpie = Questpie(app, ledger_url=os.environ["BP_LEDGER"], jobs=[report])
+"""
+
+
+def test_a_beat_tells_of_a_ledger_outage_once_and_of_its_end_once(
+    postgres: PostgresServer, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """Beat reads the ledger's schedules every second. While the ledger cannot be reached
+    it says so once, with the cause, and once when it is back; before, it warned
+    `questpie schedules could not be read` on every one of those seconds."""
+    proxy = FaultProxy(postgres.port)
+    direct = postgres.create_database("quietbeat")
+    migrated = open_ledger(direct)
+    migrated.migrate()
+    env = {
+        "BP_LEDGER": proxy.url(direct, postgres.port),
+        "BP_BROKER": redis_server.url(redis_server.new_db()),
+        "BP_QUEUE": f"quietbeat-{tmp_path.name}",
+    }
+    (tmp_path / "quietbeat.py").write_text(textwrap.dedent(QUIET_PROJECT))
+    beat = Beat(env, app="quietbeat:app", cwd=tmp_path, pythonpath=str(tmp_path)).start()
+    down = "the dispatch ledger cannot be reached ("
+    back = "the dispatch ledger can be reached again, after"
+    until = datetime.now(UTC) + timedelta(seconds=60)
+    try:
+        wait_for(migrated.schedules, "the job's schedule stored", until)
+        before = len(beat.log())
+        proxy.cut()
+        try:
+            wait_for(lambda: down in beat.log()[before:], "the outage told", until)
+            tries = proxy.refused
+            wait_for(lambda: proxy.refused >= tries + 8, "eight more looks", until)
+        finally:
+            proxy.heal()
+        wait_for(lambda: back in beat.log()[before:], "the ledger back", until)
+        log = beat.log()[before:]
+        assert log.count(down) == 1 and log.count(back) == 1, log
+        assert "could not be read" not in log and "Traceback" not in log, log
+        assert "OperationalError" in log.split(down)[1].splitlines()[0], log  # the cause
+    finally:
+        beat.stop()
+        proxy.close()
+        migrated.close()
