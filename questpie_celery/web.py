@@ -33,7 +33,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
-from .errors import QuestpieError
+from .errors import LedgerUnavailableError, QuestpieError
 from .ledger import Status
 from .ledger.schema import WAITING
 from .metrics import Figures, LedgerCollector, read_figures
@@ -226,16 +226,24 @@ def status_app(
 
     # Every browser refreshing the page while the ledger is down would otherwise say so
     # on each request: the log hears of the outage once, then each minute, then its end.
+    # A ledger that answers but cannot be read (not migrated, say) is not an outage.
     outage = Outage("the dispatch ledger", logger=log)
+    unreadable = Outage(
+        "the dispatch ledger", trouble="cannot be read", recovered="can be read again", logger=log
+    )
 
     async def read(what: Callable[[], T]) -> T:
         try:
             with anyio.fail_after(READ_TIMEOUT_SECONDS):
                 found = await run_in_threadpool(what)
-        except (QuestpieError, TimeoutError) as exc:
+        except (LedgerUnavailableError, TimeoutError) as exc:
             outage.failed(_unavailable(exc))
             raise
+        except QuestpieError as exc:
+            unreadable.failed(exc)
+            raise
         outage.reached()
+        unreadable.reached()
         return found
 
     async def page(request: Request) -> Response:

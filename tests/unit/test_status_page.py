@@ -273,3 +273,28 @@ def test_the_metrics_of_a_ledger_of_an_older_schema_leave_the_backlog_out(
     assert "questpie_relay_backlog" not in figures
     assert figures["questpie_dispatches"][(("job", "record"), ("status", "pending"))] == 1
     assert figures["questpie_ledger_up"] == {(): 1}
+
+
+def test_a_ledger_not_migrated_is_told_as_unreadable_not_as_an_outage(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A ledger that answers but has no tables is not "unreachable": the page's log says
+    it cannot be read (with what to do), once however often the page is read, and that
+    it can be read again once migrated."""
+    ledger = open_ledger(sqlite_url(tmp_path))
+    app = status_app(Operator(ledger), ledger="x")
+
+    async def statuses(count: int) -> list[int]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
+            return [(await client.get("/overview.json")).status_code for _ in range(count)]
+
+    caplog.set_level(logging.WARNING, logger="questpie_celery.web")
+    assert asyncio.run(statuses(3)) == [503] * 3
+    ledger.migrate()
+    assert asyncio.run(statuses(1)) == [200]
+    said = [r.getMessage() for r in caplog.records if r.name == "questpie_celery.web"]
+    assert len(said) == 2, said
+    assert said[0].startswith("the dispatch ledger cannot be read (") and "migrate" in said[0]
+    assert said[1].startswith("the dispatch ledger can be read again")
+    assert not any("cannot be reached" in m for m in said), said
