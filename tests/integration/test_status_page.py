@@ -14,7 +14,7 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -26,8 +26,10 @@ from sqlalchemy import func, insert, select, update
 from questpie_celery.ledger import dispatch_table, open_ledger
 from questpie_celery.ledger.schema import backlog_table
 from tests.integration.conftest import StackFactory
-from tests.support.services import free_port, wait_for_port
+from tests.support.faultproxy import FaultProxy
+from tests.support.services import PostgresServer, free_port, wait_for_port
 from tests.support.stack import Stack, tag
+from tests.unit.helpers import wait_until
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 WINDOW = (1280, 1500)
@@ -38,24 +40,28 @@ PLOT_BLUE = (0x15, 0x65, 0xC0)
 
 
 @contextmanager
-def serve(url: str) -> Iterator[str]:
-    """`questpie-celery web` on a free port, as a user runs it."""
+def serve(url: str, log: Path | None = None) -> Iterator[str]:
+    """`questpie-celery web` on a free port, as a user runs it; its output goes to `log`
+    when given."""
     port = free_port()
-    process = subprocess.Popen(
-        [str(Path(sys.executable).parent / "questpie-celery"), "web", "--ledger-url", url,
-         "--port", str(port)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    try:
+    with ExitStack() as files:
+        output = files.enter_context(log.open("wb")) if log is not None else subprocess.PIPE
+        process = subprocess.Popen(
+            [str(Path(sys.executable).parent / "questpie-celery"), "web", "--ledger-url", url,
+             "--port", str(port)],
+            stdout=output, stderr=subprocess.STDOUT,
+        )  # fmt: skip
         try:
-            wait_for_port(port)
-        except RuntimeError:
-            process.kill()
-            raise RuntimeError(f"the page never served: {process.communicate()[0]!r}") from None
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        process.terminate()
-        process.communicate(timeout=10)
+            try:
+                wait_for_port(port)
+            except RuntimeError:
+                process.kill()
+                said = process.communicate()[0] if log is None else log.read_bytes()
+                raise RuntimeError(f"the page never served: {said!r}") from None
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            process.terminate()
+            process.communicate(timeout=10)
 
 
 @pytest.fixture
@@ -323,3 +329,48 @@ def test_an_unreachable_ledger_gets_a_page_that_says_so() -> None:
         assert "cannot be reached" in body and str(unused) in body
         # The header names the ledger without a password, in the URL or its query string.
         assert "hunter2" not in body and "query-pw" not in body
+
+
+def test_a_ledger_outage_is_one_line_in_the_pages_log_and_the_page_says_so(
+    postgres: PostgresServer, tmp_path: Path
+) -> None:
+    """The ledger goes away under a running page that is read again and again (a
+    browser refreshing it): each read answers at once that the ledger cannot be reached,
+    and the page's log says so once, with the cause and no traceback, then once that it
+    is back, after which the page shows the ledger again. Before, the page's process
+    logged nothing of an outage."""
+    proxy = FaultProxy(postgres.port)
+    direct = postgres.create_database("pageoutage")
+    migrated = open_ledger(direct)
+    migrated.migrate()
+    log = tmp_path / "web.log"
+    down = "the dispatch ledger cannot be reached ("
+    back = "the dispatch ledger can be reached again, after"
+    try:
+        with serve(proxy.url(direct, postgres.port), log=log) as base:
+            with urllib.request.urlopen(f"{base}/overview.json", timeout=30) as response:
+                assert response.status == 200
+            proxy.cut()
+            try:
+                for _ in range(5):
+                    with pytest.raises(urllib.error.HTTPError) as raised:
+                        urllib.request.urlopen(f"{base}/", timeout=30)
+                    assert raised.value.code == 503
+                    body = raised.value.read().decode()
+                    raised.value.close()
+                    assert "cannot be reached" in body, body
+                wait_until(lambda: down in log.read_text(), "the outage in the log", 30)
+            finally:
+                proxy.heal()
+            with urllib.request.urlopen(f"{base}/overview.json", timeout=30) as response:
+                assert response.status == 200
+            wait_until(lambda: back in log.read_text(), "the ledger back in the log", 30)
+        said = log.read_text()
+        assert said.count(down) == 1 and said.count(back) == 1, said
+        assert "Traceback" not in said, said
+        line = next(line for line in said.splitlines() if down in line)
+        assert " WARNING questpie_celery.web: " in line, said  # with its time
+        assert "OperationalError" in line, said  # the cause
+    finally:
+        proxy.close()
+        migrated.close()
