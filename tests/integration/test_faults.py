@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 import sqlalchemy
@@ -31,6 +32,7 @@ from questpie_celery import (
 )
 from questpie_celery.cli import main as cli_main
 from questpie_celery.ledger import DispatchRow, open_ledger
+from questpie_celery.outages import Outage
 from questpie_celery.outbox import PENDING_GRACE_SECONDS, REFUSED_SEND_RETRY_SECONDS
 from tests.support import jobapp
 from tests.support.brokers import capture, deliver
@@ -358,6 +360,72 @@ def test_a_ledger_outage_is_one_line_per_process_with_its_cause_and_one_when_it_
     renewals = [line for line in stack.worker.log_about(running) if "could not renew" in line]
     assert len(renewals) == 1, renewals
     assert len(stack.runs(t)) == 2
+
+
+@pytest.mark.parametrize("broker", ["redis", "rabbitmq"])
+def test_a_relay_whose_broker_goes_away_says_so_once_reminds_and_says_when_it_is_back(
+    make_stack: StackFactory, broker: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The broker goes away under a relay that has dispatches to send: its refused
+    sends tell the log once that the broker cannot be reached, with the cause and no
+    traceback, then remind while it lasts, and say once that it is back, when the
+    dispatches go out. Which dispatch waits is INFO. (A reminder comes each minute; this
+    relay's comes every two seconds, so the test sees one without waiting a minute.)"""
+    stack = make_stack(broker, start_worker=False)
+    direct = stack.env["QP_TEST_BROKER"]
+    port = urlsplit(direct).port
+    assert port is not None
+    proxy = FaultProxy(port)
+    _, relay = jobapp.build(
+        broker=proxy.url(direct, port),
+        ledger=stack.env["QP_TEST_LEDGER"],
+        queue=stack.queue_name,
+        relay_interval=0.2,
+    )
+    relay._outbox.broker_outage = Outage("the broker", remind_every=2.0)
+    stop = threading.Event()
+    running = threading.Thread(target=lambda: relay.run_relay(stop=stop), daemon=True)
+    remind = "the broker still cannot be reached, for "
+    try:
+        proxy.cut()
+        t = tag()
+        # Refused at once: each row stays pending, due for the relay in a few seconds.
+        waiting = [
+            relay.queue.record.publish({"tag": t}, idempotency_key=f"{t}:{n}") for n in range(3)
+        ]
+        caplog.set_level(logging.INFO, logger="questpie_celery")
+        caplog.clear()
+        running.start()
+
+        def said(text: str) -> list[logging.LogRecord]:
+            return [r for r in list(caplog.records) if text in r.getMessage()]
+
+        try:
+            wait_until(lambda: said("the broker cannot be reached ("), "the outage told", 60)
+            wait_until(lambda: said(remind), "a reminder", 60)
+        finally:
+            proxy.heal()
+        wait_until(lambda: said("the broker can be reached again, after"), "the broker back", 60)
+        got = sorted(
+            str(capture(stack, stack.queue_name, timeout=30).headers["id"]) for _ in waiting
+        )
+        assert got == sorted(str(d) for d in waiting)
+    finally:
+        stop.set()
+        running.join(timeout=30)
+        relay.close()
+        proxy.close()
+    records = list(caplog.records)
+    log = "\n".join(f"{r.levelname} {r.name}: {r.getMessage()}" for r in records)
+    (down,) = said("the broker cannot be reached (")
+    assert len(said("the broker can be reached again")) == 1, log
+    assert "Error" in down.getMessage().split("(", 1)[1], log  # the cause's class
+    assert not [r for r in records if r.exc_info], log  # no traceback
+    loud = [r for r in records if r.levelno >= logging.WARNING and r.name.startswith("questpie")]
+    assert all(r.name == "questpie_celery.outages" for r in loud), log
+    assert said("refused the relay's send") and all(
+        r.levelno == logging.INFO for r in said("refused the relay's send")
+    ), log
 
 
 def test_unreachable_ledger_raises_quickly_and_sends_nothing(redis_server: RedisServer) -> None:
