@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from questpie_celery.ledger import Ledger, dispatch_table, open_ledger
+from tests.support.faultproxy import FaultProxy
 from tests.support.services import PgBouncerServer, PostgresServer, RabbitServer, RedisServer
 from tests.support.stack import Stack, build_stack
 
@@ -152,6 +153,15 @@ def sqlite_fs(
 ) -> Iterator[Stack]:
     """The embedded default: SQLite ledger file, filesystem broker, two prefork children."""
     made = new_stack(request, tmp_path_factory.mktemp("embedded"), "filesystem", ledger="sqlite")
+    yield made
+    made.close()
+
+
+@pytest.fixture
+def proxy(postgres: PostgresServer) -> Iterator[FaultProxy]:
+    """A TCP proxy in front of the suite's PostgreSQL that can lose replies or cut every
+    connection (tests/support/faultproxy.py)."""
+    made = FaultProxy(postgres.port)
     yield made
     made.close()
 

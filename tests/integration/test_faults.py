@@ -270,13 +270,6 @@ def test_delivery_meeting_an_unreachable_ledger_is_not_lost(
         stack.close()
 
 
-@pytest.fixture
-def proxy(postgres: PostgresServer) -> Iterator[FaultProxy]:
-    made = FaultProxy(postgres.port)
-    yield made
-    made.close()
-
-
 #: A worker's log line: `[time: LEVEL/Process] message`.
 LOG_LINE = re.compile(r"^\[[^\]]*: (?P<level>[A-Z]+)/(?P<process>[^\]]+)\] (?P<message>.*)$")
 DOWN = "the dispatch ledger cannot be reached ("

@@ -11,7 +11,7 @@ import itertools
 import logging
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -28,13 +28,13 @@ from questpie_celery.fence import shown_id
 from questpie_celery.ids import MAX_DISPATCH_ID_BYTES, unstorable_id
 from questpie_celery.ledger import dispatch_table, policy_table
 from questpie_celery.signals import publish_suppressed
-from tests.support import jobapp
+from tests.integration.conftest import StackFactory
+from tests.support import jobapp, routeapp
 from tests.support.brokers import capture, deliver, queue_depth
 from tests.support.stack import Stack, tag
 from tests.unit.helpers import wait_until
 
 BROKERS = ["redis", "rabbitmq"]
-StackFactory = Callable[..., Stack]
 
 
 def slot() -> str:
@@ -708,3 +708,34 @@ def test_policy_set_holds_plain_calls_made_right_after_it_returns(
     found = spans(stack, t)
     assert found
     assert_no_overlap(found)
+
+
+@pytest.mark.parametrize("broker", BROKERS)
+def test_a_parked_plain_delivery_goes_back_by_its_exchange_and_routing_key(
+    make_stack: StackFactory, broker: str
+) -> None:
+    """Topic routing as in Celery's routing guide: the routing key `task.default` names
+    no queue. A plain call of a singleton job parked behind a running one is sent again,
+    once the slot frees, through the exchange and key it came by. Before the fix the
+    routing key was stored as its queue, and it went to a queue nobody reads."""
+    stack = make_stack(broker, start_worker=False)
+    app, questpie = routeapp.build(
+        broker=stack.env["QP_TEST_BROKER"],
+        ledger=stack.env["QP_TEST_LEDGER"],
+        queue=stack.queue_name,
+    )
+    try:
+        stack.start_worker(app="tests.support.routeapp:celery_app")
+        task = app.tasks["policy.singleton"]
+        t1, t2 = tag(), tag()
+        gate = stack.gate()
+        first = task.delay({"tag": t1, "gate": str(gate)})
+        stack.wait_status(first.id, "active")
+        second = task.delay({"tag": t2})
+        stack.wait_status(second.id, "parked")
+        gate.open()
+        stack.wait_status(first.id, "completed")
+        stack.wait_status(second.id, "completed")
+        assert [r["dispatch_id"] for r in stack.runs(t2)] == [second.id]
+    finally:
+        questpie.close()

@@ -35,7 +35,11 @@ from questpie_celery.outcomes import Unrun
 from tests.integration.conftest import StackFactory
 from tests.support import jobapp
 from tests.support.brokers import capture, queue_depth
-from tests.support.services import ROOT, free_port
+from tests.support.faults import (
+    closed_broker,
+    idle_queue,
+)
+from tests.support.services import ROOT
 from tests.support.stack import Stack, tag
 
 BROKERS = ["redis", "rabbitmq"]
@@ -55,14 +59,6 @@ def set_row(stack: Stack, dispatch_id: str, **values: object) -> None:
 
 def make_due(stack: Stack, dispatch_id: str, **values: object) -> None:
     set_row(stack, dispatch_id, next_send_at=datetime.now(UTC) - timedelta(seconds=1), **values)
-
-
-def closed_broker(broker: str) -> str:
-    """A broker URL nothing listens on."""
-    port = free_port()
-    if broker == "redis":
-        return f"redis://127.0.0.1:{port}/0"
-    return f"amqp://guest:guest@127.0.0.1:{port}//"
 
 
 def offline_questpie(stack: Stack, broker: str) -> Questpie:
@@ -612,3 +608,41 @@ def test_a_delivery_that_ended_unrun_and_can_never_be_recorded_does_not_stop_the
     stack.questpie.run_relay(once=True)
     assert stack.row(dispatch_id).send_count == before + 1  # the pass went on and sent it
     stack.questpie.run_relay(once=True)  # and the next pass does not meet the report again
+
+
+@pytest.mark.parametrize("broker", BROKERS)
+def test_a_refused_relay_send_of_a_retry_is_tried_again_soon(
+    make_stack: StackFactory, broker: str
+) -> None:
+    """The relay sends a due `retry` row and the broker refuses: the row is due again in
+    seconds (2**send_count), not after redeliver_after (an hour), since the broker never
+    took this send. Before the fix every non-pending row waited the hour."""
+    stack = make_stack(broker, start_worker=False)
+    dispatch_id = stack.questpie.queue.record.publish(
+        {"tag": tag()}, idempotency_key=uuid.uuid4().hex, queue=idle_queue()
+    )
+    assert dispatch_id is not None
+    stack.wait_status(dispatch_id, "queued")
+    # Its first attempt failed and the retry's message was lost: due for the relay now.
+    with stack.ledger.engine.begin() as conn:
+        conn.execute(
+            update(dispatch_table)
+            .where(dispatch_table.c.id == dispatch_id)
+            .values(
+                status="retry",
+                attempt=1,
+                last_error="RuntimeError",
+                next_send_at=datetime.now(UTC) - timedelta(seconds=1),
+            )
+        )
+    _, offline = jobapp.build(
+        broker=closed_broker(broker), ledger=stack.env["QP_TEST_LEDGER"], queue=stack.queue_name
+    )
+    try:
+        assert offline.run_relay(once=True) == 0  # refused
+    finally:
+        offline.close()
+    row = stack.row(dispatch_id)
+    assert (row.status, row.send_count) == ("retry", 1)
+    assert row.next_send_at is not None
+    assert row.next_send_at - datetime.now(UTC) <= timedelta(seconds=10), "waits too long"

@@ -1,0 +1,135 @@
+"""Celery's soft time limit falling while the fence records an outcome, or while a
+delivery waits out a ledger outage: the handler never runs again, and a delivery goes
+back to the broker before the limit.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.integration.conftest import StackFactory
+from tests.support.brokers import capture, deliver
+from tests.support.faultproxy import FaultProxy
+from tests.support.faults import (
+    BROKERS,
+    SOFT_LIMIT,
+    SOFT_LIMITS,
+    idle_queue,
+    logged,
+    via_proxy,
+    wait_ended,
+    wait_logged,
+)
+from tests.support.services import PostgresServer
+from tests.support.stack import tag
+
+
+@pytest.mark.parametrize("broker", BROKERS)
+def test_a_soft_time_limit_while_recording_the_outcome_does_not_run_the_handler_again(
+    proxy: FaultProxy, make_stack: StackFactory, postgres: PostgresServer, broker: str
+) -> None:
+    """The handler returned; recording `completed` meets the ledger down, and the run's
+    soft time limit falls while the write waits. The write goes on and lands once the
+    ledger is back. Before the fix SoftTimeLimitExceeded escaped the wait, nobody
+    recorded the outcome, and the relay ran the handler a second time. (The limit may
+    fall anywhere in the wait: in a try, or in the pause between two tries.)"""
+    stack = via_proxy(make_stack, postgres, proxy, broker)
+    t = tag()
+    gate = stack.gate()
+    dispatch_id = stack.questpie.queue.record.publish(
+        {"tag": t, "gate": str(gate), "gate_attempts": 1},
+        idempotency_key=t,
+        expire_in_seconds=SOFT_LIMIT,
+        retry_limit=2,
+    )
+    assert dispatch_id is not None
+    stack.wait_status(dispatch_id, "active")
+    proxy.cut()
+    try:
+        gate.open()
+        assert len(stack.wait_ends(t, 1)) == 1  # the handler returned
+        # The worker's child met the soft limit: it says so, or Celery logs the failure.
+        wait_logged(
+            stack,
+            dispatch_id,
+            "soft time limit reached while recording",
+            "SoftTimeLimitExceeded",
+            timeout=SOFT_LIMIT + 20,
+        )
+    finally:
+        proxy.heal()
+    row = wait_ended(stack, dispatch_id, timeout=60)
+    assert (row.status, row.attempt) == ("completed", 1)
+    assert len(stack.runs(t)) == 1
+    assert len(stack.runs(t, "end")) == 1
+
+
+@pytest.mark.parametrize("broker", BROKERS)
+@pytest.mark.parametrize("soft_limit", SOFT_LIMITS)
+def test_a_plain_call_waiting_for_the_ledger_goes_back_before_its_soft_time_limit(
+    proxy: FaultProxy,
+    make_stack: StackFactory,
+    postgres: PostgresServer,
+    broker: str,
+    soft_limit: int,
+) -> None:
+    """A plain call of a singleton job, with a soft time limit shorter than the fence's
+    patience, meets the ledger down: it goes back to the broker before the limit falls,
+    and runs once the ledger is back. Before the fix SoftTimeLimitExceeded escaped the
+    wait with the message acknowledged: no row, no run, the call was lost."""
+    stack = via_proxy(make_stack, postgres, proxy, broker)
+    t = tag()
+    proxy.cut()
+    try:
+        sent = stack.celery_app.tasks["policy.singleton"].apply_async(
+            args=[{"tag": t}], soft_time_limit=soft_limit
+        )
+        wait_logged(
+            stack, sent.id, "went back to the broker", "Soft time limit", timeout=soft_limit + 20
+        )
+    finally:
+        proxy.heal()
+    assert not logged(stack, sent.id, "Soft time limit"), "the limit fell while it waited"
+    row = stack.wait_status(sent.id, "completed", timeout=30)
+    assert row.attempt == 1
+    assert [r["dispatch_id"] for r in stack.runs(t)] == [sent.id]
+
+
+@pytest.mark.parametrize("broker", BROKERS)
+@pytest.mark.parametrize("soft_limit", SOFT_LIMITS)
+def test_a_dispatch_waiting_to_claim_goes_back_before_its_soft_time_limit(
+    proxy: FaultProxy,
+    make_stack: StackFactory,
+    postgres: PostgresServer,
+    broker: str,
+    soft_limit: int,
+) -> None:
+    """A published dispatch whose expire_in_seconds (its soft time limit) is shorter than
+    the fence's patience is delivered while the ledger is down: it goes back to the
+    broker before the limit falls and runs once the ledger is back. Before the fix
+    SoftTimeLimitExceeded escaped the wait with the message acknowledged, and the row
+    waited for the relay's redeliver_after (an hour)."""
+    stack = via_proxy(make_stack, postgres, proxy, broker)
+    t, idle = tag(), idle_queue()
+    dispatch_id = stack.questpie.queue.record.publish(
+        {"tag": t}, idempotency_key=t, queue=idle, expire_in_seconds=soft_limit
+    )
+    assert dispatch_id is not None
+    stack.wait_status(dispatch_id, "queued")
+    message = capture(stack, idle)
+    proxy.cut()
+    try:
+        deliver(stack, message)
+        wait_logged(
+            stack,
+            dispatch_id,
+            "went back to the broker",
+            "Soft time limit",
+            timeout=soft_limit + 20,
+        )
+    finally:
+        proxy.heal()
+    assert not logged(stack, dispatch_id, "Soft time limit"), "the limit fell while it waited"
+    row = stack.wait_status(dispatch_id, "completed", timeout=30)
+    assert row.attempt == 1
+    assert [r["attempt"] for r in stack.runs(t)] == [1]
