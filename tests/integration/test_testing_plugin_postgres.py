@@ -1,4 +1,4 @@
-"""`questpie_celery.testing` with `questpie_postgres_url`: the README's example project run
+"""`questpie_celery.testing` with `questpie_postgres_url`: the documented example project run
 with each test's ledger a fresh database on a real PostgreSQL server, dropped after."""
 
 from __future__ import annotations

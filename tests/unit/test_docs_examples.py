@@ -1,4 +1,4 @@
-"""The handler-context examples of README.md and docs/context.md, run as written.
+"""The handler-context example of docs/context.md, run as written.
 
 A ```python block whose first line is a comment naming a file (`# proj/celery.py`) is
 written to that path in a fresh folder; the `tests/` files among them are then run by
@@ -31,7 +31,7 @@ def example_files(document: str, heading: str | None) -> dict[str, str]:
 
 @pytest.mark.parametrize(
     ("document", "heading"),
-    [("README.md", "The handler's context"), ("docs/context.md", None)],
+    [("docs/context.md", None)],
 )
 def test_the_example_runs_as_written(document: str, heading: str | None, tmp_path: Path) -> None:
     files = example_files(document, heading)

@@ -265,19 +265,21 @@ def test_naming_the_fixtures_module_enables_it_too(pytester: pytest.Pytester) ->
     result.stdout.fnmatch_lines(["*does not know the project's Questpie*questpie_app*"])
 
 
-def _readme_blocks() -> list[str]:
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("## Testing your project", 1)[1].split("\n## ", 1)[0]
+def _documented_blocks() -> list[str]:
+    testing = (ROOT / "docs" / "testing.md").read_text()
+    section = testing.split("## Testing your project", 1)[1].split("\n## ", 1)[0]
     return re.findall(r"```\w*\n(.*?)```", section, flags=re.DOTALL)
 
 
-def test_the_readme_example_is_the_example_project_and_passes(pytester: pytest.Pytester) -> None:
+def test_the_documented_example_is_the_example_project_and_passes(
+    pytester: pytest.Pytester,
+) -> None:
     files = {}
-    for block in _readme_blocks():
+    for block in _documented_blocks():
         first = block.splitlines()[0]
         if first.startswith("# ") and (EXAMPLE / first[2:].split(":")[0]).exists():
             name = first[2:].split(":")[0]
-            assert block == (EXAMPLE / name).read_text(), f"README's {name} differs"
+            assert block == (EXAMPLE / name).read_text(), f"docs/testing.md's {name} differs"
             files[name] = block
     assert set(files) == {"pytest.ini", "signup.py", "test_signup.py"}
     for name, text in files.items():
