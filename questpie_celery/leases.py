@@ -91,7 +91,9 @@ class Lease:
     deadline: float  # monotonic time after which the claim is no longer renewed
     lost: bool = False
     ends_process: bool = False  # past the deadline, the run's process ends itself
-    failing: bool = False  # its renewals fail (said once, until one succeeds)
+    #: The kind of failure its renewals meet, said once until one succeeds (another
+    #: kind is said again: an outage's word must not silence a bug's).
+    failing: type[Exception] | None = None
 
     def still_held(self) -> bool:
         """Whether the claim is still this run's: renewed, and within its time cap."""
@@ -178,7 +180,7 @@ class LeaseKeeper:
                 self._ledger.outage.failed(exc)
             log.log(
                 logging.DEBUG
-                if lease.failing
+                if lease.failing is type(exc)
                 else logging.INFO
                 if unreachable
                 else logging.WARNING,
@@ -188,10 +190,10 @@ class LeaseKeeper:
                 RENEW_RETRY_SECONDS,
                 extra={"dispatch_id": lease.dispatch_id},
             )
-            lease.failing = True
+            lease.failing = type(exc)
             return False
         self._ledger.outage.reached()
-        lease.failing = False
+        lease.failing = None
         if renewed:
             return True
         with self._lock:

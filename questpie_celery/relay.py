@@ -245,7 +245,9 @@ class Relay:
             done.set()
 
     def _loop(self, stop: threading.Event, wake: threading.Event) -> None:
-        failing = False
+        # The kinds of failure told since the last pass that succeeded: each is told once,
+        # so one (a ledger error) never silences another (a bug) that repeats every pass.
+        told: set[type[Exception]] = set()
         reachable_since: float | None = None  # since when every pass reached the ledger
         sampling, last_sample = True, float("-inf")
         while not stop.is_set():
@@ -262,9 +264,9 @@ class Relay:
                     reachable_since = started
                 if self._stalled_at is not None:  # the grace starts again, from its end
                     reachable_since, self._stalled_at = self._stalled_at, None
-                if failing:
+                if told:
                     log.warning("relay passes succeed again")
-                failing = False
+                told.clear()
                 # After a schema error, only every few minutes: until `migrate` runs.
                 wait = BACKLOG_SAMPLE_SECONDS if sampling else BACKLOG_RETRY_SECONDS
                 if started - last_sample >= wait:
@@ -279,20 +281,20 @@ class Relay:
                 log.debug("relay pass failed (%s); retrying every %.0fs", exc, self.interval)
             except QuestpieError as exc:
                 reachable_since = None
-                if not failing:
+                if type(exc) not in told:
                     log.warning(
                         "relay pass failed (%s); retrying every %.0fs. Dispatches waiting "
                         "on the relay move on once it succeeds",
                         exc,
                         self.interval,
                     )
-                failing = True
-            except Exception:
+                told.add(type(exc))
+            except Exception as exc:
                 # Never let one bad pass end recovery for the life of the worker; one
                 # traceback until a pass succeeds, not one a pass.
-                if not failing:
+                if type(exc) not in told:
                     log.exception("relay pass failed unexpectedly; trying again")
-                failing = True
+                told.add(type(exc))
             self._ledger.idle()  # a pass is a unit of work: Django's connection rules apply
             if more_due:
                 continue  # a backlog: the next pass follows at once

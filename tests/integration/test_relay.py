@@ -30,7 +30,7 @@ from sqlalchemy import Engine, text, update
 from questpie_celery import BrokerError, Questpie
 from questpie_celery.broker import Sender
 from questpie_celery.ledger import dispatch_table
-from questpie_celery.outbox import MAX_RELAY_SENDS, REFUSED_SEND_RETRY_SECONDS
+from questpie_celery.outbox import MAX_RELAY_SENDS, REFUSED_SEND_RETRY_SECONDS, Outbox
 from questpie_celery.outcomes import Unrun
 from tests.integration.conftest import StackFactory
 from tests.support import jobapp
@@ -41,6 +41,7 @@ from tests.support.faults import (
 )
 from tests.support.services import ROOT
 from tests.support.stack import Stack, tag
+from tests.unit.helpers import wait_until
 
 BROKERS = ["redis", "rabbitmq"]
 SECRET = "r" * 40
@@ -646,3 +647,46 @@ def test_a_refused_relay_send_of_a_retry_is_tried_again_soon(
     assert (row.status, row.send_count) == ("retry", 1)
     assert row.next_send_at is not None
     assert row.next_send_at - datetime.now(UTC) <= timedelta(seconds=10), "waits too long"
+
+
+def test_a_pass_failing_on_a_bug_after_a_ledger_error_still_logs_its_traceback(
+    make_stack: StackFactory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A pass that fails on a ledger error (its table locked past the lock timeout, by a
+    migration say) is said once; passes that then fail on something else (a bug) log its
+    traceback all the same, or it would repeat unseen on every pass for the life of the
+    worker, and nothing due would ever be sent."""
+    stack = relay_stack(make_stack, "redis", QP_TEST_RELAY="0.2")
+    bugs: list[int] = []
+
+    def relay_batch(self: Outbox, limit: int) -> Any:
+        bugs.append(limit)
+        raise TypeError("a bug in the relay's sends")
+
+    # Reached only once the lock is gone: every pass before stops on the lock.
+    monkeypatch.setattr(Outbox, "relay_batch", relay_batch)
+    stop = threading.Event()
+    relay = threading.Thread(target=lambda: stack.questpie.run_relay(stop=stop), daemon=True)
+    try:
+        with caplog.at_level(logging.WARNING, logger="questpie_celery.relay"):
+            with stack.ledger.engine.connect() as conn:
+                # The ledger's engine autocommits; the lock needs a transaction of its own.
+                locker = conn.execution_options(isolation_level="READ COMMITTED")
+                locker.begin()
+                locker.execute(text("LOCK TABLE questpie_queue_dispatch IN ACCESS EXCLUSIVE MODE"))
+                relay.start()
+                wait_until(
+                    lambda: [r for r in caplog.records if "relay pass failed (" in r.getMessage()],
+                    "a pass failing on the held lock",
+                )
+                locker.rollback()
+            wait_until(lambda: len(bugs) >= 2, "two passes meeting the bug")
+    finally:
+        stop.set()
+        if relay.ident is not None:
+            relay.join(10)
+    said = [r.getMessage() for r in caplog.records]
+    tracebacks = [r for r in caplog.records if "relay pass failed unexpectedly" in r.getMessage()]
+    assert len(tracebacks) == 1, said  # once, not once a pass
+    assert tracebacks[0].exc_info is not None
+    assert "a bug in the relay's sends" in caplog.text

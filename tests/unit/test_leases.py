@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from questpie_celery import leases, relay
+from questpie_celery.errors import LedgerUnavailableError
 from questpie_celery.leases import LeaseKeeper
 from questpie_celery.ledger import Ledger, open_ledger
 from tests.unit.helpers import IdleApp, new_dispatch, sqlite_url, wait_until
@@ -94,6 +95,51 @@ def test_a_renewal_that_raises_does_not_stop_renewing(
         for record in caplog.records
         if record.name == "questpie_celery.leases"
     ), "the failed renewal was not logged"
+
+
+class FailingFirst:
+    """`Ledger.renew` that raises each of `errors` in turn on its first calls, then renews."""
+
+    def __init__(self, ledger: Ledger, *errors: BaseException) -> None:
+        self._renew = ledger.renew
+        self._errors = list(errors)
+        self.calls = 0
+
+    def __call__(self, dispatch_id: str, token: str, lease_seconds: float) -> bool:
+        self.calls += 1
+        if self._errors:
+            raise self._errors.pop(0)
+        return self._renew(dispatch_id, token, lease_seconds)
+
+
+def test_a_renewal_failing_otherwise_after_an_outage_is_a_warning(
+    ledger: Ledger, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The outage's own line tells of an unreachable ledger, so the claim's word of it is
+    # INFO; a renewal that then fails for another reason (a bug, a held row) is news that
+    # no other line tells, and the claim may lapse on it.
+    dispatch_id, token = _claimed(ledger)
+    failing = FailingFirst(
+        ledger, LedgerUnavailableError("the ledger is down"), RuntimeError("a bug")
+    )
+    monkeypatch.setattr(ledger, "renew", failing)
+    keeper = LeaseKeeper(ledger, lease_seconds=LEASE)
+    with (
+        caplog.at_level(logging.DEBUG, logger="questpie_celery.leases"),
+        keeper.hold(dispatch_id, token, 60),
+    ):
+        wait_until(lambda: failing.calls >= 3, "a renewal after both errors")
+    said = [
+        (record.levelno, record.getMessage())
+        for record in caplog.records
+        if record.name == "questpie_celery.leases" and dispatch_id in record.getMessage()
+    ]
+    assert [level for level, message in said if "LedgerUnavailableError" in message] == [
+        logging.INFO
+    ], said
+    assert [level for level, message in said if "RuntimeError" in message] == [logging.WARNING], (
+        said
+    )
 
 
 def test_a_dead_renewer_is_restarted_by_the_next_hold(
