@@ -3,7 +3,6 @@ delivery whose row a database crash lost. Real PostgreSQL, Redis and workers."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from questpie_celery.options import FIRE_KEY_PREFIX, DispatchOptions, RunOptions
 from tests.support import jobapp
 from tests.support.brokers import capture, deliver
 from tests.support.stack import Stack, tag
+from tests.unit.helpers import wait_until
 
 StackFactory = Callable[..., Stack]
 RELAXED = {"QP_TEST_DURABILITY": "relaxed"}
@@ -156,8 +156,13 @@ def test_a_stale_copy_of_a_pruned_dispatch_is_not_taken_back(make_stack: StackFa
     deliver(stack, message)  # the copy that runs
     stack.worker.start()
     stack.wait_status(dispatch_id, "completed")
-    time.sleep(4.5)
-    assert stack.ledger.prune_schedule_history(key_prefix=FIRE_KEY_PREFIX, older_than=4, limit=10)
+    # Pruned once it is 4 s old: its message, published before, is older still.
+    wait_until(
+        lambda: stack.ledger.prune_schedule_history(
+            key_prefix=FIRE_KEY_PREFIX, older_than=4, limit=10
+        ),
+        "the fire's row old enough to prune",
+    )
     deliver(stack, message)  # a stale duplicate: a redelivery, a copy the relay sent
     stack.wait_log(dispatch_id, "older than rows the ledger has pruned")
     assert len(stack.runs(t)) == 1

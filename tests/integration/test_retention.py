@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from celery import Celery
+from celery.signals import before_task_publish
 from click.testing import CliRunner
 from sqlalchemy import create_engine, delete, insert, inspect, select, text, update
 from sqlalchemy.orm import Session
@@ -427,8 +428,21 @@ def test_a_worker_prunes_and_a_pruned_key_never_runs_again(
     second = stack.start_worker()
     assert second is not None
     wait_until(lambda: _row(stack.ledger, dispatch_id).pruned, "a relay to prune it", 30)
-    assert stack.questpie.queue.record.publish({"tag": t}, idempotency_key=key) == dispatch_id
-    time.sleep(2)  # time enough for a run that must not come
+    sent: list[object] = []
+
+    def on_publish(sender: object = None, headers: dict[str, Any] | None = None, **_: Any) -> None:
+        sent.append((headers or {}).get("id"))
+
+    before_task_publish.connect(on_publish, weak=False)
+    try:
+        again = stack.questpie.queue.record.publish({"tag": t}, idempotency_key=key)
+        fresh = stack.questpie.queue.record.publish({"tag": f"{t}-fresh"}, idempotency_key=t)
+    finally:
+        before_task_publish.disconnect(on_publish)
+    assert again == dispatch_id
+    # Answered from the ledger: no message (the fresh key's shows one would be seen), so
+    # no second run can come.
+    assert sent == [fresh]
     assert len(stack.runs(t)) == 1
     assert _row(stack.ledger, dispatch_id).status == "completed"
 
@@ -486,8 +500,11 @@ def test_a_relaxed_fence_takes_back_no_stale_copy_of_a_row_retention_deleted(
     deliver(stack, message)  # the copy that runs
     stack.worker.start()
     stack.wait_status(dispatch_id, "completed")
-    time.sleep(4.5)
-    assert _prune(stack.ledger, older_than=4, redeliver_after=4) == (1, 0)
+    # Pruned once it is 4 s old: its message, published before, is older still.
+    wait_until(
+        lambda: _prune(stack.ledger, older_than=4, redeliver_after=4) == (1, 0),
+        "the row old enough to prune",
+    )
     deliver(stack, message)  # a stale duplicate: a redelivery, a copy the relay sent
     stack.wait_log(dispatch_id, "older than rows the ledger has pruned")
     assert len(stack.runs(t)) == 1
