@@ -184,7 +184,7 @@ class LeaseKeeper:
                 else logging.INFO
                 if unreachable
                 else logging.WARNING,
-                "could not renew the claim of dispatch %s: %s; trying again every %.0fs",
+                "could not renew the claim of dispatch %s: %s; trying again every %gs",
                 lease.dispatch_id,
                 type(exc).__name__,
                 RENEW_RETRY_SECONDS,

@@ -278,12 +278,12 @@ class Relay:
                 # The ledger's outage line tells the log (once, then each minute).
                 reachable_since = None
                 self._ledger.outage.failed(exc)
-                log.debug("relay pass failed (%s); retrying every %.0fs", exc, self.interval)
+                log.debug("relay pass failed (%s); retrying every %gs", exc, self.interval)
             except QuestpieError as exc:
                 reachable_since = None
                 if type(exc) not in told:
                     log.warning(
-                        "relay pass failed (%s); retrying every %.0fs. Dispatches waiting "
+                        "relay pass failed (%s); retrying every %gs. Dispatches waiting "
                         "on the relay move on once it succeeds",
                         exc,
                         self.interval,
