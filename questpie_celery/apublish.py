@@ -181,7 +181,7 @@ class AsyncPublisher:
             )
             await asyncio.sleep(0)
         policy = await self._policy(definition, options, span)
-        plan = planner.plan(definition.name, bodies, options, policy, keyring, self._outbox)
+        plan = planner.Plan(definition.name, bodies, options, policy, keyring, self._outbox)
         ids: list[str | None] = []
         for chunk in plan.chunks(FLUSH_SIZE):
             settled, unknown = await self._insert(chunk)
@@ -224,7 +224,7 @@ class AsyncPublisher:
         keyring = self._publisher.keyring_for(options)
         body, wanted.payload = definition.to_json(wanted.payload), None
         policy = await self._policy(definition, [options], wanted.span)
-        return planner.plan(
+        return planner.Plan(
             definition.name, [body], [options], policy, keyring, self._outbox
         ).route(0)
 
@@ -251,7 +251,7 @@ class AsyncPublisher:
     async def flush(self, group: _Group) -> None:
         """Insert a group's rows in one statement and decide each; the sends (and the
         answers, which follow them) go on in a task of their own."""
-        chunk = Chunk(group.first)
+        chunk = Chunk()
         for _, route in group.items:
             chunk.add(route)
         try:

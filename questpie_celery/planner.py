@@ -49,6 +49,10 @@ def validate(
     return bodies
 
 
+#: The first send of a route or a chunk that has no row (immutable, so shared).
+_NO_ROW = FirstSend(False)
+
+
 @dataclass
 class Route:
     """Where one dispatch goes: a plain message under `dispatch_id` (no `new`), or the
@@ -56,7 +60,7 @@ class Route:
 
     dispatch_id: str
     new: NewDispatch | None = None
-    first: FirstSend = field(default_factory=lambda: FirstSend(False))
+    first: FirstSend = _NO_ROW
     #: A plain message's body and options, kept for a sender that sends it later.
     plain: tuple[dict[str, Any], DispatchOptions] | None = None
 
@@ -78,16 +82,17 @@ class Settled:
 @dataclass
 class Chunk:
     """Items of a publish inserted in one statement: ids in order (None once
-    suppressed), the rows to insert by item index, and the items sent as plain
-    messages."""
+    suppressed), the rows to insert by item index (first sent as `first` says: the rows
+    of one statement share it), and the items sent as plain messages."""
 
-    first: FirstSend
     ids: list[str | None] = field(default_factory=list)
     news: dict[int, NewDispatch] = field(default_factory=dict)
     plain: list[tuple[str, dict[str, Any], DispatchOptions]] = field(default_factory=list)
+    first: FirstSend = _NO_ROW
 
     def add(self, route: Route) -> None:
         if route.new is not None:
+            self.first = route.first
             self.news[len(self.ids)] = route.new
         else:
             assert route.plain is not None
@@ -112,6 +117,8 @@ class Chunk:
         earlier in the chunk, or a taken policy slot, which a known key still answers
         with its id: a known key is answered before any policy). `known` is None when
         the contested rows could not be read back: those items stay undecided."""
+        if not self.news:
+            return Settled([], False, [], [])  # plain messages only
         inserted_rows: dict[str, NewDispatch] = {}  # by id: a key twice is sent once
         suppressed: list[NewDispatch] = []
         undecided: list[int] = []
@@ -133,21 +140,60 @@ class Chunk:
         )
 
 
-@dataclass
 class Plan:
     """One publish call's items (of one job, sharing every option but their keys),
     routed and built into rows."""
 
-    job_name: str
-    bodies: Sequence[dict[str, Any]]
-    options: Sequence[DispatchOptions]
-    policy: QueuePolicy
-    keyring: Keyring | None
-    first: FirstSend
-    #: An unkeyed item needs no ledger row: a plain message.
-    plain_ok: bool
-    #: One copy of the options the rows have in common.
-    stored: StoredOptions
+    def __init__(
+        self,
+        job_name: str,
+        bodies: Sequence[dict[str, Any]],
+        options: Sequence[DispatchOptions],
+        policy: QueuePolicy,
+        keyring: Keyring | None,
+        outbox: Outbox,
+        *,
+        in_transaction: bool = False,
+        commit_hook: bool = True,
+    ) -> None:
+        """`in_transaction`: written in a caller's transaction, which has an after-commit
+        hook unless it is a bare Connection."""
+        self.job_name = job_name
+        self.bodies = bodies
+        self.options = options
+        self.policy = policy
+        self.keyring = keyring
+        self._outbox = outbox
+        self._commit_hook = commit_hook
+        self._now = datetime.now(UTC)
+        shared = options[0]  # the items differ in their keys only
+        #: An unkeyed item needs no ledger row: a plain message.
+        self.plain_ok = (
+            not in_transaction
+            and not policy.ledgered
+            and not shared.secret_payload
+            and not outbox.is_far_off(shared.start_after, self._now)
+        )
+        # What the rows share, made with the first row: a plain message needs neither.
+        self._first: FirstSend | None = None
+        self._stored: StoredOptions | None = None
+
+    @property
+    def first(self) -> FirstSend:
+        """When the rows are first sent, and by whom."""
+        if self._first is None:
+            start_after = self.options[0].start_after
+            self._first = self._outbox.first_send(
+                start_after, self._now, after_commit_hook=self._commit_hook
+            )
+        return self._first
+
+    @property
+    def stored(self) -> StoredOptions:
+        """One copy of the options the rows have in common."""
+        if self._stored is None:
+            self._stored = self.options[0].stored()
+        return self._stored
 
     def route(self, index: int) -> Route:
         """Where item `index` goes: a plain message, or a ledger row first."""
@@ -163,42 +209,10 @@ class Plan:
     def chunks(self, size: int) -> Iterator[Chunk]:
         """The items `size` at a time, in order."""
         for start in range(0, len(self.bodies), size):
-            chunk = Chunk(self.first)
+            chunk = Chunk()
             for index in range(start, min(start + size, len(self.bodies))):
                 chunk.add(self.route(index))
             yield chunk
-
-
-def plan(
-    job_name: str,
-    bodies: Sequence[dict[str, Any]],
-    options: Sequence[DispatchOptions],
-    policy: QueuePolicy,
-    keyring: Keyring | None,
-    outbox: Outbox,
-    *,
-    in_transaction: bool = False,
-    commit_hook: bool = True,
-) -> Plan:
-    """The plan of validated items (`in_transaction`: written in a caller's transaction,
-    which has an after-commit hook unless it is a bare Connection)."""
-    shared = options[0]  # the items differ in their keys only
-    now = datetime.now(UTC)
-    return Plan(
-        job_name,
-        bodies,
-        options,
-        policy,
-        keyring,
-        first=outbox.first_send(shared.start_after, now, after_commit_hook=commit_hook),
-        plain_ok=(
-            not in_transaction
-            and not policy.ledgered
-            and not shared.secret_payload
-            and not outbox.is_far_off(shared.start_after, now)
-        ),
-        stored=shared.stored(),
-    )
 
 
 def new_dispatch(

@@ -220,7 +220,7 @@ class Publisher:
         chunk at a time: one insert and one pipelined send per chunk (`many`), or one
         dispatch on its own statements and its own send."""
         policy = self.policy(definition, options, span)
-        plan = planner.plan(
+        plan = planner.Plan(
             definition.name,
             bodies,
             options,

@@ -29,9 +29,9 @@ def _row(
 
 
 def _chunk(*rows: NewDispatch, first: FirstSend | None = None) -> Chunk:
-    chunk = Chunk(first or FirstSend(True))
+    chunk = Chunk()
     for row in rows:
-        chunk.add(Route(row.id, row))
+        chunk.add(Route(row.id, row, first or FirstSend(True)))
     return chunk
 
 
