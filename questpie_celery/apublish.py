@@ -1,9 +1,10 @@
 """Publishing from an event loop: `apublish`, `apublish_many`.
 
-The same decisions as `publish.py`, in the same order, from the same code; only
-the waiting differs. The ledger is awaited (`ledger.aio`), and the broker send,
-which kombu only does synchronously, runs on a few threads of our own. So the
-loop never waits on the broker or the database, only on its own Python.
+The same decisions as `publish.py`, in the same order, from the same code (the
+planner's, `planner.py`); only the waiting differs. The ledger is awaited
+(`ledger.aio`), and the broker send, which kombu only does synchronously, runs on
+a few threads of our own. So the loop never waits on the broker or the database,
+only on its own Python.
 
 In a caller's `AsyncSession` or `AsyncConnection`, the sync publish runs through
 SQLAlchemy's `run_sync`: its statements go over the caller's async connection,
@@ -30,7 +31,7 @@ from sqlalchemy.orm import Session
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
-from . import telemetry
+from . import planner, telemetry
 from .broker import Sender
 from .errors import PublishOptionsError, QuestpieError
 from .jobs import JobDefinition
@@ -38,8 +39,9 @@ from .ledger import NewDispatch
 from .ledger.aio import AsyncLedger
 from .options import DispatchOptions, resolve_options
 from .outbox import FirstSend, Outbox
+from .planner import Chunk, Route, Settled
 from .policies import QueuePolicy
-from .publish import ASYNC_SEND, Chunk, Publisher, Route
+from .publish import ASYNC_SEND, Publisher, report_suppressed
 from .send_threads import SendThreads
 
 log = logging.getLogger(__name__)
@@ -75,11 +77,11 @@ class _Group:
 
     key: tuple[Any, ...]
     first: FirstSend
-    items: list[tuple[_Wanted, NewDispatch]] = field(default_factory=list)
+    items: list[tuple[_Wanted, Route]] = field(default_factory=list)
 
 
 class AsyncPublisher:
-    """`Publisher`'s decisions, awaited.
+    """The planner's decisions, awaited.
 
     Concurrent `apublish` calls of one event loop are gathered: each call only queues
     its request and waits, and one batcher per loop validates them a few at a time
@@ -174,27 +176,36 @@ class AsyncPublisher:
         bodies: list[dict[str, Any]] = []
         for start in range(0, len(payloads), SLICE):
             # Validated a slice at a time, letting the loop run between slices.
-            bodies += publisher.validate_many(
-                definition, payloads[start : start + SLICE], options, first_index=start
-            )[1]
+            bodies += planner.validate(
+                definition, payloads[start : start + SLICE], first_index=start
+            )
             await asyncio.sleep(0)
         policy = await self._policy(definition, options, span)
+        plan = planner.Plan(definition.name, bodies, options, policy, keyring, self._outbox)
         ids: list[str | None] = []
-        chunks = publisher.chunks(
-            definition.name, bodies, options, policy, keyring, None, size=FLUSH_SIZE
-        )
-        for chunk in chunks:
-            inserted = await self._ledger.insert_many(chunk.rows)
-            contested = chunk.contested(inserted)
-            known = await self._ledger.existing(contested) if contested else set()
-            to_send = publisher.settle(chunk, inserted, known)
-            if chunk.first.publisher_sends and to_send:
-                await self._send_rows(list(to_send.values()))
+        for chunk in plan.chunks(FLUSH_SIZE):
+            settled, unknown = await self._insert(chunk)
+            if unknown is not None:
+                raise unknown
+            report_suppressed(settled.suppressed)
+            await self._send_rows(settled.send)
             for plain in _slices(chunk.plain, SEND_SLICE):
                 await self._sends.run(publisher.send_plain, definition.name, plain)
             ids += chunk.ids
             await asyncio.sleep(0)
         return ids
+
+    async def _insert(self, chunk: Chunk) -> tuple[Settled, Exception | None]:
+        """Insert a chunk's rows in one statement and settle each item. Whether a
+        contested row's key exists is read back; an error there leaves only those items
+        undecided, and is returned with what was settled."""
+        inserted = await self._ledger.insert_many(chunk.rows)
+        contested = chunk.contested(inserted)
+        try:
+            known = await self._ledger.existing(contested) if contested else set()
+        except Exception as exc:
+            return chunk.settle(inserted, None), exc
+        return chunk.settle(inserted, known), None
 
     async def _send_rows(
         self, rows: list[NewDispatch], traces: dict[str, dict[str, str]] | None = None
@@ -213,10 +224,9 @@ class AsyncPublisher:
         keyring = self._publisher.keyring_for(options)
         body, wanted.payload = definition.to_json(wanted.payload), None
         policy = await self._policy(definition, [options], wanted.span)
-        route = self._publisher.route(definition.name, body, options, policy, keyring, None)
-        if route.new is None:
-            route.plain = (body, options)
-        return route
+        return planner.Plan(
+            definition.name, [body], [options], policy, keyring, self._outbox
+        ).route(0)
 
     async def send_plain(self, wanted: _Wanted, route: Route) -> None:
         """An unledgered dispatch, sent alone: a refusal is this call's error only."""
@@ -241,45 +251,33 @@ class AsyncPublisher:
     async def flush(self, group: _Group) -> None:
         """Insert a group's rows in one statement and decide each; the sends (and the
         answers, which follow them) go on in a task of their own."""
-        chunk = Chunk(group.first)
-        for index, (_, new) in enumerate(group.items):
-            chunk.news[index] = new
-            chunk.ids.append(new.id)
+        chunk = Chunk()
+        for _, route in group.items:
+            chunk.add(route)
         try:
-            inserted = await self._ledger.insert_many(chunk.rows)
+            settled, unknown = await self._insert(chunk)
         except BaseException as exc:  # nothing of the group was written (or it is unknown)
             for wanted, _ in group.items:
                 _fail(wanted, exc)
             if isinstance(exc, Exception):
                 return
             raise
-        contested = chunk.contested(inserted)
-        failed: dict[int, BaseException] = {}
-        known: set[str] = set()
-        if contested:
-            try:
-                known = await self._ledger.existing(contested)
-            except Exception as exc:
-                # Only the items that needed the answer fail: the others are decided.
-                for index, new in list(chunk.news.items()):
-                    if new.id in contested:
-                        failed[index] = exc
-                        del chunk.news[index]
-        to_send = self._publisher.settle(chunk, inserted, known)
+        report_suppressed(settled.suppressed)
+        # Only the items that needed the read-back fail: the others are decided.
+        undecided = set(settled.undecided)
         answers = [
-            (wanted, failed.get(index, chunk.ids[index]))
+            (wanted, unknown if index in undecided else chunk.ids[index])
             for index, (wanted, _) in enumerate(group.items)
         ]
-        send = list(to_send.values()) if group.first.publisher_sends else []
         # Every row's own, empty or not: the batcher's context is not its caller's.
-        traces = {new.id: wanted.trace for wanted, new in group.items}
-        spawn(self._send_then_answer(send, traces, answers))
+        traces = {route.dispatch_id: wanted.trace for wanted, route in group.items}
+        spawn(self._send_then_answer(settled.send, traces, answers))
 
     async def _send_then_answer(
         self,
         rows: list[NewDispatch],
         traces: dict[str, dict[str, str]],
-        answers: list[tuple[_Wanted, str | BaseException | None]],
+        answers: Sequence[tuple[_Wanted, str | BaseException | None]],
     ) -> None:
         try:
             await self._send_rows(rows, traces)
@@ -429,7 +427,7 @@ class _Batcher:
         # Only the last group may take it: joining an earlier one would jump the queue.
         if not groups or groups[-1].key != key:
             groups.append(_Group(key, route.first))
-        groups[-1].items.append((wanted, new))
+        groups[-1].items.append((wanted, route))
         return True
 
 

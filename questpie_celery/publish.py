@@ -1,9 +1,8 @@
-"""Publishing one validated dispatch: a ledger row (when needed), then the outbox.
+"""Publishing on the sync ledger: a plan's rows inserted, then the outbox.
 
-An unkeyed dispatch of a `standard` job, outside a transaction, not secret and
-not delayed beyond the ETA horizon, is a plain Celery message under a fresh
-UUID, with no ledger row. Everything else is written to the ledger first, so a
-failure after that point leaves a row that a retry or the relay can finish.
+The decisions are the planner's (`planner.py`); this executes them: the statements
+on the ledger (in the caller's transaction when there is one) and the sends. A
+failure after the insert leaves a row that a retry or the relay can finish.
 """
 
 from __future__ import annotations
@@ -11,18 +10,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
-from . import telemetry
+from . import planner, telemetry
 from .broker import MessageHeader, Sender
 from .crypto import Keyring
-from .errors import BrokerError, PayloadValidationError
-from .ids import derive_dispatch_id, random_dispatch_id
+from .errors import BrokerError
 from .jobs import JobDefinition
 from .ledger import (
     Ledger,
@@ -30,8 +27,8 @@ from .ledger import (
     caller_connection,
     send_after_commit,
 )
-from .options import DispatchOptions, StoredOptions
-from .outbox import FirstSend, Outbox
+from .options import DispatchOptions
+from .outbox import Outbox
 from .policies import QueuePolicy
 from .recorded_policy import PolicyBook
 from .signals import publish_suppressed
@@ -53,41 +50,6 @@ class CallerTransaction:
 
     connection: Connection
     after_commit: Callable[[Sequence[str]], None] | None
-
-
-@dataclass
-class Route:
-    """Where one dispatch goes: a plain message under `dispatch_id` (no `new`), or the
-    ledger row `new`, first sent as `first` says."""
-
-    dispatch_id: str
-    new: NewDispatch | None = None
-    first: FirstSend = field(default_factory=lambda: FirstSend(False))
-    #: A plain message's body and options, kept for a sender that sends it later.
-    plain: tuple[dict[str, Any], DispatchOptions] | None = None
-
-
-@dataclass
-class Chunk:
-    """Up to `BATCH_SIZE` items of a bulk publish: ids in order (None once suppressed),
-    the rows to insert by item index, and the items sent as plain messages."""
-
-    first: FirstSend
-    ids: list[str | None] = field(default_factory=list)
-    news: dict[int, NewDispatch] = field(default_factory=dict)
-    plain: list[tuple[str, dict[str, Any], DispatchOptions]] = field(default_factory=list)
-
-    @property
-    def rows(self) -> list[NewDispatch]:
-        return list(self.news.values())
-
-    def contested(self, inserted: set[str]) -> list[str]:
-        """Keyed rows under a policy that were not inserted: repeats or suppressions."""
-        return [
-            new.id
-            for new in self.news.values()
-            if new.id not in inserted and Publisher.needs_existence_check(new)
-        ]
 
 
 class Publisher:
@@ -150,48 +112,17 @@ class Publisher:
     ) -> list[str | None]:
         if not options:
             return []
-        keyring, bodies = self.validate_many(definition, payloads, options)
+        keyring = self.keyring_for(options[0])
+        bodies = planner.validate(definition, payloads)
         with self._caller(session, connection) as caller:
             if self._sender.eager:
                 # Eager mode runs each dispatch as it is published, so a later item can
                 # see an earlier one finished (its policy slot free again): one by one.
                 return [
-                    self._publish_in(definition, body, item, keyring, caller, span)
+                    self._publish_in(definition, [body], [item], keyring, caller, span)[0]
                     for body, item in zip(bodies, options, strict=True)
                 ]
-            policy = self.policy(definition, options, span)
-            ids: list[str | None] = []
-            for chunk in self.chunks(definition.name, bodies, options, policy, keyring, caller):
-                conn = caller.connection if caller is not None else None
-                inserted = self._ledger.insert_many(chunk.rows, conn)
-                contested = chunk.contested(inserted)
-                known = self._ledger.existing(contested, conn) if contested else set()
-                to_send = self.settle(chunk, inserted, known)
-                if to_send:
-                    self._hand_over(chunk.first, caller, list(to_send.values()))
-                if chunk.plain:
-                    self.send_plain(definition.name, chunk.plain)
-                ids += chunk.ids
-            return ids
-
-    def validate_many(
-        self,
-        definition: JobDefinition[Any],
-        payloads: Sequence[Any],
-        options: Sequence[DispatchOptions],
-        *,
-        first_index: int = 0,
-    ) -> tuple[Keyring | None, list[dict[str, Any]]]:
-        """The keyring a secret batch seals with, and every payload's JSON; a bad one is
-        named by its index (counted from `first_index` when validating a slice)."""
-        keyring = self.keyring_for(options[0])
-        bodies: list[dict[str, Any]] = []
-        for index, payload in enumerate(payloads, start=first_index):
-            try:
-                bodies.append(definition.to_json(payload))
-            except PayloadValidationError as exc:
-                raise PayloadValidationError(f"item {index}: {exc}") from None
-        return keyring, bodies
+            return self._publish_in(definition, bodies, options, keyring, caller, span, many=True)
 
     def policy(
         self,
@@ -220,69 +151,6 @@ class Publisher:
     def keyring_for(self, options: DispatchOptions) -> Keyring | None:
         """The keyring a secret dispatch seals with (or why it may not); None otherwise."""
         return self._keyring() if options.secret_payload else None
-
-    def chunks(
-        self,
-        job_name: str,
-        bodies: list[dict[str, Any]],
-        options: Sequence[DispatchOptions],
-        policy: QueuePolicy,
-        keyring: Keyring | None,
-        caller: CallerTransaction | None,
-        *,
-        size: int = BATCH_SIZE,
-    ) -> Iterator[Chunk]:
-        """The items `size` at a time: each chunk with its rows, plain messages and ids."""
-        shared = options[0]  # the items differ in their keys only
-        now = datetime.now(UTC)
-        first = self._first_send(shared, caller, now)
-        plain_ok = self._may_skip_ledger(shared, policy, caller, now)
-        stored = shared.stored()
-        for start in range(0, len(bodies), size):
-            chunk = Chunk(first)
-            for index in range(start, min(start + size, len(bodies))):
-                item = options[index]
-                if plain_ok and item.idempotency_key is None:
-                    plain_id = random_dispatch_id()
-                    chunk.ids.append(plain_id)
-                    chunk.plain.append((plain_id, bodies[index], item))
-                    continue
-                new = self._new_dispatch(
-                    job_name, bodies[index], item, policy, keyring, first, stored
-                )
-                chunk.news[len(chunk.ids)] = new
-                chunk.ids.append(new.id)
-            yield chunk
-
-    def settle(self, chunk: Chunk, inserted: set[str], known: set[str]) -> dict[str, NewDispatch]:
-        """Decide each ledgered item of an inserted chunk; return the rows to send.
-
-        Not inserted: a key already in the ledger (or earlier in the chunk), or a taken
-        policy slot, which a known key still answers with its id, as `publish` does.
-        """
-        to_send: dict[str, NewDispatch] = {}  # by id: a key twice in a chunk is sent once
-        for index, row in chunk.news.items():
-            if row.id in inserted:
-                to_send.setdefault(row.id, row)
-            elif row.slot is not None and row.id not in known:
-                chunk.ids[index] = None
-                self._suppressed(row)
-        return to_send
-
-    def _may_skip_ledger(
-        self,
-        options: DispatchOptions,
-        policy: QueuePolicy,
-        caller: CallerTransaction | None,
-        now: datetime,
-    ) -> bool:
-        """An unkeyed dispatch with these options needs no ledger row: a plain message."""
-        return (
-            caller is None
-            and not policy.ledgered
-            and not options.secret_payload
-            and not self._outbox.is_far_off(options.start_after, now)
-        )
 
     def send_unledgered(
         self,
@@ -320,38 +188,6 @@ class Publisher:
                 "and can be published again safely"
             ) from exc.__cause__
 
-    def _new_dispatch(
-        self,
-        job_name: str,
-        body: dict[str, Any],
-        options: DispatchOptions,
-        policy: QueuePolicy,
-        keyring: Keyring | None,
-        first: FirstSend,
-        stored: StoredOptions | None = None,
-    ) -> NewDispatch:
-        """The row of one dispatch; `stored` shares one copy of the options a batch's
-        rows have in common."""
-        key = options.idempotency_key
-        dispatch_id = derive_dispatch_id(job_name, key) if key is not None else random_dispatch_id()
-        sealed = keyring.seal(body, job_name=job_name, dispatch_id=dispatch_id) if keyring else None
-        return NewDispatch(
-            id=dispatch_id,
-            job_name=job_name,
-            idempotency_key=key,
-            singleton_key=options.singleton_key,
-            # A secret dispatch stores only ciphertext, and its message carries no payload.
-            payload=None if sealed else body,
-            secret_ciphertext=sealed.ciphertext if sealed else None,
-            secret_wrapped_key=sealed.wrapped_key if sealed else None,
-            secret_key_id=sealed.key_id if sealed else None,
-            options=stored or options.stored(),
-            run_after=options.start_after,
-            next_send_at=first.next_send_at,
-            send_in=first.send_in,
-            policy=policy if policy.ledgered else None,
-        )
-
     def _publish(
         self,
         definition: JobDefinition[Any],
@@ -365,48 +201,76 @@ class Publisher:
         body = definition.to_json(payload)
         if session is None and connection is None and self._ledger.ambient is None:
             # The common case, on every plain publish: no caller's transaction to look for.
-            return self._publish_in(definition, body, options, keyring, None, span)
+            return self._publish_in(definition, [body], [options], keyring, None, span)[0]
         with self._caller(session, connection) as caller:
-            return self._publish_in(definition, body, options, keyring, caller, span)
+            return self._publish_in(definition, [body], [options], keyring, caller, span)[0]
 
     def _publish_in(
         self,
         definition: JobDefinition[Any],
-        body: dict[str, Any],
-        options: DispatchOptions,
+        bodies: list[dict[str, Any]],
+        options: Sequence[DispatchOptions],
         keyring: Keyring | None,
         caller: CallerTransaction | None,
         span: telemetry.Span,
-    ) -> str | None:
-        """Publish one validated dispatch, in `caller`'s transaction when there is one."""
-        policy = self.policy(definition, [options], span)
-        route = self.route(definition.name, body, options, policy, keyring, caller)
-        if route.new is None:
-            self.send_unledgered(definition.name, route.dispatch_id, body, options)
-            return route.dispatch_id
-        new = route.new
+        *,
+        many: bool = False,
+    ) -> list[str | None]:
+        """Publish validated dispatches, in `caller`'s transaction when there is one, a
+        chunk at a time: one insert and one pipelined send per chunk (`many`), or one
+        dispatch on its own statements and its own send."""
+        policy = self.policy(definition, options, span)
+        plan = planner.Plan(
+            definition.name,
+            bodies,
+            options,
+            policy,
+            keyring,
+            self._outbox,
+            in_transaction=caller is not None,
+            commit_hook=caller is None or caller.after_commit is not None,
+        )
         conn = caller.connection if caller is not None else None
-        if not self._ledger.insert(new, conn):
-            known = self.needs_existence_check(new) and self._ledger.exists(new.id, conn)
-            return self.not_inserted(new, known)
-        self._hand_over(route.first, caller, [new])
-        return new.id
+        ids: list[str | None] = []
+        for chunk in plan.chunks(BATCH_SIZE):
+            inserted = self._insert(chunk.rows, conn, many)
+            contested = chunk.contested(inserted)
+            settled = chunk.settle(inserted, self._existing(contested, conn, many))
+            report_suppressed(settled.suppressed)
+            self._hand_over(settled, caller)
+            if chunk.plain:
+                if many:
+                    self.send_plain(definition.name, chunk.plain)
+                else:
+                    ((dispatch_id, body, item),) = chunk.plain
+                    self.send_unledgered(definition.name, dispatch_id, body, item)
+            ids += chunk.ids
+        return ids
 
-    def _hand_over(
-        self, first: FirstSend, caller: CallerTransaction | None, rows: list[NewDispatch]
-    ) -> None:
+    def _insert(self, rows: list[NewDispatch], conn: Connection | None, many: bool) -> set[str]:
+        """The ids of `rows` inserted: one statement for the chunk, or one dispatch's own."""
+        if many:
+            return self._ledger.insert_many(rows, conn)
+        return {row.id for row in rows if self._ledger.insert(row, conn)}
+
+    def _existing(self, ids: list[str], conn: Connection | None, many: bool) -> set[str]:
+        if many:
+            return self._ledger.existing(ids, conn) if ids else set()
+        return {dispatch_id for dispatch_id in ids if self._ledger.exists(dispatch_id, conn)}
+
+    def _hand_over(self, settled: planner.Settled, caller: CallerTransaction | None) -> None:
         """Send newly inserted rows now, after the caller's commit, or leave them to the
         relay (woken by the commit where the database can say so)."""
-        if first.publisher_sends:
-            if caller is None:
-                if len(rows) == 1:
-                    self._outbox.send(rows[0], attempt=1)
-                else:
-                    self._outbox.send_many(rows)
+        rows = settled.send
+        if rows and caller is None:
+            if len(rows) == 1:
+                self._outbox.send(rows[0], attempt=1)
             else:
-                assert caller.after_commit is not None  # publisher_sends: it has a hook
-                caller.after_commit([row.id for row in rows])
-        elif first.wake_relays and caller is not None:
+                self._outbox.send_many(rows)
+        elif rows:
+            assert caller is not None and caller.after_commit is not None  # it has a hook
+            caller.after_commit([row.id for row in rows])
+        elif settled.wake_relays and caller is not None:
             self._ledger.wake_relays(caller.connection)
 
     @contextmanager
@@ -438,50 +302,16 @@ class Publisher:
             else:
                 yield CallerTransaction(conn, None)  # a Connection has no commit hook
 
-    def route(
-        self,
-        job_name: str,
-        body: dict[str, Any],
-        options: DispatchOptions,
-        policy: QueuePolicy,
-        keyring: Keyring | None,
-        caller: CallerTransaction | None,
-    ) -> Route:
-        """Where one validated dispatch goes: a plain message, or a ledger row first."""
-        now = datetime.now(UTC)
-        if options.idempotency_key is None and self._may_skip_ledger(options, policy, caller, now):
-            return Route(random_dispatch_id())
-        first = self._first_send(options, caller, now)
-        new = self._new_dispatch(job_name, body, options, policy, keyring, first)
-        return Route(new.id, new, first)
-
-    def _first_send(
-        self, options: DispatchOptions, caller: CallerTransaction | None, now: datetime
-    ) -> FirstSend:
-        hooked = caller is None or caller.after_commit is not None
-        return self._outbox.first_send(options.start_after, now, after_commit_hook=hooked)
-
-    @staticmethod
-    def needs_existence_check(new: NewDispatch) -> bool:
-        """A refused insert of a keyed row under a policy: its key's own row, or the slot's?"""
-        return new.slot is not None and new.idempotency_key is not None
-
-    def not_inserted(self, new: NewDispatch, known: bool) -> str | None:
-        """The answer to an insert that met an existing row: the key's own (a repeat,
-        `known`) or a policy slot's (suppressed). Without a slot only the key's own row
-        can conflict."""
-        if new.slot is None or known:
-            return new.id  # a known key is answered before any policy
-        self._suppressed(new)
-        return None
-
     def committed_sender(self, session: Session) -> Callable[[Sequence[str]], None]:
         """What sends a session's rows once it commits: inline, or for a session that an
         `AsyncSession` drives, handed to the send threads (its commit runs in the loop)."""
         handoff = session.info.get(ASYNC_SEND)
         return handoff if handoff is not None else self._outbox.send_committed
 
-    def _suppressed(self, new: NewDispatch) -> None:
+
+def report_suppressed(rows: Sequence[NewDispatch]) -> None:
+    """Tell the log and `publish_suppressed` of each dispatch a policy suppressed."""
+    for new in rows:
         log.info(
             "publish of job %s suppressed by its %s queue policy (slot %r is taken)",
             new.job_name,

@@ -4,6 +4,7 @@
 - `engine`: engines tuned per dialect, and their life across forks
 - `statements`: every statement, per dialect, on the database's clock
 - `store`: `Ledger`, the operations the rest of the package calls
+- `inserts`: a publish's inserts as plans, which `store` runs and `aio` awaits
 - `transactions`: rows written in a caller's Session or Connection
 - `wakeups`: relays listening for commits that wrote rows for them (PostgreSQL)
 - `errors`: SQLAlchemy's errors turned into the package's own

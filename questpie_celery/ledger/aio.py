@@ -21,19 +21,22 @@ import importlib.util
 import weakref
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlalchemy import exc
 from sqlalchemy.sql import Executable
 
 from ..errors import ConfigurationError
+from . import inserts
 from .engine import create_async_ledger_engine, runs_in_autocommit
 from .errors import Reruns, SlotTaken, translate_errors
 from .rows import DispatchRow, NewDispatch
-from .store import Ledger, batch_params, row_params
+from .store import Ledger
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+T = TypeVar("T")
 
 
 def async_driver_available() -> bool:
@@ -82,35 +85,23 @@ class AsyncLedger:
         """As `Ledger.insert` without a caller's connection."""
         if not self.native:
             return await asyncio.to_thread(self._ledger.insert, new)
-        secret = new.secret_ciphertext is not None
-        rows, retried = await self._run(self._sql.insert, row_params(new), durable=secret)
-        return bool(rows) or (retried and await self.exists(new.id))
+        return await self._drive(inserts.insert(self._sql, new))
 
     async def insert_many(self, batch: Sequence[NewDispatch]) -> set[str]:
         """As `Ledger.insert_many` without a caller's connection."""
         if not self.native or not batch:
             return await asyncio.to_thread(self._ledger.insert_many, batch)
-        assert self._sql.insert_batch is not None  # PostgreSQL has the one-statement batch
-        secret = batch[0].secret_ciphertext is not None
-        rows, retried = await self._run(
-            self._sql.insert_batch, batch_params(batch), durable=secret, rerun_if_rolled_back=True
-        )
-        inserted = {row["id"] for row in rows}
-        if retried:
-            inserted |= await self.existing([new.id for new in batch if new.id not in inserted])
-        return inserted
+        return await self._drive(inserts.insert_many(self._sql, batch))
 
     async def existing(self, dispatch_ids: Sequence[str]) -> set[str]:
         if not self.native or not dispatch_ids:
             return await asyncio.to_thread(self._ledger.existing, dispatch_ids)
-        rows, _ = await self._run(self._sql.existing, {"dispatch_ids": list(dispatch_ids)})
-        return {row["id"] for row in rows}
+        return await self._drive(inserts.existing(self._sql, dispatch_ids))
 
     async def exists(self, dispatch_id: str) -> bool:
         if not self.native:
             return await asyncio.to_thread(self._ledger.exists, dispatch_id)
-        rows, _ = await self._run(self._sql.exists, {"dispatch_id": dispatch_id})
-        return bool(rows)
+        return await self._drive(inserts.exists(self._sql, dispatch_id))
 
     async def get(self, dispatch_id: str) -> DispatchRow | None:
         if not self.native:
@@ -131,6 +122,19 @@ class AsyncLedger:
             await engine.dispose()
 
     # --- running statements -------------------------------------------------------------
+
+    async def _drive(self, plan: inserts.Plan[T]) -> T:
+        """Await a plan's statements (see `inserts`) as `_run` runs one."""
+
+        async def run(step: inserts.Run) -> inserts.Ran:
+            return await self._run(
+                step.stmt,
+                step.params,
+                durable=step.durable,
+                rerun_if_rolled_back=step.rerun_if_rolled_back,
+            )
+
+        return await inserts.adrive(plan, run)
 
     async def _run(
         self,

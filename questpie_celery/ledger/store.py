@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import Connection, Engine, exc, func, inspect, select
 from sqlalchemy.engine import RowMapping
@@ -25,7 +25,7 @@ from sqlalchemy.sql import Executable
 from ..errors import LedgerBusyError, LedgerSchemaError
 from ..outages import Outage
 from ..policies import QueuePolicy
-from . import statements
+from . import inserts, statements
 from .engine import (
     Ambient,
     borrowed_by,
@@ -41,6 +41,7 @@ from .errors import (
     schema_missing,
     translate_errors,
 )
+from .inserts import batch_params, row_params
 from .rows import Claim, DispatchRow, NewDispatch, ScheduleRow
 from .schema import (
     CLAIMABLE,
@@ -66,6 +67,8 @@ RETENTION_SCHEMA_VERSION = 4
 #: The first schema version whose dispatch ids may be longer than a UUID's 36 characters.
 WIDE_IDS_SCHEMA_VERSION = 5
 UUID_LENGTH = 36
+
+T = TypeVar("T")
 
 
 class Ledger:
@@ -222,6 +225,18 @@ class Ledger:
         found = self._first(stmt, params)
         return DispatchRow.from_mapping(found) if found is not None else None
 
+    def _drive(self, plan: inserts.Plan[T]) -> T:
+        """Run a plan's statements (see `inserts`) as `_run` runs one."""
+        return inserts.drive(
+            plan,
+            lambda step: self._run(
+                step.stmt,
+                step.params,
+                durable=step.durable,
+                rerun_if_rolled_back=step.rerun_if_rolled_back,
+            ),
+        )
+
     # --- schema ------------------------------------------------------------------------
 
     @contextmanager
@@ -303,20 +318,12 @@ class Ledger:
         """
         if len(new.id) > UUID_LENGTH:
             self._check_wide_ids()
-        params = row_params(new)
         if conn is None:
-            # A secret's ciphertext exists nowhere else: a relaxed ledger still waits for
-            # the disk before the publisher is told it is accepted.
-            secret = new.secret_ciphertext is not None
-            rows, retried = self._run(self._sql.insert, params, durable=secret)
-            # A retried insert that now conflicts may have been our own first try. A row
-            # under a random id can only be ours; for a key's derived id, a second send of
-            # another publisher's row is harmless (the fence drops the duplicate).
-            return bool(rows) or (retried and self.exists(new.id))
+            return self._drive(inserts.insert(self._sql, new))
         # The caller's connection reaches the ledger's own database (checked by
         # transactions.caller_connection), so the ledger's statements fit its dialect.
         with translate_errors(self.migrate_command):
-            return conn.execute(self._in_caller.insert, params).first() is not None
+            return conn.execute(self._in_caller.insert, row_params(new)).first() is not None
 
     def _check_wide_ids(self) -> None:
         """Raise `LedgerSchemaError` before a statement meets a column too narrow for an
@@ -337,43 +344,35 @@ class Ledger:
         One statement on PostgreSQL. The rows must share everything but their ids, keys,
         slots and payloads: the publish of one call's items does.
         """
+        if conn is None:
+            return self._drive(inserts.insert_many(self._sql, batch))
         if not batch:
             return set()
         stmt: Executable
         params: Any
-        sql = self._sql if conn is None else self._in_caller
-        if sql.insert_batch is not None:
-            stmt, params = sql.insert_batch, batch_params(batch)
+        if self._in_caller.insert_batch is not None:
+            stmt, params = self._in_caller.insert_batch, batch_params(batch)
         else:
-            stmt, params = sql.insert, [row_params(new) for new in batch]
-        if conn is not None:
-            with translate_errors(self.migrate_command):
-                return {row.id for row in conn.execute(stmt, params)}
-        secret = batch[0].secret_ciphertext is not None  # as in `insert`
-        rows, retried = self._run(stmt, params, durable=secret, rerun_if_rolled_back=True)
-        inserted = {row["id"] for row in rows}
-        if retried:
-            # As in `insert`: a row found now may be our first try's, which nobody sent.
-            inserted |= self.existing([new.id for new in batch if new.id not in inserted])
-        return inserted
+            stmt, params = self._in_caller.insert, [row_params(new) for new in batch]
+        with translate_errors(self.migrate_command):
+            return {row.id for row in conn.execute(stmt, params)}
 
     def existing(self, dispatch_ids: Sequence[str], conn: Connection | None = None) -> set[str]:
         """Which of these rows exist (with `conn`: as the caller's transaction sees them)."""
+        if conn is None:
+            return self._drive(inserts.existing(self._sql, dispatch_ids))
         if not dispatch_ids:
             return set()
         params = {"dispatch_ids": list(dispatch_ids)}
-        if conn is not None:
-            with translate_errors(self.migrate_command):
-                return {row.id for row in conn.execute(self._sql.existing, params)}
-        return {row["id"] for row in self._execute(self._sql.existing, params)}
+        with translate_errors(self.migrate_command):
+            return {row.id for row in conn.execute(self._sql.existing, params)}
 
     def exists(self, dispatch_id: str, conn: Connection | None = None) -> bool:
         """Whether the row exists (with `conn`: as the caller's transaction sees it)."""
-        params = {"dispatch_id": dispatch_id}
-        if conn is not None:
-            with translate_errors(self.migrate_command):
-                return conn.execute(self._sql.exists, params).first() is not None
-        return self._first(self._sql.exists, params) is not None
+        if conn is None:
+            return self._drive(inserts.exists(self._sql, dispatch_id))
+        with translate_errors(self.migrate_command):
+            return conn.execute(self._sql.exists, {"dispatch_id": dispatch_id}).first() is not None
 
     def get(self, dispatch_id: str) -> DispatchRow | None:
         return self._row(self._sql.get, {"dispatch_id": dispatch_id})
@@ -965,49 +964,3 @@ def open_ledger(url: str, *, relaxed: bool = False, pooled: bool = False) -> Led
     return Ledger(
         create_ledger_engine(url, relaxed=relaxed, pooled=pooled), relaxed=relaxed, pooled=pooled
     )
-
-
-def row_params(new: NewDispatch) -> dict[str, Any]:
-    return {
-        "id": new.id,
-        "job_name": new.job_name,
-        "idempotency_key": new.idempotency_key,
-        "singleton_key": new.singleton_key,
-        "status": new.status,
-        "attempt": new.attempt,
-        "policy": new.policy if new.slot is not None else None,
-        "slot": new.slot,
-        "payload": new.payload,
-        "secret": new.secret_ciphertext is not None,
-        "secret_ciphertext": new.secret_ciphertext,
-        "secret_wrapped_key": new.secret_wrapped_key,
-        "secret_key_id": new.secret_key_id,
-        "options": new.options,
-        "run_after": new.run_after,
-        "next_send_at": new.next_send_at,
-        "send_in": new.send_in,
-    }
-
-
-def batch_params(batch: Sequence[NewDispatch]) -> dict[str, Any]:
-    """`insert_batch`'s parameters: the values the rows share once, the others as arrays."""
-    first = batch[0]
-    shared = (first.job_name, first.status, first.options, first.run_after, first.next_send_at)
-    if any(
-        (new.job_name, new.status, new.options, new.run_after, new.next_send_at) != shared
-        for new in batch
-    ):
-        # Storing one row's options under another's id would be a silent corruption.
-        raise ValueError("the rows of a batch must share job, status, options and times")
-    params = {name: value for name, value in row_params(first).items() if name in _SHARED}
-    params["policy"] = next((new.policy for new in batch if new.slot is not None), None)
-    for name in _PER_ROW:
-        params[f"{name}s"] = [getattr(new, name) for new in batch]
-    return params
-
-
-_SHARED = ("job_name", "status", "secret", "options", "run_after", "next_send_at", "send_in")
-_PER_ROW = (
-    "id", "idempotency_key", "singleton_key", "slot", "payload",
-    "secret_ciphertext", "secret_wrapped_key", "secret_key_id",
-)  # fmt: skip
