@@ -35,7 +35,6 @@ from .crypto import Keyring, Sealed
 from .errors import (
     DispatchIdError,
     HandlerAbortedError,
-    LedgerBusyError,
     LedgerSchemaError,
     LedgerUnavailableError,
     MalformedHeaderError,
@@ -53,6 +52,7 @@ from .outcomes import Outcomes
 from .policies import QueuePolicy
 from .signals import publish_suppressed
 from .slots import Slots
+from .waiting import TRANSIENT, LedgerWait
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +110,13 @@ class Fence:
         self._keyring = keyring
         self._redeliver_after = redeliver_after
         self._context = context
+        self._wait = LedgerWait(
+            ledger,
+            patience=CLAIM_PATIENCE_SECONDS,
+            first_pause=0.2,
+            max_pause=MAX_PAUSE_SECONDS,
+            waits_for=(*TRANSIENT, LedgerSchemaError),
+        )
 
     def header_of(self, task: Task, definition: JobDefinition[Any]) -> MessageHeader | None:
         """The delivery's `questpie` header (None for a plain call). One questpie could
@@ -496,45 +503,38 @@ class Fence:
         the broker, carrying `back` (its token), rather than being lost; if the broker
         refuses that too, keep trying both.
         """
-        deadline = time.monotonic() + min(CLAIM_PATIENCE_SECONDS, _time_before_soft_limit(task))
-        pause = 0.2
-        waited = False  # this delivery said it waits (once: the ledger's outage says the rest)
-        outage = self._ledger.outage
-        while True:
-            try:
-                try:
-                    found = step()
-                except (LedgerUnavailableError, LedgerBusyError, LedgerSchemaError) as exc:
-                    if task.request.is_eager:
-                        raise  # publish() is waiting on this run inline: tell it
-                    if isinstance(exc, LedgerUnavailableError):
-                        outage.failed(exc)
-                    if time.monotonic() >= deadline and self._requeue(task, exc, back):
-                        raise Ignore() from None
-                    level = logging.DEBUG if waited else _waiting_level(exc)
-                    waited = True
-                    log.log(
-                        level,
-                        "dispatch %s: %s (%s); waiting to claim it",
-                        task.request.id,
-                        "the ledger is not migrated"
-                        if isinstance(exc, LedgerSchemaError)
-                        else "the ledger is unreachable or busy",
-                        exc,
-                        extra={"dispatch_id": task.request.id},
-                    )
-                else:
-                    outage.reached()
-                    return found
-                # Never sleep past the deadline: the soft limit follows it closely.
-                left = deadline - time.monotonic()
-                time.sleep(min(pause, left) if left > 0 else pause)
-                pause = min(pause * 2, MAX_PAUSE_SECONDS)
-            except SoftTimeLimitExceeded:
-                # A limit that fell anyway (in a statement, say): go back to the broker.
-                if self._requeue(task, LedgerUnavailableError("soft time limit"), back):
-                    raise Ignore() from None
-                raise
+
+        def tell(level: int, exc: Exception) -> None:
+            log.log(
+                level,
+                "dispatch %s: %s (%s); waiting to claim it",
+                task.request.id,
+                "the ledger is not migrated"
+                if isinstance(exc, LedgerSchemaError)
+                else "the ledger is unreachable or busy",
+                exc,
+                extra={"dispatch_id": task.request.id},
+            )
+
+        def out_of_time(exc: Exception) -> None:
+            if self._requeue(task, exc, back):
+                raise Ignore() from None
+
+        def soft_limit(limit: SoftTimeLimitExceeded) -> None:
+            # A limit that fell anyway (in a statement, say): go back to the broker.
+            if self._requeue(task, LedgerUnavailableError("soft time limit"), back):
+                raise Ignore() from None
+            raise limit
+
+        return self._wait.run(
+            step,
+            tell=tell,
+            out_of_time=out_of_time,
+            soft_limit=soft_limit,
+            within=_time_before_soft_limit(task),
+            # publish() is waiting on an eager run inline: tell it at once.
+            waits_for=() if task.request.is_eager else None,
+        )
 
     def _requeue(self, task: Task, exc: Exception, back: MessageHeader) -> bool:
         """Send the same message again (id, payload, route, headers, with `back` as its
@@ -580,13 +580,6 @@ class Fence:
             dispatch_id=row.id,
         )
         return definition.validate(plaintext)
-
-
-def _waiting_level(exc: Exception) -> int:
-    """How loud a delivery's first word of waiting is: INFO when the ledger's outage
-    line already told the log (see `outages.py`), WARNING for a held row or a ledger
-    not migrated yet, which no other line tells."""
-    return logging.INFO if isinstance(exc, LedgerUnavailableError) else logging.WARNING
 
 
 def shown_id(task_id: object) -> str:
