@@ -8,7 +8,6 @@ failure after that point leaves a row that a retry or the relay can finish.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -21,8 +20,9 @@ from sqlalchemy.orm import Session
 from . import telemetry
 from .broker import MessageHeader, Sender
 from .crypto import Keyring
+from .dispatch_rows import new_dispatch, report_suppressed
 from .errors import BrokerError, PayloadValidationError
-from .ids import derive_dispatch_id, random_dispatch_id
+from .ids import random_dispatch_id
 from .jobs import JobDefinition
 from .ledger import (
     Ledger,
@@ -30,13 +30,10 @@ from .ledger import (
     caller_connection,
     send_after_commit,
 )
-from .options import DispatchOptions, StoredOptions
+from .options import DispatchOptions
 from .outbox import FirstSend, Outbox
 from .policies import QueuePolicy
 from .recorded_policy import PolicyBook
-from .signals import publish_suppressed
-
-log = logging.getLogger(__name__)
 
 #: Items of a bulk publish per ledger statement and per pipelined batch of sends.
 BATCH_SIZE = 1000
@@ -247,9 +244,7 @@ class Publisher:
                     chunk.ids.append(plain_id)
                     chunk.plain.append((plain_id, bodies[index], item))
                     continue
-                new = self._new_dispatch(
-                    job_name, bodies[index], item, policy, keyring, first, stored
-                )
+                new = new_dispatch(job_name, bodies[index], item, policy, keyring, first, stored)
                 chunk.news[len(chunk.ids)] = new
                 chunk.ids.append(new.id)
             yield chunk
@@ -266,7 +261,7 @@ class Publisher:
                 to_send.setdefault(row.id, row)
             elif row.slot is not None and row.id not in known:
                 chunk.ids[index] = None
-                self._suppressed(row)
+                report_suppressed(row)
         return to_send
 
     def _may_skip_ledger(
@@ -319,38 +314,6 @@ class Publisher:
                 "may have arrived and will run. Items with idempotency keys are ledgered "
                 "and can be published again safely"
             ) from exc.__cause__
-
-    def _new_dispatch(
-        self,
-        job_name: str,
-        body: dict[str, Any],
-        options: DispatchOptions,
-        policy: QueuePolicy,
-        keyring: Keyring | None,
-        first: FirstSend,
-        stored: StoredOptions | None = None,
-    ) -> NewDispatch:
-        """The row of one dispatch; `stored` shares one copy of the options a batch's
-        rows have in common."""
-        key = options.idempotency_key
-        dispatch_id = derive_dispatch_id(job_name, key) if key is not None else random_dispatch_id()
-        sealed = keyring.seal(body, job_name=job_name, dispatch_id=dispatch_id) if keyring else None
-        return NewDispatch(
-            id=dispatch_id,
-            job_name=job_name,
-            idempotency_key=key,
-            singleton_key=options.singleton_key,
-            # A secret dispatch stores only ciphertext, and its message carries no payload.
-            payload=None if sealed else body,
-            secret_ciphertext=sealed.ciphertext if sealed else None,
-            secret_wrapped_key=sealed.wrapped_key if sealed else None,
-            secret_key_id=sealed.key_id if sealed else None,
-            options=stored or options.stored(),
-            run_after=options.start_after,
-            next_send_at=first.next_send_at,
-            send_in=first.send_in,
-            policy=policy if policy.ledgered else None,
-        )
 
     def _publish(
         self,
@@ -452,7 +415,7 @@ class Publisher:
         if options.idempotency_key is None and self._may_skip_ledger(options, policy, caller, now):
             return Route(random_dispatch_id())
         first = self._first_send(options, caller, now)
-        new = self._new_dispatch(job_name, body, options, policy, keyring, first)
+        new = new_dispatch(job_name, body, options, policy, keyring, first)
         return Route(new.id, new, first)
 
     def _first_send(
@@ -472,7 +435,7 @@ class Publisher:
         can conflict."""
         if new.slot is None or known:
             return new.id  # a known key is answered before any policy
-        self._suppressed(new)
+        report_suppressed(new)
         return None
 
     def committed_sender(self, session: Session) -> Callable[[Sequence[str]], None]:
@@ -480,18 +443,3 @@ class Publisher:
         `AsyncSession` drives, handed to the send threads (its commit runs in the loop)."""
         handoff = session.info.get(ASYNC_SEND)
         return handoff if handoff is not None else self._outbox.send_committed
-
-    def _suppressed(self, new: NewDispatch) -> None:
-        log.info(
-            "publish of job %s suppressed by its %s queue policy (slot %r is taken)",
-            new.job_name,
-            new.policy,
-            new.slot,
-            extra={"job_name": new.job_name, "singleton_key": new.singleton_key},
-        )
-        publish_suppressed.send(
-            sender=new.job_name,
-            job_name=new.job_name,
-            singleton_key=new.singleton_key,
-            policy=str(new.policy),
-        )
