@@ -20,8 +20,8 @@ from typing import Any, TypeVar
 from celery import Task
 from celery.exceptions import Ignore, SoftTimeLimitExceeded
 
-from .broker import HEADER, MessageHeader
-from .errors import LedgerSchemaError, LedgerUnavailableError
+from .broker import MessageHeader, Sender
+from .errors import BrokerError, LedgerSchemaError, LedgerUnavailableError
 from .jobs import JobDefinition
 from .ledger import Ledger
 from .options import resolve_options
@@ -42,7 +42,8 @@ SOFT_LIMIT_MARGIN_SECONDS = 2.0
 
 
 class DeliveryWait:
-    def __init__(self, ledger: Ledger) -> None:
+    def __init__(self, ledger: Ledger, sender: Sender) -> None:
+        self._sender = sender
         self._wait = LedgerWait(
             ledger,
             patience=CLAIM_PATIENCE_SECONDS,
@@ -107,18 +108,14 @@ class DeliveryWait:
         """Send the same message again (id, payload, route, headers, with `back` as its
         questpie header); its next delivery claims. False when the broker refused it."""
         try:
-            signature = task.signature_from_request(task.request)
-            headers = dict(signature.options.get("headers") or {})
-            headers[HEADER] = back.to_dict()
-            signature.options["headers"] = headers
-            signature.apply_async(countdown=REQUEUE_DELAY_SECONDS)
-        except Exception as send_error:
+            self._sender.send_back(task, back, REQUEUE_DELAY_SECONDS)
+        except BrokerError as refused:
             log.info(
                 "dispatch %s: the ledger is unreachable (%s) and the broker refused the "
                 "delivery back (%s); trying both again",
                 task.request.id,
                 exc,
-                type(send_error).__name__,
+                type(refused.__cause__).__name__,
                 extra={"dispatch_id": task.request.id},
             )
             return False

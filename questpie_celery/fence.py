@@ -32,7 +32,7 @@ from celery.states import STARTED
 
 from . import telemetry
 from .admission import Admission
-from .broker import MessageHeader, carry_for_retry
+from .broker import MessageHeader, Sender, carry_for_retry
 from .context import AppContext
 from .crypto import Keyring, Sealed
 from .delivery_wait import DeliveryWait, time_before_soft_limit
@@ -89,6 +89,7 @@ class Fence:
         *,
         redeliver_after: Callable[[], float],
         context: AppContext,
+        sender: Sender,
     ) -> None:
         self._ledger = ledger
         self._leases = leases
@@ -96,7 +97,7 @@ class Fence:
         self._outcomes = outcomes
         self._keyring = keyring
         self._context = context
-        self._waits = DeliveryWait(ledger)
+        self._waits = DeliveryWait(ledger, sender)
         self._admission = Admission(ledger, self._waits, redeliver_after=redeliver_after)
 
     def header_of(self, task: Task, definition: JobDefinition[Any]) -> MessageHeader | None:
