@@ -208,6 +208,7 @@ class Questpie:
             self._keyring,
             redeliver_after=lambda: self._outbox.redeliver_after,
             context=self._context,
+            sender=sender,
         )
         self._publisher = Publisher(
             self._ledger, self._outbox, sender, self._policies, self._keyring_for_publish

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 from . import planner, telemetry
 from .broker import Sender
+from .dispatch_rows import report_suppressed
 from .errors import PublishOptionsError, QuestpieError
 from .jobs import JobDefinition
 from .ledger import NewDispatch
@@ -41,7 +42,7 @@ from .options import DispatchOptions, resolve_options
 from .outbox import FirstSend, Outbox
 from .planner import Chunk, Route, Settled
 from .policies import QueuePolicy
-from .publish import ASYNC_SEND, Publisher, report_suppressed
+from .publish import ASYNC_SEND, Publisher
 from .send_threads import SendThreads
 
 log = logging.getLogger(__name__)
@@ -187,7 +188,8 @@ class AsyncPublisher:
             settled, unknown = await self._insert(chunk)
             if unknown is not None:
                 raise unknown
-            report_suppressed(settled.suppressed)
+            for row in settled.suppressed:
+                report_suppressed(row)
             await self._send_rows(settled.send)
             for plain in _slices(chunk.plain, SEND_SLICE):
                 await self._sends.run(publisher.send_plain, definition.name, plain)
@@ -262,7 +264,8 @@ class AsyncPublisher:
             if isinstance(exc, Exception):
                 return
             raise
-        report_suppressed(settled.suppressed)
+        for row in settled.suppressed:
+            report_suppressed(row)
         # Only the items that needed the read-back fail: the others are decided.
         undecided = set(settled.undecided)
         answers = [

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from celery import Celery
+from celery import Celery, Task
 
 from . import telemetry
 from .errors import BrokerError, MalformedHeaderError, PublishOptionsError
@@ -455,4 +455,21 @@ class Sender:
             raise BrokerError(
                 f"the broker did not accept dispatch {dispatch_id} of job {job_name!r}: "
                 f"{type(exc).__name__}"
+            ) from exc
+
+    def send_back(self, task: Task, header: MessageHeader, countdown: float) -> None:
+        """Send the delivery being run again as it came (its id, arguments, route, time
+        limits, headers and Canvas options, as Celery's own `retry()` rebuilds them),
+        with `header` as its questpie header; raise `BrokerError` if the broker does
+        not take it. Not a row's send: the worker sends it back because the ledger
+        cannot be reached, and a plain delivery has no row yet."""
+        try:
+            signature = task.signature_from_request(task.request)
+            headers = dict(signature.options.get("headers") or {})
+            headers[HEADER] = header.to_dict()
+            signature.options["headers"] = headers
+            signature.apply_async(countdown=countdown)
+        except Exception as exc:
+            raise BrokerError(
+                f"the broker did not take delivery {task.request.id} back: {type(exc).__name__}"
             ) from exc

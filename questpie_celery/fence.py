@@ -10,8 +10,10 @@ delivery whose policy slot is busy is parked. Only the claim holder records the
 outcome, through `Outcomes`.
 
 A plain Celery call (`delay`, `send_task`, Canvas, a beat entry) of a job whose
-queue policy is not `standard` is taken into the ledger here first, as a row
-under the message's id, so its policy holds however it was sent.
+queue policy is not `standard` is taken into the ledger first (`admission.py`), as
+a row under the message's id, so its policy holds however it was sent. Every step
+before the run waits for an unreachable ledger, or goes back to the broker, as
+`delivery_wait.py` says.
 """
 
 from __future__ import annotations
@@ -25,50 +27,35 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from celery import Task
-from celery.exceptions import Ignore, Retry, SoftTimeLimitExceeded
+from celery.exceptions import Ignore, Retry
 from celery.states import STARTED
 
 from . import telemetry
-from .broker import HEADER, MessageHeader, carry_for_retry, carry_from_request
+from .admission import Admission
+from .broker import MessageHeader, Sender, carry_for_retry
 from .context import AppContext
 from .crypto import Keyring, Sealed
+from .delivery_wait import DeliveryWait, time_before_soft_limit
 from .errors import (
-    DispatchIdError,
     HandlerAbortedError,
-    LedgerBusyError,
-    LedgerSchemaError,
-    LedgerUnavailableError,
     MalformedHeaderError,
     PayloadValidationError,
     PermanentFailure,
     SecretDecryptionError,
     SecretJobError,
 )
-from .ids import unstorable_id
+from .ids import shown_id, unstorable_id
 from .jobs import JobContext, JobDefinition
 from .leases import LeaseKeeper, renewal_cap
-from .ledger import Claim, DispatchRow, Ledger, NewDispatch
-from .options import StoredOptions, resolve_options
+from .ledger import Claim, DispatchRow, Ledger
 from .outcomes import Outcomes
 from .policies import QueuePolicy
-from .signals import publish_suppressed
 from .slots import Slots
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: How long a delivery waits for an unreachable ledger before going back to the broker.
-CLAIM_PATIENCE_SECONDS = 30.0
-#: The countdown of a delivery sent back to the broker while the ledger is unreachable.
-REQUEUE_DELAY_SECONDS = 5.0
-#: The longest pause between two tries while the ledger (or the broker) is unreachable.
-MAX_PAUSE_SECONDS = 5.0
-#: How far a sender's clock may run ahead of the database's before a relaxed fence could
-#: mistake a pruned row's late message for one whose row a crash lost.
-SENDER_CLOCK_MARGIN_SECONDS = 60.0
-#: How long before a run's soft time limit a delivery stops waiting for the ledger.
-SOFT_LIMIT_MARGIN_SECONDS = 2.0
 #: A delivery at most this early for its row (by the database's clock) waits until the
 #: row is due and then claims; one earlier still is dropped, and the relay sends the row
 #: when it is due. Covers the hosts' clocks disagreeing with the database's by a little.
@@ -102,14 +89,16 @@ class Fence:
         *,
         redeliver_after: Callable[[], float],
         context: AppContext,
+        sender: Sender,
     ) -> None:
         self._ledger = ledger
         self._leases = leases
         self._slots = slots
         self._outcomes = outcomes
         self._keyring = keyring
-        self._redeliver_after = redeliver_after
         self._context = context
+        self._waits = DeliveryWait(ledger, sender)
+        self._admission = Admission(ledger, self._waits, redeliver_after=redeliver_after)
 
     def header_of(self, task: Task, definition: JobDefinition[Any]) -> MessageHeader | None:
         """The delivery's `questpie` header (None for a plain call). One questpie could
@@ -139,67 +128,7 @@ class Fence:
         payload: Any,
     ) -> Any:
         """Take an unledgered delivery of a policy-limited job into the ledger, then run it."""
-        refused = unstorable_id(task.request.id)
-        if refused is not None:
-            # No row can hold it, so its policy cannot hold: refused, not run unfenced.
-            # Failing it (not ignoring it) stores the error as Celery's result of the call.
-            log.error(
-                "a plain call of job %s has task id %s, which cannot be a dispatch id (%s); "
-                "refused, not run",
-                definition.name,
-                shown_id(task.request.id),
-                refused,
-                extra={"job_name": definition.name},
-            )
-            raise DispatchIdError(
-                f"task id {shown_id(task.request.id)} of job {definition.name!r} cannot be a "
-                f"dispatch id ({refused}); the call was not run"
-            )
-        body = definition.to_json(payload)  # a malformed payload fails the message
-        options = resolve_options(definition.options, {})
-        # Sent back while the ledger was away, the delivery says so (with its token), and
-        # keeps its run options: it stays a plain delivery, to be taken in again.
-        back = MessageHeader(
-            ledgered=False,
-            run=header.run if header is not None else options.run,
-            token=(header.token if header is not None else None) or str(uuid.uuid4()),
-        )
-        new = NewDispatch(
-            id=task.request.id,
-            job_name=definition.name,
-            payload=body,
-            options=StoredOptions(
-                run=back.run,
-                priority=options.priority,
-                queue=options.queue,
-                # Its route, headers and Canvas links, so a later send keeps them.
-                carry=carry_from_request(task.request),
-            ),
-            singleton_key=options.singleton_key,
-            policy=policy,
-            status="queued",  # the broker has it already: this is its delivery
-            send_in=self._redeliver_after(),
-        )
-
-        def adopt() -> bool:
-            return self._ledger.insert(new) or self._ledger.exists(new.id)
-
-        if not self._patiently(task, adopt, back):
-            log.info(
-                "delivery %s of job %s suppressed by its %s queue policy (slot %r is taken)",
-                new.id,
-                new.job_name,
-                policy,
-                new.slot,
-                extra={"dispatch_id": new.id, "job_name": new.job_name},
-            )
-            publish_suppressed.send(
-                sender=new.job_name,
-                job_name=new.job_name,
-                singleton_key=new.singleton_key,
-                policy=str(policy),
-            )
-            raise Ignore()
+        body, back = self._admission.plain(task, definition, policy, header, payload)
         return self._run(task, definition, attempt=1, payload=body, back=back)
 
     def run(
@@ -265,23 +194,25 @@ class Fence:
                     any_time=bool(task.request.is_eager),
                 )
 
-            claim = self._when_due(task, self._patiently(task, claim_it, back), claim_it, back)
+            claim = self._when_due(task, self._waits.run(task, claim_it, back), claim_it, back)
             read_policy = policy
             if (
                 claim.outcome == "unknown"
                 and self._ledger.relaxed
                 and read_policy is not None
-                and self._patiently(
+                and self._waits.run(
                     task,
-                    lambda: self._take_back(task, definition, attempt, payload, back, read_policy),
+                    lambda: self._admission.take_back(
+                        task, definition, attempt, payload, back, read_policy
+                    ),
                     back,
                 )
             ):
-                claim = self._patiently(task, claim_it, back)
+                claim = self._waits.run(task, claim_it, back)
             claiming.set(outcome=claim.outcome)
         if claim.outcome == "blocked":
             # Another run holds the slot: set this one aside, acknowledged and uncounted.
-            self._patiently(
+            self._waits.run(
                 task, lambda: self._slots.park(dispatch_id, definition.name, attempt), back
             )
             delivery.set(outcome="parked")
@@ -344,11 +275,11 @@ class Fence:
         run's soft time limit."""
         for _ in range(EARLY_TRIES):
             if claim.outcome != "early" or claim.due_in > min(
-                EARLY_WAIT_SECONDS, _time_before_soft_limit(task)
+                EARLY_WAIT_SECONDS, time_before_soft_limit(task)
             ):
                 return claim
             time.sleep(claim.due_in + EARLY_MARGIN_SECONDS)
-            claim = self._patiently(task, claim_it, back)
+            claim = self._waits.run(task, claim_it, back)
         return claim
 
     def _drop_early(
@@ -363,7 +294,7 @@ class Fence:
         message, judged by a clock far ahead): acknowledged without running, and the row
         due for the relay at its start, so it runs then even if this was its message."""
         dispatch_id: str = task.request.id
-        self._patiently(
+        self._waits.run(
             task, lambda: self._ledger.send_when_due(dispatch_id, definition.name, attempt), back
         )
         log.warning(
@@ -375,68 +306,6 @@ class Fence:
             claim.due_in,
             extra={"dispatch_id": dispatch_id, "job_name": definition.name},
         )
-
-    def _take_back(
-        self,
-        task: Task,
-        definition: JobDefinition[Any],
-        attempt: int,
-        payload: Any,
-        back: MessageHeader,
-        policy: Callable[[], QueuePolicy],
-    ) -> bool:
-        """On a relaxed ledger, write again the row of a delivery whose row a database
-        crash lost (its commit had not reached the disk), so the delivery still runs,
-        once: two copies of it race for the one row like any two deliveries.
-
-        Only a dispatch the message can rebuild is taken back: a standard job's, with its
-        payload in the message. A secret payload lives only in its row (and is committed
-        durably for that reason); a policy job's singleton key is not in the message.
-        """
-        dispatch_id: str = task.request.id
-        if self._ledger.get(dispatch_id) is not None:
-            return False  # a row of another job under this id: not ours to take
-        # Retention and the beat delete only rows that ended before the time they record
-        # first, and every send of a row comes before its end: a message sent after that
-        # time cannot be a deleted row's. (With a margin for the sender's clock.)
-        pruned_before = self._ledger.pruned_before()
-        if back.sent_at is None or (
-            pruned_before is not None
-            and back.sent_at - SENDER_CLOCK_MARGIN_SECONDS <= pruned_before.timestamp()
-        ):
-            return _not_taken_back(
-                dispatch_id,
-                definition.name,
-                "its message may be older than rows the ledger has pruned (it may have run "
-                "and been deleted)",
-            )
-        if payload is None or policy().ledgered:
-            return _not_taken_back(
-                dispatch_id,
-                definition.name,
-                "the message cannot rebuild it (a secret's payload, a policy job's slot)",
-            )
-        try:
-            body = definition.to_json(payload)
-        except PayloadValidationError:
-            return False  # not a message we sent; the claim's "unknown" stands
-        new = NewDispatch(
-            id=dispatch_id,
-            job_name=definition.name,
-            payload=body,
-            options=StoredOptions(run=back.run, carry=carry_from_request(task.request)),
-            status="queued",  # this delivery is its message
-            attempt=attempt - 1,
-            send_in=self._redeliver_after(),
-        )
-        log.warning(
-            "dispatch %s of job %s: its ledger row is missing (lost in a database crash on "
-            "a relaxed ledger); written again from its message",
-            dispatch_id,
-            definition.name,
-            extra={"dispatch_id": dispatch_id, "job_name": definition.name},
-        )
-        return self._ledger.insert(new) or self._ledger.exists(dispatch_id)
 
     def _call(
         self,
@@ -480,89 +349,7 @@ class Fence:
         definition: JobDefinition[Any],
     ) -> T:
         """`step` waited out like a claim, for a delivery not yet in the ledger."""
-        back = header or MessageHeader(
-            ledgered=False, run=resolve_options(definition.options, {}).run
-        )
-        if back.token is None:
-            back = MessageHeader(back.ledgered, back.attempt, back.run, str(uuid.uuid4()))
-        return self._patiently(task, step, back)
-
-    def _patiently(self, task: Task, step: Callable[[], T], back: MessageHeader) -> T:
-        """Run a fence step, waiting out a ledger outage, a held row, or a ledger not
-        migrated yet (its tables missing: the delivery runs once `migrate` made them).
-
-        Past the patience (and before the run's soft time limit, which would otherwise
-        end the wait with the message already acknowledged), the delivery goes back to
-        the broker, carrying `back` (its token), rather than being lost; if the broker
-        refuses that too, keep trying both.
-        """
-        deadline = time.monotonic() + min(CLAIM_PATIENCE_SECONDS, _time_before_soft_limit(task))
-        pause = 0.2
-        waited = False  # this delivery said it waits (once: the ledger's outage says the rest)
-        outage = self._ledger.outage
-        while True:
-            try:
-                try:
-                    found = step()
-                except (LedgerUnavailableError, LedgerBusyError, LedgerSchemaError) as exc:
-                    if task.request.is_eager:
-                        raise  # publish() is waiting on this run inline: tell it
-                    if isinstance(exc, LedgerUnavailableError):
-                        outage.failed(exc)
-                    if time.monotonic() >= deadline and self._requeue(task, exc, back):
-                        raise Ignore() from None
-                    level = logging.DEBUG if waited else _waiting_level(exc)
-                    waited = True
-                    log.log(
-                        level,
-                        "dispatch %s: %s (%s); waiting to claim it",
-                        task.request.id,
-                        "the ledger is not migrated"
-                        if isinstance(exc, LedgerSchemaError)
-                        else "the ledger is unreachable or busy",
-                        exc,
-                        extra={"dispatch_id": task.request.id},
-                    )
-                else:
-                    outage.reached()
-                    return found
-                # Never sleep past the deadline: the soft limit follows it closely.
-                left = deadline - time.monotonic()
-                time.sleep(min(pause, left) if left > 0 else pause)
-                pause = min(pause * 2, MAX_PAUSE_SECONDS)
-            except SoftTimeLimitExceeded:
-                # A limit that fell anyway (in a statement, say): go back to the broker.
-                if self._requeue(task, LedgerUnavailableError("soft time limit"), back):
-                    raise Ignore() from None
-                raise
-
-    def _requeue(self, task: Task, exc: Exception, back: MessageHeader) -> bool:
-        """Send the same message again (id, payload, route, headers, with `back` as its
-        questpie header); its next delivery claims. False when the broker refused it."""
-        try:
-            signature = task.signature_from_request(task.request)
-            headers = dict(signature.options.get("headers") or {})
-            headers[HEADER] = back.to_dict()
-            signature.options["headers"] = headers
-            signature.apply_async(countdown=REQUEUE_DELAY_SECONDS)
-        except Exception as send_error:
-            log.info(
-                "dispatch %s: the ledger is unreachable (%s) and the broker refused the "
-                "delivery back (%s); trying both again",
-                task.request.id,
-                exc,
-                type(send_error).__name__,
-                extra={"dispatch_id": task.request.id},
-            )
-            return False
-        log.info(
-            "dispatch %s: the ledger stayed unreachable (%s); the delivery went back to the "
-            "broker and runs when the ledger is back",
-            task.request.id,
-            exc,
-            extra={"dispatch_id": task.request.id},
-        )
-        return True
+        return self._waits.unledgered(task, step, header, definition)
 
     def _payload_of(
         self, definition: JobDefinition[Any], row: DispatchRow, message_payload: Any
@@ -580,30 +367,6 @@ class Fence:
             dispatch_id=row.id,
         )
         return definition.validate(plaintext)
-
-
-def _waiting_level(exc: Exception) -> int:
-    """How loud a delivery's first word of waiting is: INFO when the ledger's outage
-    line already told the log (see `outages.py`), WARNING for a held row or a ledger
-    not migrated yet, which no other line tells."""
-    return logging.INFO if isinstance(exc, LedgerUnavailableError) else logging.WARNING
-
-
-def shown_id(task_id: object) -> str:
-    """A task id as a log line shows it: quoted, and cut short when long."""
-    text = task_id if isinstance(task_id, str) else str(task_id)
-    return repr(text) if len(text) <= 80 else f"{text[:80]!r}... ({len(text)} characters)"
-
-
-def _not_taken_back(dispatch_id: str, job_name: str, why: str) -> bool:
-    log.warning(
-        "dispatch %s of job %s: its ledger row is missing and %s; skipped",
-        dispatch_id,
-        job_name,
-        why,
-        extra={"dispatch_id": dispatch_id, "job_name": job_name},
-    )
-    return False
 
 
 def _ending_of(row: DispatchRow, exc: BaseException, *, for_good: bool) -> _Ending:
@@ -628,18 +391,6 @@ def _ending_of(row: DispatchRow, exc: BaseException, *, for_good: bool) -> _Endi
     else:
         visible = HandlerAbortedError(f"the handler raised {type(exc).__name__}")
     return _Ending(error=type(exc).__name__, for_good=for_good, exit=exit_kind, visible=visible)
-
-
-def _time_before_soft_limit(task: Task) -> float:
-    """Seconds left, from now, for waiting before the run's soft time limit (a margin
-    left); infinity when it has none."""
-    limits = task.request.timelimit or (None, None)
-    soft = limits[1] if len(limits) > 1 else None
-    soft = soft or task.soft_time_limit or task.app.conf.task_soft_time_limit
-    if not soft:
-        return float("inf")
-    started = getattr(task.request, "questpie_started", None) or time.monotonic()
-    return max(float(soft) - SOFT_LIMIT_MARGIN_SECONDS - (time.monotonic() - started), 0.0)
 
 
 def _hard_limit_left(task: Task) -> float | None:

@@ -52,3 +52,9 @@ def unstorable_id(dispatch_id: object) -> str | None:
     if size > MAX_DISPATCH_ID_BYTES:
         return f"it is {size} bytes long; the ledger stores ids of up to {MAX_DISPATCH_ID_BYTES}"
     return None
+
+
+def shown_id(task_id: object) -> str:
+    """A task id as a log line shows it: quoted, and cut short when long."""
+    text = task_id if isinstance(task_id, str) else str(task_id)
+    return repr(text) if len(text) <= 80 else f"{text[:80]!r}... ({len(text)} characters)"

@@ -17,17 +17,17 @@ Handing a slot on is best effort: if it fails, the relay hands the slot on.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from celery.exceptions import SoftTimeLimitExceeded
 
-from .errors import LedgerBusyError, LedgerUnavailableError, QuestpieError
+from .errors import QuestpieError
 from .ledger import EXPIRED, REVOKED, DispatchRow, Ledger
 from .outbox import Outbox
 from .slots import Slots
+from .waiting import LedgerWait
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,12 @@ class Outcomes:
         self._ledger = ledger
         self._outbox = outbox
         self._slots = slots
+        self._wait = LedgerWait(
+            ledger,
+            patience=OUTCOME_PATIENCE_SECONDS,
+            first_pause=0.1,
+            max_pause=MAX_WRITE_PAUSE_SECONDS,
+        )
 
     # --- the claim holder (a worker) ------------------------------------------------------
 
@@ -113,43 +119,27 @@ class Outcomes:
         return "retrying"
 
     def _patiently(self, write: Callable[[], bool], row: DispatchRow) -> bool:
-        until = time.monotonic() + OUTCOME_PATIENCE_SECONDS
-        pause = 0.1
-        outage = self._ledger.outage
-        said = False  # that this write waits: once, the ledger's outage line says the rest
-        while True:
-            try:
-                try:
-                    written = write()
-                except (LedgerUnavailableError, LedgerBusyError) as exc:
-                    unreachable = isinstance(exc, LedgerUnavailableError)
-                    if unreachable:
-                        outage.failed(exc)
-                    if time.monotonic() + pause >= until:
-                        raise
-                    log.log(
-                        logging.DEBUG if said else logging.INFO if unreachable else logging.WARNING,
-                        "dispatch %s: could not record its outcome yet (%s); trying again",
-                        row.id,
-                        exc,
-                        extra={"dispatch_id": row.id, "job_name": row.job_name},
-                    )
-                    said = True
-                else:
-                    outage.reached()
-                    return written
-                time.sleep(pause)
-                pause = min(pause * 2, MAX_WRITE_PAUSE_SECONDS)
-            except SoftTimeLimitExceeded:
-                # The run's soft limit fell while its outcome was being recorded (in the
-                # write, the log or the pause): the handler is done, so keep trying. The
-                # hard limit still bounds the wait.
-                log.warning(
-                    "dispatch %s: soft time limit reached while recording its outcome; "
-                    "still trying",
-                    row.id,
-                    extra={"dispatch_id": row.id, "job_name": row.job_name},
-                )
+        def tell(level: int, exc: Exception) -> None:
+            log.log(
+                level,
+                "dispatch %s: could not record its outcome yet (%s); trying again",
+                row.id,
+                exc,
+                extra={"dispatch_id": row.id, "job_name": row.job_name},
+            )
+
+        def soft_limit(_: SoftTimeLimitExceeded) -> None:
+            # The run's soft limit fell while its outcome was being recorded (in the
+            # write, the log or the pause): the handler is done, so keep trying. The
+            # hard limit still bounds the wait.
+            log.warning(
+                "dispatch %s: soft time limit reached while recording its outcome; still trying",
+                row.id,
+                extra={"dispatch_id": row.id, "job_name": row.job_name},
+            )
+
+        # Past the patience, the write's error is raised.
+        return self._wait.run(write, tell=tell, soft_limit=soft_limit)
 
     def _hand_on(self, row: DispatchRow) -> None:
         try:

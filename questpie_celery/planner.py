@@ -26,8 +26,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 from .crypto import Keyring
+from .dispatch_rows import new_dispatch
 from .errors import PayloadValidationError
-from .ids import derive_dispatch_id, random_dispatch_id
+from .ids import random_dispatch_id
 from .jobs import JobDefinition
 from .ledger import NewDispatch
 from .options import DispatchOptions, StoredOptions
@@ -213,35 +214,3 @@ class Plan:
             for index in range(start, min(start + size, len(self.bodies))):
                 chunk.add(self.route(index))
             yield chunk
-
-
-def new_dispatch(
-    job_name: str,
-    body: dict[str, Any],
-    options: DispatchOptions,
-    policy: QueuePolicy,
-    keyring: Keyring | None,
-    first: FirstSend,
-    stored: StoredOptions,
-) -> NewDispatch:
-    """The row of one dispatch; `stored` shares one copy of the options a call's rows
-    have in common."""
-    key = options.idempotency_key
-    dispatch_id = derive_dispatch_id(job_name, key) if key is not None else random_dispatch_id()
-    sealed = keyring.seal(body, job_name=job_name, dispatch_id=dispatch_id) if keyring else None
-    return NewDispatch(
-        id=dispatch_id,
-        job_name=job_name,
-        idempotency_key=key,
-        singleton_key=options.singleton_key,
-        # A secret dispatch stores only ciphertext, and its message carries no payload.
-        payload=None if sealed else body,
-        secret_ciphertext=sealed.ciphertext if sealed else None,
-        secret_wrapped_key=sealed.wrapped_key if sealed else None,
-        secret_key_id=sealed.key_id if sealed else None,
-        options=stored,
-        run_after=options.start_after,
-        next_send_at=first.next_send_at,
-        send_in=first.send_in,
-        policy=policy if policy.ledgered else None,
-    )

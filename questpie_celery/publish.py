@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 from . import planner, telemetry
 from .broker import MessageHeader, Sender
 from .crypto import Keyring
+from .dispatch_rows import report_suppressed
 from .errors import BrokerError
 from .jobs import JobDefinition
 from .ledger import (
@@ -31,7 +32,6 @@ from .options import DispatchOptions
 from .outbox import Outbox
 from .policies import QueuePolicy
 from .recorded_policy import PolicyBook
-from .signals import publish_suppressed
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +236,8 @@ class Publisher:
             inserted = self._insert(chunk.rows, conn, many)
             contested = chunk.contested(inserted)
             settled = chunk.settle(inserted, self._existing(contested, conn, many))
-            report_suppressed(settled.suppressed)
+            for row in settled.suppressed:
+                report_suppressed(row)
             self._hand_over(settled, caller)
             if chunk.plain:
                 if many:
@@ -307,21 +308,3 @@ class Publisher:
         `AsyncSession` drives, handed to the send threads (its commit runs in the loop)."""
         handoff = session.info.get(ASYNC_SEND)
         return handoff if handoff is not None else self._outbox.send_committed
-
-
-def report_suppressed(rows: Sequence[NewDispatch]) -> None:
-    """Tell the log and `publish_suppressed` of each dispatch a policy suppressed."""
-    for new in rows:
-        log.info(
-            "publish of job %s suppressed by its %s queue policy (slot %r is taken)",
-            new.job_name,
-            new.policy,
-            new.slot,
-            extra={"job_name": new.job_name, "singleton_key": new.singleton_key},
-        )
-        publish_suppressed.send(
-            sender=new.job_name,
-            job_name=new.job_name,
-            singleton_key=new.singleton_key,
-            policy=str(new.policy),
-        )

@@ -3,17 +3,25 @@ partial unique indexes (which enforce the rules) follow exactly those rules."""
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast, get_args
 
 import pytest
+from celery import Celery
+from celery.exceptions import Ignore
+from pydantic import BaseModel
 from sqlalchemy import BindParameter, Index, text
 
-from questpie_celery import QueuePolicy, QueuePolicyName
+from questpie_celery import JobContext, QueuePolicy, QueuePolicyName, job
+from questpie_celery.admission import Admission
+from questpie_celery.broker import Sender
+from questpie_celery.delivery_wait import DeliveryWait
 from questpie_celery.ledger import Ledger, dispatch_table, open_ledger
-from tests.unit.helpers import new_dispatch, sqlite_url
+from questpie_celery.signals import publish_suppressed
+from tests.unit.helpers import new_dispatch, sqlite_now, sqlite_url
 
 # The table of the policies module's docstring, written out: (one_waiting, one_running,
 # one_overall). `standard` limits nothing.
@@ -178,3 +186,72 @@ def test_the_database_enforces_each_policys_rules(ledger: Ledger, name: str) -> 
         assert first_row is not None and first_row.claim_token is not None
         assert ledger.finish(first.id, first_row.claim_token, "completed", None) is True
         assert _claim(ledger, second.id) == "claimed"
+
+
+class Count(BaseModel):
+    n: int
+
+
+@job(
+    name="policies.plain",
+    schema=Count,
+    options={"queue_policy": "exclusive", "start_after": 600, "priority": 3, "queue": "jobs"},
+)
+def plain_job(payload: Count, ctx: JobContext) -> None:
+    """Never run here: only its plain deliveries' admission is."""
+
+
+def test_a_plain_delivery_of_a_policy_job_is_taken_in_as_a_publish_would_write_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its row is under the message's id, `queued` (the broker has it), with the job's
+    options and the delivery's own headers and route; not the job's declared start (the
+    delivery is here already: a row due in ten minutes would turn it away as early). A
+    second one meets the taken slot and is suppressed, reported as a publish's is."""
+    ledger = open_ledger(sqlite_url(tmp_path))
+    ledger.migrate()
+    app = Celery("admission", broker="memory://")
+
+    def run(self: Any, payload: Any) -> None:
+        """The job's task: only its request is read here."""
+
+    task = app.task(name=plain_job.name, bind=True)(run)
+    admission = Admission(ledger, DeliveryWait(ledger, Sender(app)), redeliver_after=lambda: 3600.0)
+    heard: list[dict[str, Any]] = []
+
+    def on_suppressed(sender: str, **kwargs: Any) -> None:
+        heard.append({"sender": sender, **kwargs})
+
+    publish_suppressed.connect(on_suppressed)
+    try:
+        task.push_request(
+            id="plain-1",
+            headers={"x-trace": "abc"},
+            delivery_info={"exchange": "", "routing_key": "elsewhere"},
+        )
+        body, back = admission.plain(task, plain_job, QueuePolicy.EXCLUSIVE, None, {"n": 1})
+        task.pop_request()
+        assert body == {"n": 1} and not back.ledgered and back.token
+        row = ledger.get("plain-1")
+        assert row is not None
+        assert (row.status, row.policy, row.attempt) == ("queued", QueuePolicy.EXCLUSIVE, 0)
+        assert row.run_after is not None and row.run_after <= sqlite_now(ledger)  # due now
+        assert (row.options.priority, row.options.queue) == (3, "jobs")
+        assert row.options.carry == {"headers": {"x-trace": "abc"}, "queue": "elsewhere"}
+
+        task.push_request(id="plain-2", headers={}, delivery_info={})
+        with caplog.at_level(logging.INFO), pytest.raises(Ignore):
+            admission.plain(task, plain_job, QueuePolicy.EXCLUSIVE, None, {"n": 2})
+        task.pop_request()
+        assert ledger.get("plain-2") is None
+        assert heard == [
+            {"sender": plain_job.name, "signal": publish_suppressed,
+             "job_name": plain_job.name, "singleton_key": None, "policy": "exclusive"}
+        ]  # fmt: skip
+        assert (
+            "delivery plain-2 of job policies.plain suppressed by its exclusive queue policy "
+            "(slot '' is taken)"
+        ) in caplog.messages
+    finally:
+        publish_suppressed.disconnect(on_suppressed)
+        ledger.close()
