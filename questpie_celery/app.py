@@ -41,7 +41,7 @@ from .errors import (
 from .fence import Fence
 from .jobs import HandlerContext, JobDefinition, P, declared_jobs, job
 from .leases import LeaseKeeper
-from .ledger import DispatchRow, Ledger, create_ledger_engine, is_private_sqlite
+from .ledger import Ledger, create_ledger_engine, is_private_sqlite
 from .ledger.aio import AsyncLedger
 from .operations import Operator
 from .options import JobOptions
@@ -50,7 +50,7 @@ from .outbox import DEFAULT_REDELIVER_AFTER_SECONDS, Outbox
 from .outcomes import Outcomes
 from .policies import QueuePolicy
 from .publish import Publisher
-from .receipts import DispatchStatus, Receipt, receipt_status
+from .receipts import DispatchStatus, Receipt
 from .recorded_policy import PolicyBook
 from .relay import DEFAULT_RELAY_INTERVAL_SECONDS, Relay
 from .retention import DEFAULT_RETENTION_SECONDS, Pruned, Retention
@@ -527,22 +527,22 @@ class Questpie:
     def _receipt(self, dispatch_id: str) -> Receipt | None:
         if not isinstance(dispatch_id, str):
             return None
-        return _receipt_of(self._ledger.get(dispatch_id))
+        return Receipt.of(self._ledger.get(dispatch_id))
 
     async def _areceipt(self, dispatch_id: str) -> Receipt | None:
         if not isinstance(dispatch_id, str):
             return None
-        return _receipt_of(await self._aledger.get(dispatch_id))
+        return Receipt.of(await self._aledger.get(dispatch_id))
 
     def _status(self, dispatch_id: str) -> DispatchStatus | None:
         if not isinstance(dispatch_id, str):
             return None
-        return _status_of(self._ledger.get(dispatch_id))
+        return DispatchStatus.of(self._ledger.get(dispatch_id))
 
     async def _astatus(self, dispatch_id: str) -> DispatchStatus | None:
         if not isinstance(dispatch_id, str):
             return None
-        return _status_of(await self._aledger.get(dispatch_id))
+        return DispatchStatus.of(await self._aledger.get(dispatch_id))
 
     def _keyring_for_publish(self) -> Keyring:
         """The keyring a secret publish seals with, or the reason it may not."""
@@ -619,40 +619,6 @@ def _installed_django_database() -> str | None:
     from .contrib.django.settings import installed_database  # noqa: PLC0415
 
     return installed_database()
-
-
-def _receipt_of(row: DispatchRow | None) -> Receipt | None:
-    """A secret dispatch's receipt; None for any other row."""
-    if row is None or not row.secret or row.idempotency_key is None:
-        return None
-    return Receipt(
-        dispatch_id=row.id,
-        job_name=row.job_name,
-        idempotency_key=row.idempotency_key,
-        status=receipt_status(row.status),
-        created_at=row.created_at,
-        queued_at=row.queued_at,
-        handled_at=row.finished_at,
-    )
-
-
-def _status_of(row: DispatchRow | None) -> DispatchStatus | None:
-    if row is None:
-        return None
-    return DispatchStatus(
-        dispatch_id=row.id,
-        job_name=row.job_name,
-        idempotency_key=row.idempotency_key,
-        singleton_key=row.singleton_key,
-        status=row.status,
-        attempt=row.attempt,
-        last_error=row.last_error,
-        secret=row.secret,
-        created_at=row.created_at,
-        queued_at=row.queued_at,
-        started_at=row.started_at,
-        finished_at=row.finished_at,
-    )
 
 
 #: The longest retention period: a database's interval arithmetic overflows not far beyond.
