@@ -22,11 +22,8 @@ from .crypto import MIN_SECRET_BYTES, Keyring
 from .errors import ConfigurationError
 from .jobs import JobDefinition
 from .ledger import create_ledger_engine
-from .outbox import DEFAULT_REDELIVER_AFTER_SECONDS
-from .relay import DEFAULT_RELAY_INTERVAL_SECONDS
-from .retention import DEFAULT_RETENTION_SECONDS
-from .schedules import DEFAULT_FIRE_RETENTION_SECONDS
 
+#: The claim's lease (see docs/operations.md, "Constants").
 DEFAULT_LEASE_SECONDS = 60.0
 
 #: The longest retention period: a database's interval arithmetic overflows not far beyond.
@@ -124,23 +121,24 @@ class Settings:
         cls,
         celery_app: object,
         *,
-        ledger_url: object = None,
-        engine: object = None,
-        django_database: object = None,
-        secret: object = None,
-        previous_secrets: Iterable[object] = (),
-        jobs: Iterable[JobDefinition[Any]] = (),
-        lease_seconds: object = DEFAULT_LEASE_SECONDS,
-        relay_interval: object = DEFAULT_RELAY_INTERVAL_SECONDS,
-        redeliver_after: object = DEFAULT_REDELIVER_AFTER_SECONDS,
-        fire_retention: object = DEFAULT_FIRE_RETENTION_SECONDS,
-        durability: object = "durable",
-        retention: object = DEFAULT_RETENTION_SECONDS,
-        context: object = None,
-        pooled: object = False,
+        ledger_url: object,
+        engine: object,
+        django_database: object,
+        secret: object,
+        previous_secrets: Iterable[object],
+        jobs: Iterable[JobDefinition[Any]],
+        lease_seconds: object,
+        relay_interval: object,
+        redeliver_after: object,
+        fire_retention: object,
+        durability: object,
+        retention: object,
+        context: object,
+        pooled: object,
     ) -> Settings:
-        """The options as `Questpie(...)` takes them, checked in this order, each mistake a
-        `ConfigurationError` that says what to pass instead."""
+        """The options as `Questpie(...)` takes them (its signature holds their defaults),
+        checked in this order, each mistake a `ConfigurationError` that says what to pass
+        instead."""
         if not isinstance(celery_app, Celery):
             raise ConfigurationError("celery_app must be a celery.Celery application")
         factory = checked_factory(context)

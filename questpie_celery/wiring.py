@@ -8,9 +8,9 @@ uses.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from celery import Celery
 
@@ -23,7 +23,7 @@ from .errors import PublishOptionsError
 from .fence import Fence
 from .jobs import JobDefinition
 from .leases import LeaseKeeper
-from .ledger import Ledger, is_private_sqlite
+from .ledger import DispatchRow, Ledger, is_private_sqlite
 from .ledger.aio import AsyncLedger
 from .outbox import Outbox
 from .outcomes import Outcomes
@@ -37,6 +37,10 @@ from .send_threads import SendThreads
 from .settings import Settings
 from .slots import Slots
 from .worker import Runner
+
+V = TypeVar("V")
+Reader = Callable[[str], V | None]
+AsyncReader = Callable[[str], Awaitable[V | None]]
 
 
 @dataclass(frozen=True)
@@ -121,26 +125,30 @@ def wire(settings: Settings, discover: Callable[[], None]) -> Parts:
 
 
 def _lookups(ledger: Ledger, aledger: AsyncLedger) -> Lookups:
-    """How the queue client reads one dispatch's status or receipt; an id that is not a
-    str names no dispatch."""
+    """How the queue client reads one dispatch's receipt or status."""
+    return Lookups(
+        _reader(ledger, Receipt.of),
+        _reader(ledger, DispatchStatus.of),
+        _areader(aledger, Receipt.of),
+        _areader(aledger, DispatchStatus.of),
+    )
 
-    def receipt(dispatch_id: str) -> Receipt | None:
-        return Receipt.of(ledger.get(dispatch_id)) if isinstance(dispatch_id, str) else None
 
-    async def areceipt(dispatch_id: str) -> Receipt | None:
-        if not isinstance(dispatch_id, str):
-            return None
-        return Receipt.of(await aledger.get(dispatch_id))
+def _reader(ledger: Ledger, view: Callable[[DispatchRow | None], V | None]) -> Reader[V]:
+    def read(dispatch_id: str) -> V | None:
+        # An id that is not a str names no dispatch.
+        return view(ledger.get(dispatch_id)) if isinstance(dispatch_id, str) else None
 
-    def status(dispatch_id: str) -> DispatchStatus | None:
-        return DispatchStatus.of(ledger.get(dispatch_id)) if isinstance(dispatch_id, str) else None
+    return read
 
-    async def astatus(dispatch_id: str) -> DispatchStatus | None:
-        if not isinstance(dispatch_id, str):
-            return None
-        return DispatchStatus.of(await aledger.get(dispatch_id))
 
-    return Lookups(receipt, status, areceipt, astatus)
+def _areader(
+    aledger: AsyncLedger, view: Callable[[DispatchRow | None], V | None]
+) -> AsyncReader[V]:
+    async def read(dispatch_id: str) -> V | None:
+        return view(await aledger.get(dispatch_id)) if isinstance(dispatch_id, str) else None
+
+    return read
 
 
 def _keyring_for(keyring: Keyring | None, ledger: Ledger) -> Callable[[], Keyring]:
