@@ -1,16 +1,14 @@
 """`Questpie`: binds job definitions, a Celery app and a dispatch ledger together.
 
-This is where the parts are wired; each part gets only the collaborators it
-uses. From the bottom up: the ledger; the outbox (the one way a row becomes a
-message); slots and outcomes (how a run waits and how an attempt ends); the
-fence and the worker's task; publishing and the queue client; the relay.
+Its options are validated in `settings.py` and its parts made and wired in
+`wiring.py`; what is here is the front: registering jobs, Celery's hooks, and the
+operations a project calls.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import sys
 import threading
 import weakref
@@ -18,19 +16,17 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from types import ModuleType
-from typing import Any, Literal, Never
+from typing import Any, Never
 
 import click
 from celery import Celery
 from celery.signals import worker_init
 from sqlalchemy import Engine
 
-from .apublish import AsyncPublisher
 from .bootstep import relay_step
-from .broker import Sender, configure_app, use_ledger_scheduler, visibility_timeout
-from .client import JobClient, JobRegistry, Lookups, QueueClient
-from .context import AppContext, ContextFactory, checked_factory
-from .crypto import MIN_SECRET_BYTES, Keyring
+from .broker import configure_app, use_ledger_scheduler, visibility_timeout
+from .client import JobClient
+from .context import ContextFactory
 from .errors import (
     ConfigurationError,
     JobDefinitionError,
@@ -38,30 +34,19 @@ from .errors import (
     PublishOptionsError,
     QuestpieError,
 )
-from .fence import Fence
 from .jobs import HandlerContext, JobDefinition, P, declared_jobs, job
-from .leases import LeaseKeeper
-from .ledger import DispatchRow, Ledger, create_ledger_engine, is_private_sqlite
-from .ledger.aio import AsyncLedger
 from .operations import Operator
 from .options import JobOptions
 from .outages import Outage
-from .outbox import DEFAULT_REDELIVER_AFTER_SECONDS, Outbox
-from .outcomes import Outcomes
+from .outbox import DEFAULT_REDELIVER_AFTER_SECONDS
 from .policies import QueuePolicy
-from .publish import Publisher
-from .receipts import DispatchStatus, Receipt, receipt_status
-from .recorded_policy import PolicyBook
-from .relay import DEFAULT_RELAY_INTERVAL_SECONDS, Relay
-from .retention import DEFAULT_RETENTION_SECONDS, Pruned, Retention
+from .relay import DEFAULT_RELAY_INTERVAL_SECONDS
+from .retention import DEFAULT_RETENTION_SECONDS, Pruned
 from .schedules import DEFAULT_FIRE_RETENTION_SECONDS, Schedules
-from .send_threads import SendThreads
-from .slots import Slots
-from .worker import Runner
+from .settings import DEFAULT_LEASE_SECONDS, Durability, Settings, given_ledger, period
+from .wiring import wire
 
 log = logging.getLogger(__name__)
-
-DEFAULT_LEASE_SECONDS = 60.0
 
 #: The `Questpie` of each Celery app, for the beat scheduler that `celery beat` creates.
 _BY_APP: weakref.WeakKeyDictionary[Celery, Questpie] = weakref.WeakKeyDictionary()
@@ -74,10 +59,6 @@ def questpie_of(app: Celery) -> Questpie | None:
 
 #: Definitions some `Questpie` of this process registered (so none adopts them again).
 _REGISTERED: weakref.WeakSet[JobDefinition[Any]] = weakref.WeakSet()
-
-
-#: How the ledger commits: on disk before each write returns, or a moment later.
-Durability = Literal["durable", "relaxed"]
 
 
 class Questpie:
@@ -124,119 +105,41 @@ class Questpie:
         context: ContextFactory | None = None,
         pooled: bool = False,
     ) -> None:
-        if not isinstance(celery_app, Celery):
-            raise ConfigurationError("celery_app must be a celery.Celery application")
-        self._context = AppContext(checked_factory(context))
-        if django_database is not None and not isinstance(django_database, str):
-            raise ConfigurationError("django_database must be an alias of DATABASES (a str)")
-        given = sum(x is not None for x in (ledger_url, engine, django_database))
-        if given > 1:
-            raise ConfigurationError(
-                "pass exactly one of ledger_url=, engine= and django_database= (or, in a "
-                "Django project with questpie_celery.contrib.django installed, none)"
-            )
-        if given == 0:
-            django_database = _installed_django_database()
-        if ledger_url is None and engine is None and django_database is None:
-            raise ConfigurationError(
-                "pass exactly one of ledger_url= and engine= (or, in a Django project, "
-                "add 'questpie_celery.contrib.django' to INSTALLED_APPS, or pass "
-                "django_database=)"
-            )
-        if engine is not None and not isinstance(engine, Engine):
-            raise ConfigurationError("engine must be a sqlalchemy.Engine")
-        if ledger_url is not None and not isinstance(ledger_url, str):
-            raise ConfigurationError("ledger_url must be a str")
-        if durability not in ("durable", "relaxed"):
-            raise ConfigurationError("durability must be 'durable' or 'relaxed'")
-        if not isinstance(pooled, bool):
-            raise ConfigurationError("pooled must be True or False")
-        if durability == "relaxed" and engine is not None:
-            raise ConfigurationError(
-                "durability='relaxed' sets how the ledger's own connections commit, so it "
-                "needs ledger_url=; with engine=, set synchronous_commit on your engine"
-            )
-        if durability == "relaxed" and django_database is not None:
-            raise ConfigurationError(
-                "durability='relaxed' sets how the ledger's own connections commit, so it "
-                "needs ledger_url=; on Django's connections, set synchronous_commit in "
-                "DATABASES' OPTIONS"
-            )
-        lease_seconds = _positive_seconds(lease_seconds, "lease_seconds")
-        relay_interval = _positive_seconds(relay_interval, "relay_interval")
-        self._redeliver_after = _positive_seconds(redeliver_after, "redeliver_after")
-        period = None if retention is None else _period(retention, "retention", allow_zero=False)
-        current = _as_secret(secret, "secret")
-        previous = tuple(
-            s for s in (_as_secret(p, "previous_secrets") for p in previous_secrets) if s
-        )
-        # A secret shorter than 32 bytes is kept out of the keyring: secret publishes then
-        # fail with a clear error, and nothing is ever sealed under a weak key.
-        self._keyring = (
-            Keyring(current, tuple(p for p in previous if len(p) >= MIN_SECRET_BYTES))
-            if current is not None and len(current) >= MIN_SECRET_BYTES
-            else None
-        )
-
-        self._celery_app = celery_app
-        relaxed = durability == "relaxed"
-        if django_database is not None:
-            # Imported only here: Django is an optional extra.
-            from .contrib.django.binding import django_ledger_engine  # noqa: PLC0415
-            from .contrib.django.settings import pooled_setting  # noqa: PLC0415
-
-            engine = django_ledger_engine(django_database)
-            pooled = pooled or pooled_setting()
-        self._ledger = Ledger(
-            engine
-            if engine is not None
-            else create_ledger_engine(ledger_url or "", relaxed=relaxed, pooled=pooled),
-            relaxed=relaxed,
+        settings = self._settings = Settings.of(
+            celery_app,
+            ledger_url=ledger_url,
+            engine=engine,
+            django_database=django_database,
+            secret=secret,
+            previous_secrets=previous_secrets,
+            jobs=jobs,
+            lease_seconds=lease_seconds,
+            relay_interval=relay_interval,
+            redeliver_after=redeliver_after,
+            fire_retention=fire_retention,
+            durability=durability,
+            retention=retention,
+            context=context,
             pooled=pooled,
         )
-        sender = self._sender = Sender(celery_app)
-        self._outbox = Outbox(self._ledger, sender, self._redeliver_after)
-        self._policies = PolicyBook(self._ledger)
-        slots = Slots(self._ledger, self._outbox)
-        outcomes = Outcomes(self._ledger, self._outbox, slots)
-        fire_retention = _positive_seconds(fire_retention, "fire_retention")
-        fence = Fence(
-            self._ledger,
-            LeaseKeeper(self._ledger, lease_seconds),
-            slots,
-            outcomes,
-            self._keyring,
-            redeliver_after=lambda: self._outbox.redeliver_after,
-            context=self._context,
-            sender=sender,
-        )
-        self._publisher = Publisher(
-            self._ledger, self._outbox, sender, self._policies, self._keyring_for_publish
-        )
-        self._aledger = AsyncLedger(self._ledger)
-        self._sends = SendThreads()
-        self._apublisher = AsyncPublisher(
-            self._publisher, self._aledger, self._outbox, sender, self._sends
-        )
-        self._retention = Retention(self._ledger, period, redeliver_after=self._redelivery_window)
-        self._relay = Relay(
-            self._ledger, self._outbox, outcomes, slots, relay_interval, self._retention
-        )
-        # A delivery the worker's main process saw end unrun goes to the relay running there.
-        self._runner = Runner(fence, self._policies, self._context, self._relay.hear_unrun)
-        self._registry = JobRegistry()
-        self._schedules = Schedules(
-            self._ledger,
-            self._publisher,
-            self._registered_definition,
-            fire_retention,
-        )
+        parts = wire(settings, self._discover)
+        self._celery_app = celery_app
+        self._context = parts.context
+        self._ledger = parts.ledger
+        self._aledger = parts.aledger
+        self._sender = parts.sender
+        self._outbox = parts.outbox
+        self._policies = parts.policies
+        self._publisher = parts.publisher
+        self._apublisher = parts.apublisher
+        self._sends = parts.sends
+        self._retention = parts.retention
+        self._relay = parts.relay
+        self._runner = parts.runner
+        self._registry = parts.registry
+        self._schedules = parts.schedules
         self._tasks: dict[str, Any] = {}
-        self.queue = QueueClient(
-            self._registry,
-            Lookups(self._receipt, self._status, self._areceipt, self._astatus),
-            self._discover,
-        )
+        self.queue = parts.queue
         """The queue client: `questpie.queue.<job>.publish(...)`, `get_receipt(...)`."""
 
         if celery_app.configured:
@@ -251,7 +154,7 @@ class Questpie:
         # starts knowing them, also if the ledger goes down later.
         worker_init.connect(self._on_worker_init, weak=False)
         _BY_APP[celery_app] = self
-        self.register(*jobs)
+        self.register(*settings.jobs)
 
     # --- registration ---------------------------------------------------------------------
 
@@ -302,13 +205,6 @@ class Questpie:
             return False
         self._ledger.outage.reached()
         return True
-
-    def _registered_definition(self, job_name: str) -> JobDefinition[Any] | None:
-        client = self._registry.by_name(job_name)
-        if client is None:
-            self._discover()
-            client = self._registry.by_name(job_name)
-        return client.definition if client is not None else None
 
     def _discover(self) -> None:
         """An unknown name was asked for: import the modules autodiscovery names (as a
@@ -411,15 +307,11 @@ class Questpie:
         or publishes in another thread: those would finish against the other database.
         Other processes are not told. `durability` and `pooled` stay as configured.
         """
-        if (ledger_url is None) == (engine is None):
+        one = (ledger_url is None) != (engine is None)
+        source = given_ledger(ledger_url, engine) if one else None
+        if source is None:
             raise ConfigurationError("pass exactly one of ledger_url= and engine=")
-        if engine is not None and not isinstance(engine, Engine):
-            raise ConfigurationError("engine must be a sqlalchemy.Engine")
-        if ledger_url is not None and not isinstance(ledger_url, str):
-            raise ConfigurationError("ledger_url must be a str")
-        new = engine or create_ledger_engine(
-            ledger_url or "", relaxed=self._ledger.relaxed, pooled=self._ledger.pooled
-        )
+        new, _ = source.open(relaxed=self._ledger.relaxed, pooled=self._ledger.pooled)
         previous = self._ledger.engine
         self._outbox.flush()
         self._ledger.rebind(new)
@@ -493,7 +385,7 @@ class Questpie:
                     "pass older_than to prune anyway"
                 )
             return self._retention.prune(self._retention.period)
-        return self._retention.prune(_period(older_than, "older_than", allow_zero=True))
+        return self._retention.prune(period(older_than, "older_than", allow_zero=True))
 
     @property
     def operator(self) -> Operator:
@@ -525,40 +417,6 @@ class Questpie:
         await self._aledger.close()
         await asyncio.to_thread(self.close)
 
-    def _receipt(self, dispatch_id: str) -> Receipt | None:
-        if not isinstance(dispatch_id, str):
-            return None
-        return _receipt_of(self._ledger.get(dispatch_id))
-
-    async def _areceipt(self, dispatch_id: str) -> Receipt | None:
-        if not isinstance(dispatch_id, str):
-            return None
-        return _receipt_of(await self._aledger.get(dispatch_id))
-
-    def _status(self, dispatch_id: str) -> DispatchStatus | None:
-        if not isinstance(dispatch_id, str):
-            return None
-        return _status_of(self._ledger.get(dispatch_id))
-
-    async def _astatus(self, dispatch_id: str) -> DispatchStatus | None:
-        if not isinstance(dispatch_id, str):
-            return None
-        return _status_of(await self._aledger.get(dispatch_id))
-
-    def _keyring_for_publish(self) -> Keyring:
-        """The keyring a secret publish seals with, or the reason it may not."""
-        if self._keyring is None:
-            raise PublishOptionsError(
-                f"secret_payload needs Questpie(secret=...) of at least {MIN_SECRET_BYTES} bytes"
-            )
-        if is_private_sqlite(self._ledger.engine):
-            raise PublishOptionsError(
-                "secret_payload needs a ledger that workers and the relay share; an "
-                "in-memory SQLite ledger is private to this process, so no terminal state "
-                "could ever be recorded for the dispatch"
-            )
-        return self._keyring
-
     def _record_policies(self) -> None:
         try:
             self._policies.record_all(self._registry.definitions().values())
@@ -572,22 +430,12 @@ class Questpie:
     def _on_configure(self, sender: Any = None, **_: Any) -> None:
         self._configure()
 
-    def _redelivery_window(self) -> float:
-        """How long after its end a message of a dispatch may still come again:
-        `redeliver_after`, raised to the broker's visibility timeout by `_configure`. A
-        Celery app configured lazily (`config_from_object`, as Django projects are) loads
-        its settings, and so runs `_configure`, only when one is first read, which in a
-        process that only prunes nothing else has done."""
-        if not self._celery_app.configured:
-            self._celery_app.conf.get("broker_url")  # loads them: on_after_configure
-        return self._outbox.redeliver_after
-
     def _configure(self) -> None:
         configure_app(self._celery_app)
         use_ledger_scheduler(self._celery_app)
         # Redelivering sooner than the broker's own visibility timeout would only race it.
         visibility = visibility_timeout(self._celery_app)
-        self._outbox.redeliver_after = max(self._redeliver_after, visibility)
+        self._outbox.redeliver_after = max(self._settings.redeliver_after, visibility)
 
 
 class CeleryAppExpected(click.UsageError, ConfigurationError, AttributeError):
@@ -609,82 +457,3 @@ def spelling_of(value: object, *, near: object = None) -> str | None:
             if item is value and not attribute.startswith("_"):
                 found.append((not any(v is near for _, v in held), f"{name}:{attribute}"))
     return min(found)[1] if found else None
-
-
-def _installed_django_database() -> str | None:
-    """The `DATABASES` alias of the ledger when this is a Django project with
-    `questpie_celery.contrib.django` installed; None otherwise. Django is not imported
-    by a project that has not imported it or named its settings."""
-    if "django" not in sys.modules and not os.environ.get("DJANGO_SETTINGS_MODULE"):
-        return None
-    from .contrib.django.settings import installed_database  # noqa: PLC0415
-
-    return installed_database()
-
-
-def _receipt_of(row: DispatchRow | None) -> Receipt | None:
-    """A secret dispatch's receipt; None for any other row."""
-    if row is None or not row.secret or row.idempotency_key is None:
-        return None
-    return Receipt(
-        dispatch_id=row.id,
-        job_name=row.job_name,
-        idempotency_key=row.idempotency_key,
-        status=receipt_status(row.status),
-        created_at=row.created_at,
-        queued_at=row.queued_at,
-        handled_at=row.finished_at,
-    )
-
-
-def _status_of(row: DispatchRow | None) -> DispatchStatus | None:
-    if row is None:
-        return None
-    return DispatchStatus(
-        dispatch_id=row.id,
-        job_name=row.job_name,
-        idempotency_key=row.idempotency_key,
-        singleton_key=row.singleton_key,
-        status=row.status,
-        attempt=row.attempt,
-        last_error=row.last_error,
-        secret=row.secret,
-        created_at=row.created_at,
-        queued_at=row.queued_at,
-        started_at=row.started_at,
-        finished_at=row.finished_at,
-    )
-
-
-#: The longest retention period: a database's interval arithmetic overflows not far beyond.
-MAX_RETENTION_SECONDS = 100 * 365 * 86400.0
-
-
-def _period(value: object, name: str, *, allow_zero: bool) -> float:
-    """A retention period: seconds or a timedelta, finite and within bounds."""
-    if isinstance(value, timedelta):
-        value = value.total_seconds()
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigurationError(f"{name} must be a number of seconds or a timedelta")
-    low = "0" if allow_zero else "above 0"
-    if not (value >= 0 if allow_zero else value > 0) or not value <= MAX_RETENTION_SECONDS:
-        raise ConfigurationError(
-            f"{name} must be {low} and at most {MAX_RETENTION_SECONDS:.0f} seconds (100 years)"
-        )
-    return float(value)
-
-
-def _positive_seconds(value: object, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise ConfigurationError(f"{name} must be a number of seconds > 0")
-    return float(value)
-
-
-def _as_secret(value: str | bytes | None, name: str) -> bytes | None:
-    if value is None:
-        return None
-    if isinstance(value, str):
-        return value.encode()
-    if isinstance(value, bytes):
-        return value
-    raise ConfigurationError(f"{name} must be str or bytes")

@@ -23,8 +23,9 @@ from . import recorded_policy
 from .app import Questpie, questpie_of
 from .errors import QuestpieError
 from .ledger import Ledger, Status, open_ledger
-from .operations import DispatchDetail, Operator
+from .operations import Operator
 from .policies import QueuePolicy
+from .receipts import DispatchDetail
 from .retention import DEFAULT_RETENTION_SECONDS, Pruned, Retention
 from .schedules import ScheduleInfo
 

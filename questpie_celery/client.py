@@ -5,8 +5,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
-from typing import TYPE_CHECKING, Any, Generic, Never
+from typing import TYPE_CHECKING, Any, Generic, Unpack
 
 from celery import Celery
 from pydantic import BaseModel
@@ -19,11 +18,32 @@ if TYPE_CHECKING:
 from .apublish import AsyncPublisher
 from .errors import JobDefinitionError, PublishOptionsError, UnknownJobError
 from .jobs import JobDefinition, P, job_attribute_name
-from .options import DispatchOptions, resolve_many_options, resolve_options, unknown_option_message
-from .policies import QueuePolicy, QueuePolicyName
+from .options import (
+    DispatchOptions,
+    ManyOptions,
+    PublishOptions,
+    resolve_many_options,
+    resolve_options,
+    unknown_option_message,
+)
 from .publish import Publisher
 from .receipts import DispatchStatus, Receipt
 from .schedules import REFUSED_OPTIONS, Schedules
+
+_MANY_NAMES = ManyOptions.__optional_keys__
+_PUBLISH_NAMES = PublishOptions.__optional_keys__
+
+
+def _known(
+    method: str, options: Mapping[str, object], names: frozenset[str] = _PUBLISH_NAMES
+) -> dict[str, object]:
+    """`options` when each is one of `names`; else the `TypeError` Python raises for an
+    unexpected keyword, naming the option meant."""
+    unknown = {name: value for name, value in options.items() if name not in names}
+    if unknown:
+        raise TypeError(unknown_option_message(method, unknown))
+    return dict(options)
+
 
 _HOW_TO_REGISTER = (
     "Register a job with Questpie(..., jobs=[...]), questpie.register(definition) or "
@@ -63,20 +83,9 @@ class JobClient(Generic[P]):
         self,
         payload: P | Mapping[str, Any],
         *,
-        idempotency_key: str | None = None,
-        singleton_key: str | None = None,
-        queue_policy: QueuePolicy | QueuePolicyName | None = None,
-        secret_payload: bool = False,
-        priority: int | None = None,
-        start_after: float | str | datetime | None = None,
-        retry_limit: int | None = None,
-        retry_delay: float | None = None,
-        retry_backoff: bool | None = None,
-        expire_in_seconds: int | None = None,
-        queue: str | None = None,
         session: Session | None = None,
         connection: Connection | None = None,
-        **unknown: Never,
+        **options: Unpack[PublishOptions],
     ) -> str | None:
         """Enqueue one run; return its dispatch id, or None when its queue policy
         suppressed it.
@@ -85,43 +94,18 @@ class JobClient(Generic[P]):
         unknown keyword is a `TypeError` naming the option meant (type checkers refuse
         it too).
         """
-        options = self._options(
-            "publish",
-            unknown,
-            idempotency_key=idempotency_key,
-            singleton_key=singleton_key,
-            queue_policy=queue_policy,
-            secret_payload=secret_payload,
-            priority=priority,
-            start_after=start_after,
-            retry_limit=retry_limit,
-            retry_delay=retry_delay,
-            retry_backoff=retry_backoff,
-            expire_in_seconds=expire_in_seconds,
-            queue=queue,
-        )
+        resolved = resolve_options(self.definition.options, _known("publish", options))
         return self._publisher.publish(
-            self.definition, payload, options, session=session, connection=connection
+            self.definition, payload, resolved, session=session, connection=connection
         )
 
     async def apublish(
         self,
         payload: P | Mapping[str, Any],
         *,
-        idempotency_key: str | None = None,
-        singleton_key: str | None = None,
-        queue_policy: QueuePolicy | QueuePolicyName | None = None,
-        secret_payload: bool = False,
-        priority: int | None = None,
-        start_after: float | str | datetime | None = None,
-        retry_limit: int | None = None,
-        retry_delay: float | None = None,
-        retry_backoff: bool | None = None,
-        expire_in_seconds: int | None = None,
-        queue: str | None = None,
         session: AsyncSession | None = None,
         connection: AsyncConnection | None = None,
-        **unknown: Never,
+        **options: Unpack[PublishOptions],
     ) -> str | None:
         """`publish()` from an event loop: the same options, validation and answer.
 
@@ -131,30 +115,11 @@ class JobClient(Generic[P]):
         in its transaction and is sent after its commit) and `connection=` an
         `AsyncConnection` (the relay sends it once committed).
         """
-        if unknown:
-            raise TypeError(unknown_option_message("apublish", unknown))
         # Resolved by the publisher: concurrent calls are validated a few at a time.
-        given = {
-            "idempotency_key": idempotency_key,
-            "singleton_key": singleton_key,
-            "queue_policy": queue_policy,
-            "secret_payload": secret_payload,
-            "priority": priority,
-            "start_after": start_after,
-            "retry_limit": retry_limit,
-            "retry_delay": retry_delay,
-            "retry_backoff": retry_backoff,
-            "expire_in_seconds": expire_in_seconds,
-            "queue": queue,
-        }
+        given = _known("apublish", options)
         return await self._apublisher.publish(
             self.definition, payload, given, session=session, connection=connection
         )
-
-    def _options(self, method: str, unknown: Mapping[str, Any], **given: Any) -> DispatchOptions:
-        if unknown:
-            raise TypeError(unknown_option_message(method, unknown))
-        return resolve_options(self.definition.options, given)
 
     def publish_many(
         self,
@@ -162,18 +127,9 @@ class JobClient(Generic[P]):
         *,
         idempotency_keys: Sequence[str | None] | None = None,
         singleton_keys: Sequence[str | None] | None = None,
-        queue_policy: QueuePolicy | QueuePolicyName | None = None,
-        secret_payload: bool = False,
-        priority: int | None = None,
-        start_after: float | str | datetime | None = None,
-        retry_limit: int | None = None,
-        retry_delay: float | None = None,
-        retry_backoff: bool | None = None,
-        expire_in_seconds: int | None = None,
-        queue: str | None = None,
         session: Session | None = None,
         connection: Connection | None = None,
-        **unknown: Never,
+        **options: Unpack[ManyOptions],
     ) -> list[str | None]:
         """Enqueue one run per payload, as that many `publish()` calls would; return
         their dispatch ids in order, None where the queue policy suppressed one.
@@ -184,24 +140,11 @@ class JobClient(Generic[P]):
         ledger a chunk at a time, one statement each, and their messages leave in one
         pipelined batch per chunk.
         """
-        items, options = self._many_options(
-            "publish_many",
-            payloads,
-            unknown,
-            idempotency_keys,
-            singleton_keys,
-            queue_policy=queue_policy,
-            secret_payload=secret_payload,
-            priority=priority,
-            start_after=start_after,
-            retry_limit=retry_limit,
-            retry_delay=retry_delay,
-            retry_backoff=retry_backoff,
-            expire_in_seconds=expire_in_seconds,
-            queue=queue,
+        items, resolved = self._many_options(
+            "publish_many", payloads, options, idempotency_keys, singleton_keys
         )
         return self._publisher.publish_many(
-            self.definition, items, options, session=session, connection=connection
+            self.definition, items, resolved, session=session, connection=connection
         )
 
     async def apublish_many(
@@ -210,57 +153,31 @@ class JobClient(Generic[P]):
         *,
         idempotency_keys: Sequence[str | None] | None = None,
         singleton_keys: Sequence[str | None] | None = None,
-        queue_policy: QueuePolicy | QueuePolicyName | None = None,
-        secret_payload: bool = False,
-        priority: int | None = None,
-        start_after: float | str | datetime | None = None,
-        retry_limit: int | None = None,
-        retry_delay: float | None = None,
-        retry_backoff: bool | None = None,
-        expire_in_seconds: int | None = None,
-        queue: str | None = None,
         session: AsyncSession | None = None,
         connection: AsyncConnection | None = None,
-        **unknown: Never,
+        **options: Unpack[ManyOptions],
     ) -> list[str | None]:
         """`publish_many()` from an event loop, as `apublish` is `publish()`."""
-        items, options = self._many_options(
-            "apublish_many",
-            payloads,
-            unknown,
-            idempotency_keys,
-            singleton_keys,
-            queue_policy=queue_policy,
-            secret_payload=secret_payload,
-            priority=priority,
-            start_after=start_after,
-            retry_limit=retry_limit,
-            retry_delay=retry_delay,
-            retry_backoff=retry_backoff,
-            expire_in_seconds=expire_in_seconds,
-            queue=queue,
+        items, resolved = self._many_options(
+            "apublish_many", payloads, options, idempotency_keys, singleton_keys
         )
         return await self._apublisher.publish_many(
-            self.definition, items, options, session=session, connection=connection
+            self.definition, items, resolved, session=session, connection=connection
         )
 
     def _many_options(
         self,
         method: str,
         payloads: Iterable[P | Mapping[str, Any]],
-        unknown: Mapping[str, Any],
+        options: Mapping[str, object],
         idempotency_keys: Sequence[str | None] | None,
         singleton_keys: Sequence[str | None] | None,
-        **shared: Any,
     ) -> tuple[list[P | Mapping[str, Any]], list[DispatchOptions]]:
-        if unknown:
-            singular = {"idempotency_key", "singleton_key"} & set(unknown)
-            if singular:
-                name = sorted(singular)[0]
-                raise TypeError(
-                    f"{method}() takes {name}s=[...], one entry per payload, not {name}"
-                )
-            raise TypeError(unknown_option_message(method, unknown))
+        singular = {"idempotency_key", "singleton_key"} & set(options)
+        if singular:
+            name = sorted(singular)[0]
+            raise TypeError(f"{method}() takes {name}s=[...], one entry per payload, not {name}")
+        shared = _known(method, options, _MANY_NAMES)
         if isinstance(payloads, Mapping | BaseModel | str | bytes) or not isinstance(
             payloads, Iterable
         ):
@@ -269,10 +186,10 @@ class JobClient(Generic[P]):
                 f"{method} takes a list of payloads; for one payload, use {single}()"
             )
         items = list(payloads)
-        options = resolve_many_options(
+        resolved = resolve_many_options(
             self.definition.options, shared, idempotency_keys, singleton_keys, len(items)
         )
-        return items, options
+        return items, resolved
 
     def schedule(
         self,

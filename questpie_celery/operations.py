@@ -8,96 +8,19 @@ Nothing here returns the payload or the ciphertext of a secret dispatch.
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
 
 from .errors import LedgerSchemaError, PublishOptionsError
-from .ledger import DispatchRow, Ledger
-from .ledger.schema import RESENDABLE
+from .ledger import Ledger
 from .outbox import DEFAULT_REDELIVER_AFTER_SECONDS, PENDING_GRACE_SECONDS
+from .receipts import DispatchDetail
 from .schedules import ScheduleInfo, schedule_infos
 
 log = logging.getLogger(__name__)
 
 #: The most rows one call lists.
 MAX_PAGE = 1000
-
-
-@dataclass(frozen=True)
-class DispatchDetail:
-    """Everything a person needs about one ledgered dispatch, short of a secret."""
-
-    dispatch_id: str
-    job_name: str
-    status: str
-    attempt: int
-    idempotency_key: str | None
-    singleton_key: str | None
-    policy: str | None
-    last_error: str | None
-    secret: bool
-    key_erased: bool | None  # for a secret dispatch: its key and ciphertext are gone
-    #: Retention dropped the payload and options of this ended keyed dispatch: the payload
-    #: and the option fields below are None, not the defaults.
-    pruned: bool
-    payload: dict[str, Any] | None  # never for a secret dispatch
-    priority: int | None
-    queue: str | None
-    retry_limit: int | None
-    retry_delay: float | None
-    retry_backoff: bool | None
-    expire_in_seconds: int | None
-    #: The relay's sends of the attempt waiting to be sent; None when none waits (the
-    #: dispatch runs, is parked or has ended), since the count starts again at each claim.
-    send_count: int | None
-    created_at: datetime
-    #: When the broker first accepted a message of it (at the latest, its first claim).
-    queued_at: datetime | None
-    #: When its latest attempt was claimed.
-    started_at: datetime | None
-    #: When it ended (completed or failed); None until then, and again once requeued.
-    finished_at: datetime | None
-    run_after: datetime
-    #: When the relay looks at it next; None when nothing is due for the relay.
-    next_send_at: datetime | None
-    lease_expires_at: datetime | None
-
-    @classmethod
-    def of(cls, row: DispatchRow) -> DispatchDetail:
-        run = None if row.pruned else row.options.run
-        waits_for_relay = row.status in RESENDABLE
-        return cls(
-            dispatch_id=row.id,
-            job_name=row.job_name,
-            status=row.status,
-            attempt=row.attempt,
-            idempotency_key=row.idempotency_key,
-            singleton_key=row.singleton_key,
-            policy=str(row.policy) if row.policy is not None else None,
-            last_error=row.last_error,
-            secret=row.secret,
-            key_erased=row.secret_wrapped_key is None if row.secret else None,
-            pruned=row.pruned,
-            payload=None if row.secret else row.payload,
-            priority=row.options.priority,
-            queue=row.options.queue,
-            retry_limit=run.retry_limit if run else None,
-            retry_delay=run.retry_delay if run else None,
-            retry_backoff=run.retry_backoff if run else None,
-            expire_in_seconds=run.expire_in_seconds if run else None,
-            send_count=row.send_count if waits_for_relay else None,
-            created_at=row.created_at,
-            queued_at=row.queued_at,
-            started_at=row.started_at,
-            finished_at=row.finished_at,
-            run_after=row.run_after,
-            next_send_at=row.next_send_at if waits_for_relay else None,
-            lease_expires_at=row.lease_expires_at,
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        return {k: v.isoformat() if isinstance(v, datetime) else v for k, v in asdict(self).items()}
 
 
 @dataclass(frozen=True)

@@ -186,11 +186,37 @@ _CELERY_NAMES = {
     "exchange": "queue",
     "task_id": "idempotency_key",
 }
-PUBLISH_OPTION_NAMES = (
-    "idempotency_key", "singleton_key", "queue_policy", "secret_payload", "priority",
-    "start_after", "retry_limit", "retry_delay", "retry_backoff", "expire_in_seconds",
-    "queue", "session", "connection",
-)  # fmt: skip
+
+
+class ManyOptions(TypedDict, total=False):
+    """The options every publishing call takes (`publish_many` applies each to every
+    item), declared once: type checkers check each keyword against these, and an unknown
+    one is a `TypeError` at run time too."""
+
+    queue_policy: QueuePolicy | QueuePolicyName | None
+    secret_payload: bool
+    priority: int | None
+    start_after: float | str | datetime | None
+    retry_limit: int | None
+    retry_delay: float | None
+    retry_backoff: bool | None
+    expire_in_seconds: int | None
+    queue: str | None
+
+
+class DispatchKeys(TypedDict, total=False):
+    """The keys of one dispatch; `publish_many` takes a list of each instead."""
+
+    idempotency_key: str | None
+    singleton_key: str | None
+
+
+class PublishOptions(DispatchKeys, ManyOptions, total=False):
+    """The options of one dispatch (`publish`, `apublish`): its keys and the shared ones."""
+
+
+#: Every keyword of `publish()`, for the message that names the one meant.
+PUBLISH_OPTION_NAMES = (*PublishOptions.__annotations__, "session", "connection")
 
 
 def unknown_option_message(call: str, unknown: Mapping[str, object]) -> str:

@@ -37,8 +37,9 @@ from .errors import LedgerUnavailableError, QuestpieError
 from .ledger import Status
 from .ledger.schema import WAITING
 from .metrics import Figures, LedgerCollector, read_figures
-from .operations import DispatchDetail, Operator, Overview
+from .operations import Operator, Overview
 from .outages import Outage
+from .receipts import DispatchDetail
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

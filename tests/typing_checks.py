@@ -34,12 +34,27 @@ def check(questpie: Questpie) -> None:
     Questpie(Celery("x"), ledger_url="sqlite://", jobs=[send_welcome_email])
 
 
+def check_publish_keywords(questpie: Questpie) -> None:
+    # Every publishing call's keywords are checked by name and by type.
+    client = questpie.client(send_welcome_email)
+    client.publish({}, queue_policy="singleton", secret_payload=True, start_after="5m")
+    client.publish({}, priority=None, queue=None, retry_backoff=True, expire_in_seconds=60)
+    client.publish({}, countdown=5)  # type: ignore[call-arg]
+    client.publish({}, priority="high")  # type: ignore[arg-type]
+    client.publish({}, queue_policy="sometimes")  # type: ignore[arg-type]
+    client.publish_many([{}], idempotency_keys=["a"], singleton_keys=None, priority=1)
+    client.publish_many([{}], idempotency_key="a")  # type: ignore[call-arg]
+    client.publish_many([{}], retry_delay="soon")  # type: ignore[arg-type]
+
+
 async def check_async(questpie: Questpie) -> None:
     client = questpie.client(send_welcome_email)
     assert_type(await client.apublish(Welcome(user_id="u"), idempotency_key="k"), str | None)
     assert_type(await client.apublish_many([{"user_id": "u"}]), list[str | None])
     assert_type(await questpie.queue.aget_receipt("id"), Receipt | None)
-    await client.apublish({"user_id": "u"}, idempotency="k")  # type: ignore[arg-type]
+    await client.apublish({"user_id": "u"}, idempotency="k")  # type: ignore[call-arg]
+    await client.apublish({"user_id": "u"}, retry_limit="3")  # type: ignore[arg-type]
+    await client.apublish_many([{}], countdown=5)  # type: ignore[call-arg]
 
 
 @dataclass

@@ -22,7 +22,8 @@ from celery import signals
 from ..client import JobClient
 from ..jobs import JobDefinition
 from ..ledger.schema import TERMINAL
-from ..operations import MAX_PAGE, DispatchDetail
+from ..operations import MAX_PAGE
+from ..receipts import DispatchDetail
 
 if TYPE_CHECKING:
     from ..app import Questpie

@@ -30,9 +30,9 @@ from questpie_celery.ledger import (
 from questpie_celery.ledger.aio import AsyncLedger
 from questpie_celery.ledger.schema import schema_version_table
 from questpie_celery.ledger.statements import db_time
-from questpie_celery.operations import DispatchDetail
 from questpie_celery.options import RunOptions, StoredOptions
 from questpie_celery.policies import QueuePolicy
+from questpie_celery.receipts import DispatchDetail
 from tests.support.services import PostgresServer, free_port
 from tests.unit.helpers import wait_until
 

@@ -93,7 +93,7 @@ def test_apublish_many_names_the_bad_item_and_writes_nothing(idle: IdleApp) -> N
 def test_unknown_keywords_and_wrong_transactions_are_refused(idle: IdleApp) -> None:
     record = idle.questpie.queue.record
     with pytest.raises(TypeError, match="start_after"):
-        run(idle.questpie, lambda: record.apublish({"tag": "x"}, countdown=5))  # type: ignore[arg-type]
+        run(idle.questpie, lambda: record.apublish({"tag": "x"}, countdown=5))  # type: ignore[call-arg]
     with pytest.raises(TypeError, match="idempotency_keys"):
         run(idle.questpie, lambda: record.apublish_many([], idempotency_key="k"))  # type: ignore[arg-type]
     with pytest.raises(PublishOptionsError, match="publish\\(\\)"):

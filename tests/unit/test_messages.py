@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import re
 import sys
@@ -71,6 +72,35 @@ def test_an_unknown_option_names_the_one_meant_and_writes_nothing(
     ledger = open_ledger(ledger_url)
     assert row_count(ledger) == 0
     ledger.close()
+
+
+@pytest.mark.parametrize(
+    ("call", "method"),
+    [
+        ("publish", lambda c, **kw: c.publish({"tag": "x"}, **kw)),
+        ("apublish", lambda c, **kw: asyncio.run(c.apublish({"tag": "x"}, **kw))),
+        ("publish_many", lambda c, **kw: c.publish_many([{"tag": "x"}], **kw)),
+        ("apublish_many", lambda c, **kw: asyncio.run(c.apublish_many([{"tag": "x"}], **kw))),
+    ],
+)
+def test_every_publishing_call_refuses_an_unknown_keyword_and_writes_nothing(
+    questpie: Questpie, ledger_url: str, call: str, method: Callable[..., object]
+) -> None:
+    options: dict[str, Any] = {"countdown": 5, "priority": 1}
+    with pytest.raises(TypeError, match=rf"^{call}\(\) got an unexpected keyword argument "):
+        method(questpie.queue.record, **options)
+    ledger = open_ledger(ledger_url)
+    assert row_count(ledger) == 0
+    ledger.close()
+
+
+@pytest.mark.parametrize("name", ["idempotency_key", "singleton_key"])
+def test_publish_many_given_one_key_says_to_pass_one_per_payload(
+    questpie: Questpie, name: str
+) -> None:
+    options: dict[str, Any] = {name: "k"}
+    with pytest.raises(TypeError, match=rf"publish_many\(\) takes {name}s=\[\.\.\.\]"):
+        questpie.queue.record.publish_many([{"tag": "x"}], **options)
 
 
 def test_an_unknown_job_says_how_to_register_one(questpie: Questpie) -> None:
