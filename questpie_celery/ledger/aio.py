@@ -71,6 +71,7 @@ class AsyncLedger:
                 loop.run_until_complete(engine.dispose())
         ledger = self._ledger
         self._sql = ledger.statements
+        self._run_sql = ledger.run_statements
         # Only an engine we made knows its own settings, and only PostgreSQL has a
         # driver that can wait without a thread.
         self.native = ledger.dialect == "postgresql" and runs_in_autocommit(ledger.engine)
@@ -115,7 +116,7 @@ class AsyncLedger:
     async def get(self, dispatch_id: str) -> DispatchRow | None:
         if not self.native:
             return await asyncio.to_thread(self._ledger.get, dispatch_id)
-        rows, _ = await self._run(self._sql.get, {"dispatch_id": dispatch_id})
+        rows, _ = await self._run(self._run_sql.get, {"dispatch_id": dispatch_id})
         return DispatchRow.from_mapping(rows[0]) if rows else None
 
     async def know_identity(self) -> None:
@@ -167,7 +168,7 @@ class AsyncLedger:
         transactional = engine.execution_options(isolation_level="READ COMMITTED")
         async with transactional.begin() as conn:
             yield conn
-            await conn.execute(self._sql.commit_durably)  # after the statement, as in `Ledger`
+            await conn.execute(self._run_sql.commit_durably)  # after the statement, as in `Ledger`
 
     def _engine(self) -> AsyncEngine:
         loop = asyncio.get_running_loop()

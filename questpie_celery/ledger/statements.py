@@ -219,6 +219,11 @@ def insert_batch(dialect: str, preamble: ColumnElement[bool] | None = None) -> I
     )
 
 
+def by_id() -> ColumnElement[bool]:
+    """The one dispatch a statement addresses (`dispatch_id`)."""
+    return dispatch_table.c.id == bindparam("dispatch_id")
+
+
 class Statements:
     """The ledger's statements for one dialect.
 
@@ -230,11 +235,10 @@ class Statements:
     them.
     """
 
-    def __init__(self, dialect: str, settings: Mapping[str, str] | None = None) -> None:
-        preamble = in_own_transaction(settings) if settings else None
+    def __init__(self, dialect: str, preamble: ColumnElement[bool] | None = None) -> None:
         t = dispatch_table.c
         now = db_time()
-        by_id = t.id == bindparam("dispatch_id")
+        by_id = dispatch_table.c.id == bindparam("dispatch_id")
         held = and_(by_id, t.claim_token == bindparam("token"), t.status == "active")
         claimable = or_(*(t.status == status for status in CLAIMABLE))
         in_slot = and_(t.job_name == bindparam("job"), t.slot == bindparam("slot_key"))
@@ -268,32 +272,12 @@ class Statements:
             )
             .returning(t.id)
         )
-        # The settings for the length of a transaction of the ledger's own (`migrate`'s),
-        # behind a pooler: what an unpooled engine's connections have from startup, so a
-        # schema upgrade waiting for a table lock gives up after the lock timeout instead
-        # of queueing every ledger statement behind it for as long as the holder lasts.
-        self.transaction_settings: Select[Any] | None = (
-            select(preamble) if preamble is not None else None
-        )
-        # On a relaxed ledger, what makes one write durable anyway: on PostgreSQL, run
-        # after it in its own transaction, before the commit (where the setting counts,
-        # and after a pooled statement's preamble turned it off); on SQLite, around it
-        # on its connection.
-        self.commit_durably: TextClause = (
-            text("SET LOCAL synchronous_commit TO on")
-            if dialect == "postgresql"
-            else text("PRAGMA synchronous=FULL")
-        )
-        self.commit_relaxed: TextClause | None = (
-            None if dialect == "postgresql" else text("PRAGMA synchronous=NORMAL")
-        )
         self.insert_batch: Insert | None = (
             insert_batch(dialect, preamble) if dialect == "postgresql" else None
         )
         self.existing: Select[Any] = select(t.id).where(
             t.id.in_(bindparam("dispatch_ids", expanding=True))
         )
-        self.get: Select[Any] = select(dispatch_table).where(by_id)
         self.get_many: Select[Any] = select(dispatch_table).where(
             t.id.in_(bindparam("dispatch_ids", expanding=True))
         )
@@ -519,7 +503,6 @@ class Statements:
         )
 
         sc = schedule_table.c
-        self.now: Select[Any] = select(now.label("now"))
         # `skip`: the (job, source) pairs this beat cannot fire just now; another beat may.
         self.due_schedules: Select[Any] = (
             select(schedule_table, now.label("now"))

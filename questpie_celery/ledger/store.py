@@ -1,46 +1,25 @@
 """`Ledger`: every operation on the ledger tables, addressed by what it does.
 
-Each operation outside `migrate` is a single statement in autocommit: one round
-trip, atomic on its own, and no transaction left open to hold row locks. A
-statement that meets a connection the server dropped (restart, failover,
-`pg_terminate_backend`, an idle timeout) runs once more on a fresh connection.
-Where that second run cannot tell whether the first one landed (a conditional
-write that now matches nothing), the operation reads the row back and decides
-from the fencing token it names.
+How each one runs its statement (autocommit, the one rerun, reading back) is
+`executor.py`'s.
 """
 
 from __future__ import annotations
 
-import logging
 import uuid
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, Engine, exc, func, inspect, select
-from sqlalchemy.engine import RowMapping
+from sqlalchemy import ColumnElement, Connection, func, inspect, select
 from sqlalchemy.sql import Executable
 
 from ..errors import LedgerBusyError, LedgerSchemaError
-from ..outages import Outage
 from ..policies import QueuePolicy
 from . import statements
-from .engine import (
-    Ambient,
-    borrowed_by,
-    create_ledger_engine,
-    dispose_in_children,
-    runs_in_autocommit,
-    statement_settings,
-)
-from .errors import (
-    MIGRATE_COMMAND,
-    Reruns,
-    SlotTaken,
-    schema_missing,
-    translate_errors,
-)
+from .engine import create_ledger_engine
+from .errors import SlotTaken, schema_missing, translate_errors
+from .executor import Executor
 from .rows import Claim, DispatchRow, NewDispatch, ScheduleRow
 from .schema import (
     CLAIMABLE,
@@ -59,8 +38,6 @@ from .schema import (
 from .statements import Statements, db_time, insert_or_nothing, upsert
 from .wakeups import SendWakeups
 
-log = logging.getLogger(__name__)
-
 #: The schema retention needs: `options` nullable, and its index on `finished_at`.
 RETENTION_SCHEMA_VERSION = 4
 #: The first schema version whose dispatch ids may be longer than a UUID's 36 characters.
@@ -68,175 +45,24 @@ WIDE_IDS_SCHEMA_VERSION = 5
 UUID_LENGTH = 36
 
 
-class Ledger:
+class Ledger(Executor):
     """The dispatch ledger in one database."""
 
-    def __init__(self, engine: Engine, *, relaxed: bool = False, pooled: bool = False) -> None:
-        #: Commits may not be on disk when they return (see `create_ledger_engine`): the
-        #: fence then takes back a delivery whose row a database crash lost.
-        self.relaxed = relaxed
-        #: The database is reached through a pooler in transaction mode: no statement
-        #: leaves state on its connection, and relays poll instead of listening.
-        self.pooled = pooled
-        #: Whether this process reaches the database, as the parts that wait out an
-        #: outage report it (see `outages.py`): they tell the log, not the ledger.
-        self.outage = Outage("the dispatch ledger")
-        self.rebind(engine)
-
-    def rebind(self, engine: Engine) -> None:
-        """Talk to the database of `engine` from now on, forgetting what was read from
-        the previous one. For tests (see `Questpie.rebind_ledger`): every part of a
-        `Questpie` shares this object, so rebinding it moves them all."""
-        self.engine = engine
-        self._autocommit: Engine
-        self._transactional: Engine
-        self._borrowed = borrowed_by(engine)
-        if self._borrowed is not None:
-            # Another framework's connections (Django's): their autocommit and any open
-            # transaction are its own. Outside its transactions they are in autocommit,
-            # so each statement stands alone; inside one, it rides that transaction.
-            self._autocommit = self._transactional = engine
-        elif runs_in_autocommit(engine):
-            self._autocommit = engine
-            self._transactional = engine.execution_options(isolation_level="READ COMMITTED")
-        else:
-            # An engine the caller passed in is left as it is; ours run in autocommit.
-            self._autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
-            self._transactional = engine
-        settings = None
-        if self.pooled and runs_in_autocommit(engine) and engine.dialect.name == "postgresql":
-            # Our pooled engine starts its connections with no settings: each write sets
-            # them for its own transaction instead (an engine passed in, or Django's,
-            # gets none, as it gets no startup settings unpooled).
-            settings = statement_settings(relaxed=self.relaxed)
-        self._sql = Statements(engine.dialect.name, settings)
+    def _prepare(self, dialect: str, preamble: ColumnElement[bool] | None) -> None:
+        super()._prepare(dialect, preamble)
+        self._sql = Statements(dialect, preamble)
         #: The statements run in a caller's transaction, which must not keep our settings.
-        self._in_caller = Statements(engine.dialect.name) if settings else self._sql
+        self._in_caller = Statements(dialect) if preamble is not None else self._sql
         self._ledger_id: str | None = None
         self._retention_ready = False  # the schema was seen at RETENTION_SCHEMA_VERSION
         self._wide_ids_ready = False  # ... at WIDE_IDS_SCHEMA_VERSION
-        dispose_in_children(engine)
-
-    @property
-    def dialect(self) -> str:
-        return self.engine.dialect.name
 
     @property
     def statements(self) -> Statements:
         """The statements of this ledger's dialect (for `aio.AsyncLedger`)."""
         return self._sql
 
-    @property
-    def migrate_command(self) -> str:
-        """What creates or upgrades the tables of this ledger: `questpie-celery migrate`,
-        or on Django's connections `manage.py migrate`."""
-        return self._borrowed.migrate_command if self._borrowed is not None else MIGRATE_COMMAND
-
-    @property
-    def borrowed(self) -> bool:
-        """Whether the connections belong to another framework (Django's)."""
-        return self._borrowed is not None
-
-    @property
-    def ambient(self) -> Ambient | None:
-        """Opens the caller's transaction in the framework that owns the connections
-        (Django's atomic block), for a publish to write in; None on an ordinary engine."""
-        return self._borrowed.ambient if self._borrowed is not None else None
-
-    def close(self) -> None:
-        """Release the pool's connections."""
-        self.engine.dispose()
-
-    def idle(self) -> None:
-        """The calling thread is between units of work (a relay pass, a round of lease
-        renewals): on borrowed connections, their owner's rules apply now (Django closes
-        one older than `CONN_MAX_AGE`, or unusable). Never raises."""
-        if self._borrowed is not None:
-            try:
-                self._borrowed.idle()
-            except Exception:
-                log.exception("releasing the ledger's borrowed connection failed")
-
-    # --- running statements ------------------------------------------------------------
-
-    def _run(
-        self,
-        stmt: Executable,
-        params: Any,
-        *,
-        durable: bool = False,
-        rerun_if_rolled_back: bool = False,
-    ) -> tuple[Any, bool]:
-        """Run one statement in autocommit; once more if its connection was found dead.
-
-        Returns its rows (or row count) and whether it ran twice: then its first run may
-        have landed unseen, and a conditional write that now matches nothing is ambiguous.
-        `durable` commits it to disk before returning even on a relaxed ledger.
-        `rerun_if_rolled_back` runs it again when the server undid it to break a
-        deadlock: a multi-row insert meeting another in the opposite order can.
-        """
-        reruns = Reruns(after_rollback=rerun_if_rolled_back, log=log)
-        with translate_errors(self.migrate_command):
-            while True:
-                try:
-                    with self._connected(durable) as conn:
-                        result = conn.execute(stmt, params)
-                        rows = result.mappings().all() if result.returns_rows else result.rowcount
-                        return rows, reruns.reconnected
-                except exc.IntegrityError:
-                    # Only the queue-policy slot indexes can refuse these statements.
-                    raise SlotTaken() from None
-                except exc.DBAPIError as error:
-                    if not reruns.again(error):
-                        raise
-
-    @contextmanager
-    def _connected(self, durable: bool) -> Iterator[Connection]:
-        if not (durable and self.relaxed):
-            with self._autocommit.connect() as conn:
-                yield conn
-            return
-        relax_again = self._sql.commit_relaxed
-        if relax_again is None:
-            # PostgreSQL: a transaction of its own, told to wait for the disk at commit.
-            with self._transactional.begin() as conn:
-                yield conn
-                conn.execute(self._sql.commit_durably)
-            return
-        # SQLite: this connection syncs every commit until the write is done.
-        with self._autocommit.connect() as conn:
-            conn.execute(self._sql.commit_durably)
-            try:
-                yield conn
-            finally:
-                conn.execute(relax_again)
-
-    def _execute(self, stmt: Executable, params: Any) -> Any:
-        return self._run(stmt, params)[0]
-
-    def _first(self, stmt: Executable, params: Any) -> RowMapping | None:
-        rows = self._execute(stmt, params)
-        return rows[0] if rows else None
-
-    def _row(self, stmt: Executable, params: Any) -> DispatchRow | None:
-        found = self._first(stmt, params)
-        return DispatchRow.from_mapping(found) if found is not None else None
-
     # --- schema ------------------------------------------------------------------------
-
-    @contextmanager
-    def _begin(self) -> Iterator[Connection]:
-        """A connection in a transaction of its own, with the ledger's settings (or, on
-        borrowed connections, in the owner's: Django's atomic block, nested in the
-        caller's if one is open)."""
-        if self._borrowed is None:
-            with self._transactional.begin() as conn:
-                if self._sql.transaction_settings is not None:
-                    conn.execute(self._sql.transaction_settings)
-                yield conn
-            return
-        with self._borrowed.atomic(), self.engine.connect() as conn:
-            yield conn
 
     def migrate(self) -> int:
         """Create or upgrade the schema; safe to run again. Returns the schema version."""
@@ -264,10 +90,6 @@ class Ledger:
                     )
                 )
         return SCHEMA_VERSION
-
-    def schema_version(self) -> int | None:
-        with translate_errors(self.migrate_command), self._autocommit.connect() as conn:
-            return conn.execute(select(func.max(schema_version_table.c.version))).scalar()
 
     @property
     def knows_identity(self) -> bool:
@@ -374,9 +196,6 @@ class Ledger:
             with translate_errors(self.migrate_command):
                 return conn.execute(self._sql.exists, params).first() is not None
         return self._first(self._sql.exists, params) is not None
-
-    def get(self, dispatch_id: str) -> DispatchRow | None:
-        return self._row(self._sql.get, {"dispatch_id": dispatch_id})
 
     def get_many(self, dispatch_ids: Sequence[str]) -> list[DispatchRow]:
         if not dispatch_ids:
@@ -713,13 +532,6 @@ class Ledger:
         return now is not None and now.status == "failed" and now.last_error == RELAY_GAVE_UP
 
     # --- schedules ------------------------------------------------------------------------
-
-    def now(self) -> datetime:
-        """The database's clock: the one every due time is compared with."""
-        row = self._first(self._sql.now, {})
-        assert row is not None
-        value: datetime = row["now"]
-        return value
 
     def put_schedule(self, row: ScheduleRow) -> None:
         """Create or replace the job's schedule from `row.source`."""
