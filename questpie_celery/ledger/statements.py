@@ -17,7 +17,6 @@ from typing import Any
 
 from sqlalchemy import (
     BigInteger,
-    Boolean,
     ColumnElement,
     Float,
     Insert,
@@ -224,6 +223,71 @@ def by_id() -> ColumnElement[bool]:
     return dispatch_table.c.id == bindparam("dispatch_id")
 
 
+def claimable() -> ColumnElement[bool]:
+    """The row waits for a claim (see `schema.CLAIMABLE`)."""
+    t = dispatch_table.c
+    return or_(*(t.status == status for status in CLAIMABLE))
+
+
+def deliverable() -> ColumnElement[bool]:
+    """The row waits for the claim of delivery `previous + 1` of it, by its job.
+
+    Bound to its job: a message for another job that carries this id claims nothing.
+    `job_name || ''` keeps the job out of the index conditions: the row is found by
+    its id. PostgreSQL, for a job its statistics have not seen yet (a new job on a
+    big ledger, until the next ANALYZE), would otherwise rate the per-job index as
+    good as the primary key and read every row of the job on each claim.
+    """
+    t = dispatch_table.c
+    return and_(
+        by_id(),
+        t.job_name.concat("") == bindparam("job"),
+        claimable(),
+        t.attempt == bindparam("previous"),
+    )
+
+
+def delivered() -> ColumnElement[Any]:
+    """The row's `queued_at` once a delivery of it arrived.
+
+    A delivery is proof that the broker had its message: a claim (or a park, or the
+    end of a revoked one) records the acceptance if the publisher's batched mark has
+    not landed yet, and the mark then leaves the row alone. Never after now: a claim
+    that waited on a mark's row lock started before the mark.
+    """
+    t = dispatch_table.c
+    now = db_time()
+    return case((or_(t.queued_at.is_(None), t.queued_at > now), now), else_=t.queued_at)
+
+
+def terminal_values() -> dict[str, Any]:
+    """What every write that ends a dispatch sets, with its `error`."""
+    return {
+        "lease_expires_at": None,
+        "last_error": bindparam("error"),
+        "finished_at": db_time(),
+        "next_send_at": None,  # an ended dispatch is never sent again
+        # Key erasure is part of the terminal write, never a second step.
+        "secret_ciphertext": None,
+        "secret_wrapped_key": None,
+    }
+
+
+def add_preamble(
+    statements: object, preamble: ColumnElement[bool] | None, names: tuple[str, ...]
+) -> None:
+    """`preamble` (a pooled ledger's settings, `in_own_transaction`) in each of the
+    updates `names` of `statements`: the writes that may wait on a row another
+    transaction holds (a key, a policy slot, a row lock), or that commit on the hot path
+    (a relaxed ledger's `synchronous_commit`). The rare ones (schedules, retention,
+    policies, backlog samples) commit with the server's defaults."""
+    if preamble is None:
+        return
+    for name in names:
+        update_: Update = getattr(statements, name)
+        setattr(statements, name, update_.where(preamble))
+
+
 class Statements:
     """The ledger's statements for one dialect.
 
@@ -239,8 +303,6 @@ class Statements:
         t = dispatch_table.c
         now = db_time()
         by_id = dispatch_table.c.id == bindparam("dispatch_id")
-        held = and_(by_id, t.claim_token == bindparam("token"), t.status == "active")
-        claimable = or_(*(t.status == status for status in CLAIMABLE))
         in_slot = and_(t.job_name == bindparam("job"), t.slot == bindparam("slot_key"))
 
         self.insert: Insert = (
@@ -313,121 +375,9 @@ class Statements:
                 ),
             )
         )
-        # Bound to its job: a message for another job that carries this id claims nothing.
-        # `job_name || ''` keeps the job out of the index conditions: the row is found by
-        # its id. PostgreSQL, for a job its statistics have not seen yet (a new job on a
-        # big ledger, until the next ANALYZE), would otherwise rate the per-job index as
-        # good as the primary key and read every row of the job on each claim.
-        deliverable = and_(
-            by_id,
-            t.job_name.concat("") == bindparam("job"),
-            claimable,
-            t.attempt == bindparam("previous"),
-        )
-        # Never before the row is due: a message that carries the id of a dispatch that
-        # waits for its start or its retry (a forged one, a stale copy) runs nothing early.
-        # Eager mode runs everything at once, as Celery's does (`any_time`).
-        started = or_(bindparam("any_time", type_=Boolean), t.run_after <= now)
-        # A delivery is proof that the broker had its message: a claim (or a park, or the
-        # end of a revoked one) records the acceptance if the publisher's batched mark has
-        # not landed yet, and the mark then leaves the row alone. Never after now: a claim
-        # that waited on a mark's row lock started before the mark.
-        delivered = case((or_(t.queued_at.is_(None), t.queued_at > now), now), else_=t.queued_at)
-        self.claim: Update = (
-            update(dispatch_table)
-            .where(deliverable, started)
-            .values(
-                status="active",
-                attempt=t.attempt + 1,
-                send_count=0,  # the relay's budget counts sends per attempt
-                claim_token=bindparam("new_token"),
-                lease_expires_at=db_time(seconds("lease")),
-                started_at=now,
-                queued_at=delivered,
-                # Nothing is due for the relay while a claim holds: it watches the lease.
-                next_send_at=None,
-            )
-            .returning(*dispatch_table.c)
-        )
-        self.renew: Update = (
-            update(dispatch_table).where(held).values(lease_expires_at=db_time(seconds("lease")))
-        )
-        # Why a claim took nothing, and how long before the row is due, on one clock.
-        self.get_and_now: Select[Any] = select(dispatch_table, now.label("now")).where(by_id)
-        # An early delivery dropped: the relay sends the row when it is due, whatever time
-        # it was to look at the row next (a retry sent at once looks only after
-        # `redeliver_after`, trusting the message the early delivery may have been).
-        # (The acceptance mark of a publish that comes later leaves it so; see
-        # `_made_due_at_start`.)
-        self.send_when_due: Update = (
-            update(dispatch_table)
-            .where(
-                by_id,
-                t.job_name == bindparam("job"),
-                claimable,
-                t.attempt == bindparam("previous"),
-                or_(t.next_send_at.is_(None), t.next_send_at > t.run_after),
-            )
-            .values(next_send_at=t.run_after)
-        )
-        ended: dict[str, Any] = {"lease_expires_at": None, "last_error": bindparam("error")}
-        terminal = {
-            **ended,
-            "finished_at": now,
-            "next_send_at": None,  # an ended dispatch is never sent again
-            # Key erasure is part of the terminal write, never a second step.
-            "secret_ciphertext": None,
-            "secret_wrapped_key": None,
-        }
-        retrying = {
-            **ended,
-            "status": "retry",
-            "run_after": db_time(seconds("retry_in")),
-            "next_send_at": db_time(seconds("relay_in")),
-        }
-        self.finish: Update = (
-            update(dispatch_table).where(held).values(status=bindparam("new_status"), **terminal)
-        )
-        self.retry: Update = update(dispatch_table).where(held).values(**retrying)
-        # Ending a lapsed lease is the relay's doing, not the holder's: it clears the token,
-        # so a holder reading back after a failed write knows its own write did not land.
-        lapsed = and_(held, t.lease_expires_at < now)
-        self.lapse_retry: Update = (
-            update(dispatch_table).where(lapsed).values(claim_token=None, **retrying)
-        )
-        self.lapse_fail: Update = (
-            update(dispatch_table)
-            .where(lapsed)
-            .values(status="failed", claim_token=None, **terminal)
-        )
-        self.expired: Select[Any] = (
-            select(dispatch_table)
-            .where(t.status == "active", t.lease_expires_at < now)
-            .order_by(t.lease_expires_at)
-            .limit(bindparam("limit"))
-        )
-
-        # A delivery that ended without a run (its pool process died before the claim, or
-        # the worker revoked its message): only a row still waiting for that very claim
-        # is touched, so a run that did claim, or a later attempt, is never disturbed.
-        # Due now, unless its start is further off than the outbox's ETA horizon (the
-        # lost delivery was an early copy): then its own next send stands, or the relay
-        # would hand the broker an ETA far in the future.
-        self.send_unclaimed_now: Update = (
-            update(dispatch_table)
-            .where(deliverable)
-            .values(
-                next_send_at=case(
-                    (t.run_after > db_time(seconds("horizon")), t.next_send_at), else_=now
-                )
-            )
-        )
-        self.end_unclaimed: Update = (
-            update(dispatch_table)
-            .where(deliverable)
-            .values(status="failed", claim_token=None, queued_at=delivered, **terminal)
-            .returning(*dispatch_table.c)
-        )
+        deliverable = deliverable_()
+        delivered = delivered_()
+        terminal = terminal_values()
 
         # Parked, a run waits for its slot, not for the relay: unparking makes it due again.
         self.park: Update = (
@@ -633,9 +583,8 @@ class Statements:
 
 #: The updates `Statements._add_preamble` gives the pooled ledger's settings.
 _PREAMBLE_UPDATES = (
-    "mark_queued", "claim", "renew", "finish", "retry", "lapse_retry", "lapse_fail", "park",
-    "unpark", "take_due", "give_back", "give_up", "send_soon", "advance_schedule", "requeue",
-    "send_when_due", "send_unclaimed_now", "end_unclaimed",
+    "mark_queued", "park", "unpark", "take_due", "give_back", "give_up", "send_soon",
+    "advance_schedule", "requeue",
 )  # fmt: skip
 
 
@@ -953,3 +902,7 @@ def requeue() -> Update:
             run_after=db_time(),
         )
     )
+
+
+deliverable_ = deliverable
+delivered_ = delivered

@@ -17,17 +17,15 @@ from sqlalchemy.sql import Executable
 from ..errors import LedgerBusyError, LedgerSchemaError
 from ..policies import QueuePolicy
 from . import statements
+from .claims import Claims
 from .engine import create_ledger_engine
 from .errors import SlotTaken, schema_missing, translate_errors
 from .executor import Executor
-from .rows import Claim, DispatchRow, NewDispatch, ScheduleRow
+from .rows import DispatchRow, NewDispatch, ScheduleRow
 from .schema import (
-    CLAIMABLE,
-    LEASE_EXPIRED,
     LEDGER_ID_KEY,
     RELAY_GAVE_UP,
     SCHEMA_VERSION,
-    TERMINAL,
     Status,
     dispatch_table,
     info_table,
@@ -45,7 +43,7 @@ WIDE_IDS_SCHEMA_VERSION = 5
 UUID_LENGTH = 36
 
 
-class Ledger(Executor):
+class Ledger(Claims, Executor):
     """The dispatch ledger in one database."""
 
     def _prepare(self, dialect: str, preamble: ColumnElement[bool] | None) -> None:
@@ -226,175 +224,6 @@ class Ledger(Executor):
                 "send_in": send_in,
             }
             self._execute(self._sql.send_soon, params)
-
-    # --- the fence ---------------------------------------------------------------------
-
-    def claim(
-        self,
-        dispatch_id: str,
-        job_name: str,
-        attempt: int,
-        lease_seconds: float,
-        token: str | None = None,
-        *,
-        any_time: bool = False,
-    ) -> Claim:
-        """Take the execution claim for delivery `attempt` of a dispatch of `job_name`.
-
-        Succeeds only when the row belongs to the job, is claimable, has made exactly
-        `attempt - 1` claims and is due (its `run_after` has come; `any_time` skips
-        that, for eager mode): a delivery of an attempt the row has moved past is
-        `stale`, one of a finished dispatch `done`, one that meets a live claim `busy`,
-        one for a row of another job or none at all `unknown`, one whose policy slot is
-        taken `blocked`, and one before the row is due `early` (with how early).
-        `token` is the delivery's fencing token (a fresh one when None); pass the same
-        on every try of one delivery, so a try whose reply was lost is ours.
-        """
-        token = token or str(uuid.uuid4())
-        params = {
-            "dispatch_id": dispatch_id,
-            "job": job_name,
-            "previous": attempt - 1,
-            "new_token": token,
-            "lease": lease_seconds,
-            "any_time": any_time,
-        }
-        try:
-            row = self._row(self._sql.claim, params)
-        except SlotTaken:
-            return Claim("blocked")
-        if row is not None:
-            return Claim("claimed", row, token)
-        # Not claimed: read the row to say why (the answer may be a moment old).
-        read = self._first(self._sql.get_and_now, {"dispatch_id": dispatch_id})
-        found = DispatchRow.from_mapping(read) if read is not None else None
-        if read is None or found is None or found.job_name != job_name:
-            return Claim("unknown")
-        if found.claim_token == token and found.status == "active":
-            return Claim("claimed", found, token)  # our first try landed; its reply was lost
-        if found.status in TERMINAL:
-            return Claim("done", found)
-        if found.status == "active" and found.attempt == attempt:
-            return Claim("busy", found)
-        due_in = (found.run_after - read["now"]).total_seconds()
-        if found.status in CLAIMABLE and found.attempt == attempt - 1 and due_in > 0:
-            return Claim("early", found, due_in=due_in)
-        return Claim("stale", found)
-
-    def send_when_due(self, dispatch_id: str, job_name: str, attempt: int) -> bool:
-        """Make the relay send delivery `attempt` of the row at its `run_after` at the
-        latest (an early delivery of it was dropped); False when the row has moved on,
-        or is due for the relay by then anyway."""
-        params = {"dispatch_id": dispatch_id, "job": job_name, "previous": attempt - 1}
-        return bool(self._execute(self._sql.send_when_due, params))
-
-    def renew(self, dispatch_id: str, token: str, lease_seconds: float) -> bool:
-        """Extend a live claim; False when the claim is no longer ours."""
-        params = {"dispatch_id": dispatch_id, "token": token, "lease": lease_seconds}
-        return bool(self._execute(self._sql.renew, params))
-
-    def finish(self, dispatch_id: str, token: str, status: Status, error: str | None) -> bool:
-        """Record `completed` or `failed` (erasing a secret's key); only the holder can.
-
-        False when the claim was lost (the relay ended the lapsed lease).
-        """
-        params = {"dispatch_id": dispatch_id, "token": token, "new_status": status, "error": error}
-        return self._held_write(self._sql.finish, params, dispatch_id, token, status)
-
-    def retry(
-        self, dispatch_id: str, token: str, *, retry_in: float, relay_in: float, error: str
-    ) -> bool:
-        """End the claim as a failed attempt, due again in `retry_in` s.
-
-        `relay_in` is when the relay sends the retry if no message claims it first.
-        """
-        params = {
-            "dispatch_id": dispatch_id,
-            "token": token,
-            "retry_in": retry_in,
-            "relay_in": relay_in,
-            "error": error,
-        }
-        return self._held_write(self._sql.retry, params, dispatch_id, token, "retry")
-
-    def _held_write(
-        self, stmt: Executable, params: dict[str, Any], dispatch_id: str, token: str, to: Status
-    ) -> bool:
-        if self._execute(stmt, params):
-            return True
-        # Nothing matched. If a dropped connection made us run it twice, the first run
-        # may have landed: then the row carries our token in the state we wrote.
-        row = self.get(dispatch_id)
-        return row is not None and row.claim_token == token and row.status == to
-
-    def expired_claims(self, limit: int = 100) -> list[DispatchRow]:
-        """Active rows whose lease has lapsed: their holder died or overran."""
-        rows = self._execute(self._sql.expired, {"limit": limit})
-        return [DispatchRow.from_mapping(row) for row in rows]
-
-    def lapse(self, row: DispatchRow, *, retry_in: float | None, relay_in: float) -> bool:
-        """End a lapsed claim as a failed attempt: due again in `retry_in` s, or failed."""
-        params: dict[str, Any] = {
-            "dispatch_id": row.id,
-            "token": row.claim_token,
-            "error": LEASE_EXPIRED,
-        }
-        stmt = self._sql.lapse_fail
-        if retry_in is not None:
-            stmt = self._sql.lapse_retry
-            params.update(retry_in=retry_in, relay_in=relay_in)
-        count, retried = self._run(stmt, params)
-        if count or not retried:
-            return bool(count)
-        now = self.get(row.id)  # ambiguous: did our first run land?
-        return (
-            now is not None
-            and now.attempt == row.attempt
-            and now.claim_token is None
-            and now.last_error == LEASE_EXPIRED
-        )
-
-    def send_unclaimed_now(
-        self, dispatch_id: str, job_name: str, attempt: int, *, horizon: float
-    ) -> bool:
-        """Make the row due for the relay now, if delivery `attempt` never claimed it (the
-        delivery ended without a run) and its start is at most `horizon` seconds away;
-        False when the row has moved on, or is not there. A row that starts later keeps
-        its own next send."""
-        params = {
-            "dispatch_id": dispatch_id,
-            "job": job_name,
-            "previous": attempt - 1,
-            "horizon": horizon,
-        }
-        count, retried = self._run(self._sql.send_unclaimed_now, params)
-        return bool(count) or retried  # run twice: the first run may have landed; harmless
-
-    def end_unclaimed(
-        self, dispatch_id: str, job_name: str, attempt: int, error: str
-    ) -> DispatchRow | None:
-        """Record `failed` with `error` (erasing a secret's key) for a dispatch whose
-        delivery `attempt` was called off before it claimed (a revoke); the row ended, or
-        None when the row has moved on (it ran, or a later attempt is under way)."""
-        params = {
-            "dispatch_id": dispatch_id,
-            "job": job_name,
-            "previous": attempt - 1,
-            "error": error,
-        }
-        rows, retried = self._run(self._sql.end_unclaimed, params)
-        if rows:
-            return DispatchRow.from_mapping(rows[0])
-        if not retried:
-            return None
-        now = self.get(dispatch_id)  # ambiguous: did our first run land?
-        landed = (
-            now is not None
-            and now.status == "failed"
-            and now.last_error == error
-            and now.attempt == attempt - 1
-        )
-        return now if landed else None
 
     # --- queue policy slots ------------------------------------------------------------
 
