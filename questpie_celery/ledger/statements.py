@@ -303,7 +303,6 @@ class Statements:
         t = dispatch_table.c
         now = db_time()
         by_id = dispatch_table.c.id == bindparam("dispatch_id")
-        in_slot = and_(t.job_name == bindparam("job"), t.slot == bindparam("slot_key"))
 
         self.insert: Insert = (
             insert_or_nothing(dialect, dispatch_table)
@@ -375,29 +374,7 @@ class Statements:
                 ),
             )
         )
-        deliverable = deliverable_()
-        delivered = delivered_()
         terminal = terminal_values()
-
-        # Parked, a run waits for its slot, not for the relay: unparking makes it due again.
-        self.park: Update = (
-            update(dispatch_table)
-            .where(deliverable)
-            .values(status="parked", queued_at=delivered, next_send_at=None)
-        )
-        self.oldest_parked: Select[Any] = (
-            select(t.id).where(in_slot, t.status == "parked").order_by(t.created_at, t.id).limit(1)
-        )
-        self.unpark: Update = (
-            update(dispatch_table)
-            .where(by_id, t.status == "parked")
-            .values(status="queued", next_send_at=db_time(seconds("redeliver_in")))
-            .returning(*dispatch_table.c)
-        )
-        self.slot_running: Select[Any] = (
-            select(t.id).where(in_slot, t.status.in_(RUNNING), t.policy.is_not(None)).limit(1)
-        )
-        self.free_parked_slots: Select[Any] = _free_parked_slots()
 
         due = and_(t.status.in_(RESENDABLE), t.next_send_at <= now)
         max_sends: Any = bindparam("max_sends")
@@ -583,7 +560,7 @@ class Statements:
 
 #: The updates `Statements._add_preamble` gives the pooled ledger's settings.
 _PREAMBLE_UPDATES = (
-    "mark_queued", "park", "unpark", "take_due", "give_back", "give_up", "send_soon",
+    "mark_queued", "take_due", "give_back", "give_up", "send_soon",
     "advance_schedule", "requeue",
 )  # fmt: skip
 
@@ -629,7 +606,7 @@ def _larger(a: ColumnElement[Any], b: ColumnElement[Any]) -> ColumnElement[Any]:
     return case((a > b, a), else_=b)
 
 
-def _slot_busy(job: ColumnElement[Any], slot: ColumnElement[Any]) -> ColumnElement[bool]:
+def slot_busy(job: ColumnElement[Any], slot: ColumnElement[Any]) -> ColumnElement[bool]:
     """Something runs in the slot, or is on its way to it.
 
     A run on its way (an unparked or accepted run that is due, its message in the
@@ -643,17 +620,6 @@ def _slot_busy(job: ColumnElement[Any], slot: ColumnElement[Any]) -> ColumnEleme
     )
     return (
         select(other.c.id).where(other.c.job_name == job, other.c.slot == slot, on_its_way).exists()
-    )
-
-
-def _free_parked_slots() -> Select[Any]:
-    """(job, slot) pairs holding parked runs while nothing runs in the slot."""
-    t = dispatch_table.c
-    return (
-        select(t.job_name, t.slot)
-        .where(t.status == "parked", ~_slot_busy(t.job_name, t.slot))
-        .distinct()
-        .limit(bindparam("limit"))
     )
 
 
@@ -718,7 +684,7 @@ def _stuck_where(*, grace: float, redeliver_after: float) -> dict[str, ColumnEle
         "accepted, never claimed": and_(
             t.status == "queued", t.queued_at < db_time(-redeliver_after)
         ),
-        "parked, slot free": and_(t.status == "parked", ~_slot_busy(t.job_name, t.slot)),
+        "parked, slot free": and_(t.status == "parked", ~slot_busy(t.job_name, t.slot)),
     }
 
 
@@ -902,7 +868,3 @@ def requeue() -> Update:
             run_after=db_time(),
         )
     )
-
-
-deliverable_ = deliverable
-delivered_ = delivered

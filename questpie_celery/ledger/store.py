@@ -20,7 +20,6 @@ from . import statements
 from .claims import Claims
 from .engine import create_ledger_engine
 from .errors import SlotTaken, schema_missing, translate_errors
-from .executor import Executor
 from .rows import DispatchRow, NewDispatch, ScheduleRow
 from .schema import (
     LEDGER_ID_KEY,
@@ -33,6 +32,7 @@ from .schema import (
     schedule_table,
     schema_version_table,
 )
+from .slots import Slots
 from .statements import Statements, db_time, insert_or_nothing, upsert
 from .wakeups import SendWakeups
 
@@ -43,7 +43,7 @@ WIDE_IDS_SCHEMA_VERSION = 5
 UUID_LENGTH = 36
 
 
-class Ledger(Claims, Executor):
+class Ledger(Claims, Slots):
     """The dispatch ledger in one database."""
 
     def _prepare(self, dialect: str, preamble: ColumnElement[bool] | None) -> None:
@@ -224,47 +224,6 @@ class Ledger(Claims, Executor):
                 "send_in": send_in,
             }
             self._execute(self._sql.send_soon, params)
-
-    # --- queue policy slots ------------------------------------------------------------
-
-    def park(self, dispatch_id: str, job_name: str, attempt: int) -> bool:
-        """Set a delivered run aside until its slot frees; not an attempt."""
-        params = {"dispatch_id": dispatch_id, "job": job_name, "previous": attempt - 1}
-        count, retried = self._run(self._sql.park, params)
-        if count or not retried:
-            return bool(count)
-        now = self.get(dispatch_id)  # ambiguous: parking twice is harmless, missing it is not
-        return now is not None and now.status == "parked" and now.attempt == attempt - 1
-
-    def slot_running(self, job_name: str, slot: str) -> bool:
-        """Whether a run holds the slot's running place (active, or awaiting its retry)."""
-        return self._first(self._sql.slot_running, {"job": job_name, "slot_key": slot}) is not None
-
-    def unpark_next(self, job_name: str, slot: str, redeliver_in: float) -> DispatchRow | None:
-        """Move the oldest parked run of a slot back to `queued`; the caller sends it.
-
-        A conditional update, so of several processes handing the same slot on, one
-        wins each parked row and exactly one message is sent for it.
-        """
-        for _ in range(5):
-            oldest = self._first(self._sql.oldest_parked, {"job": job_name, "slot_key": slot})
-            if oldest is None:
-                return None
-            params = {"dispatch_id": oldest["id"], "redeliver_in": redeliver_in}
-            rows, retried = self._run(self._sql.unpark, params)
-            if rows:
-                return DispatchRow.from_mapping(rows[0])
-            if retried:
-                # Ours or another's: a second send is harmless, no send at all is not.
-                now = self.get(oldest["id"])
-                if now is not None and now.status == "queued":
-                    return now
-        return None
-
-    def free_parked_slots(self, limit: int = 100) -> list[tuple[str, str]]:
-        """(job, slot) pairs holding parked runs while nothing runs in the slot."""
-        rows = self._execute(self._sql.free_parked_slots, {"limit": limit})
-        return [(row["job_name"], row["slot"]) for row in rows]
 
     # --- recorded policies -------------------------------------------------------------
 
