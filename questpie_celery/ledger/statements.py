@@ -66,7 +66,6 @@ from .schema import (
     beat_tick_table,
     dispatch_table,
     info_table,
-    policy_table,
     schedule_table,
 )
 
@@ -510,22 +509,6 @@ class Statements:
             text(f"NOTIFY {RELAY_WAKE_CHANNEL}") if dialect == "postgresql" else None
         )
 
-        p = policy_table.c
-        self.get_policy: Select[Any] = select(p.policy).where(p.job_name == bindparam("job"))
-        self.record_policy: Insert = insert_or_nothing(dialect, policy_table).values(
-            job_name=bindparam("job"),
-            policy=bindparam("policy", type_=p.policy.type),
-            updated_at=now,
-        )
-        upsert = (postgresql if dialect == "postgresql" else sqlite).insert(policy_table)
-        self.set_policy: Insert = upsert.values(
-            job_name=bindparam("job"),
-            policy=bindparam("policy", type_=p.policy.type),
-            updated_at=now,
-        ).on_conflict_do_update(
-            index_elements=[p.job_name],
-            set_={"policy": upsert.excluded.policy, "updated_at": upsert.excluded.updated_at},
-        )
         self.requeue: Update = requeue()
         i = info_table.c
         self.pruned_before: Select[Any] = select(i.value).where(i.key == PRUNED_BEFORE_KEY)

@@ -15,11 +15,11 @@ from sqlalchemy import ColumnElement, Connection, func, inspect, select
 from sqlalchemy.sql import Executable
 
 from ..errors import LedgerBusyError, LedgerSchemaError
-from ..policies import QueuePolicy
 from . import statements
 from .claims import Claims
 from .engine import create_ledger_engine
 from .errors import SlotTaken, schema_missing, translate_errors
+from .policies import Policies
 from .rows import DispatchRow, NewDispatch, ScheduleRow
 from .schema import (
     LEDGER_ID_KEY,
@@ -43,7 +43,7 @@ WIDE_IDS_SCHEMA_VERSION = 5
 UUID_LENGTH = 36
 
 
-class Ledger(Claims, Slots):
+class Ledger(Claims, Slots, Policies):
     """The dispatch ledger in one database."""
 
     def _prepare(self, dialect: str, preamble: ColumnElement[bool] | None) -> None:
@@ -224,21 +224,6 @@ class Ledger(Claims, Slots):
                 "send_in": send_in,
             }
             self._execute(self._sql.send_soon, params)
-
-    # --- recorded policies -------------------------------------------------------------
-
-    def get_policy(self, job_name: str) -> QueuePolicy | None:
-        found = self._first(self._sql.get_policy, {"job": job_name})
-        return None if found is None else QueuePolicy.parse(found["policy"])
-
-    def record_policy(self, job_name: str, policy: QueuePolicy) -> QueuePolicy:
-        """Record a job's policy unless one is recorded; return the one in force."""
-        self._execute(self._sql.record_policy, {"job": job_name, "policy": policy})
-        return self.get_policy(job_name) or policy
-
-    def set_policy(self, job_name: str, policy: QueuePolicy) -> None:
-        """Change a job's recorded policy on purpose (new dispatches follow it)."""
-        self._execute(self._sql.set_policy, {"job": job_name, "policy": policy})
 
     # --- the relay's sends -------------------------------------------------------------
 
