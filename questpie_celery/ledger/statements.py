@@ -16,7 +16,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from sqlalchemy import (
-    BigInteger,
     ColumnElement,
     Float,
     Insert,
@@ -30,18 +29,14 @@ from sqlalchemy import (
     any_,
     bindparam,
     case,
-    cast,
     column,
     delete,
-    exists,
     func,
-    insert,
     literal,
     literal_column,
     null,
     or_,
     select,
-    text,
     true,
     tuple_,
     update,
@@ -49,7 +44,6 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.compiler import SQLCompiler
-from sqlalchemy.sql.elements import TextClause
 from sqlalchemy.sql.expression import FunctionElement
 
 from ..errors import LedgerError
@@ -57,20 +51,15 @@ from .schema import (
     CLAIMABLE,
     LEDGER_ID_KEY,
     PRUNED_BEFORE_KEY,
-    RELAY_GAVE_UP,
-    RESENDABLE,
     RUNNING,
     TERMINAL,
     UTCDateTime,
-    backlog_table,
     beat_tick_table,
     dispatch_table,
     info_table,
     schedule_table,
 )
 
-#: The most due rows one backlog sample counts; past it the plot shows the cap.
-BACKLOG_CAP = 100_000
 #: The most rows one reason's stuck count counts (for every job together).
 STUCK_COUNT_CAP = 100_000
 #: The PostgreSQL channel a `publish(connection=...)` notifies in the caller's transaction
@@ -349,7 +338,7 @@ class Statements:
         # later (`accepted_ago`, measured by the publisher), never before the row was
         # written, and never after a run started (on a row a release before this one
         # claimed without recording its acceptance).
-        accepted = _larger(t.created_at, db_time(-seconds("accepted_ago")))
+        accepted = larger(t.created_at, db_time(-seconds("accepted_ago")))
         # One statement (one commit) for a whole batch of acceptances.
         self.mark_queued: Update = (
             update(dispatch_table)
@@ -361,7 +350,7 @@ class Statements:
             )
             .values(
                 queued_at=func.coalesce(
-                    t.queued_at, _smaller(accepted, func.coalesce(t.started_at, accepted))
+                    t.queued_at, smaller(accepted, func.coalesce(t.started_at, accepted))
                 ),
                 status=case((still_pending, "queued"), else_=t.status),
                 next_send_at=case(
@@ -373,61 +362,6 @@ class Statements:
                 ),
             )
         )
-        terminal = terminal_values()
-
-        due = and_(t.status.in_(RESENDABLE), t.next_send_at <= now)
-        max_sends: Any = bindparam("max_sends")
-        # Rows the relay ran out of sends for: recorded failed, one by one (rare).
-        self.due_out_of_sends: Select[Any] = (
-            select(dispatch_table)
-            .where(due, t.send_count >= max_sends)
-            .order_by(t.next_send_at)
-            .limit(bindparam("limit"))
-        )
-        # The relay takes due rows a batch per statement: each row's send counted and its
-        # next send pushed out by the relay's backoff, so it is not due again meanwhile.
-        # SKIP LOCKED lets several relays take disjoint batches at once on PostgreSQL; a row
-        # another relay just took fails `due` when re-checked under its lock. SQLite has no
-        # row locks and needs none: one statement holds the database's write lock, so two
-        # relays' takes run one after the other and the second sees the first's backoff.
-        batch = (
-            select(t.id)
-            .where(due, t.send_count < max_sends)
-            .order_by(t.next_send_at)
-            .limit(bindparam("limit"))
-            .with_for_update(skip_locked=True)
-        )
-        self.take_due: Update = (
-            update(dispatch_table)
-            .where(t.id.in_(batch.scalar_subquery()))
-            .values(send_count=t.send_count + 1, next_send_at=db_time(_relay_backoff()))
-            .returning(*dispatch_table.c)
-        )
-        # The relay's backlog: what is due for it to send. Counted through a capped
-        # subquery, so a huge backlog costs a bounded index scan, not a count of it all.
-        due_rows = (
-            select(literal(1))
-            .where(t.status.in_(RESENDABLE), t.next_send_at <= now)
-            .limit(BACKLOG_CAP)
-            .subquery()
-        )
-        b = backlog_table.c
-        # One sample per `gap` seconds however many relays run: each inserts only when no
-        # recent sample exists (two racing relays may both insert; the plot shrugs).
-        self.sample_backlog: Insert = insert(backlog_table).from_select(
-            ["sampled_at", "backlog"],
-            select(now, select(func.count()).select_from(due_rows).scalar_subquery()).where(
-                # A sample "from the future" (the clock stepped back) must not stop sampling.
-                ~exists().where(b.sampled_at > db_time(seconds("gap")), b.sampled_at <= now)
-            ),
-        )
-        self.prune_backlog = delete(backlog_table).where(b.sampled_at < db_time(seconds("keep")))
-        self.backlog_since: Select[Any] = (
-            select(b.sampled_at, b.backlog)
-            .where(b.sampled_at >= db_time(seconds("since")))
-            .order_by(b.sampled_at)
-        )
-
         sc = schedule_table.c
         # `skip`: the (job, source) pairs this beat cannot fire just now; another beat may.
         self.due_schedules: Select[Any] = (
@@ -473,42 +407,6 @@ class Statements:
             beat_tick_table.c.tick == bindparam("tick"),
         )
 
-        # Giving up is conditional on the exact next_send_at we read, so of several relays
-        # exactly one records it.
-        seen = and_(
-            by_id, t.status == bindparam("seen_status"), t.next_send_at == bindparam("seen_next")
-        )
-        # A taken row the relay did not send (the broker refused an earlier one of its
-        # batch): its send uncounted, due again soon. Conditional on the take as it left the
-        # row, so a row another relay has taken since keeps that relay's count.
-        self.give_back: Update = (
-            update(dispatch_table)
-            .where(seen, t.send_count == bindparam("seen_count"))
-            .values(send_count=t.send_count - 1, next_send_at=db_time(seconds("send_in")))
-        )
-        self.give_up: Update = (
-            update(dispatch_table)
-            .where(seen)
-            .values(status="failed", claim_token=None, **{**terminal, "last_error": RELAY_GAVE_UP})
-        )
-        # After a send the broker refused: let the relay try again soon, not at the far-off
-        # safety-net time the row was given in the hope that the send would succeed.
-        self.send_soon: Update = (
-            update(dispatch_table)
-            .where(
-                t.id.in_(bindparam("dispatch_ids", expanding=True)),
-                t.status.in_(RESENDABLE),
-                t.attempt == bindparam("seen_attempt"),
-            )
-            .values(next_send_at=db_time(seconds("send_in")))
-        )
-
-        # Wakes every listening relay once the caller's transaction commits (PostgreSQL
-        # delivers notifications at commit, and drops them on rollback); SQLite has none.
-        self.wake_relays: TextClause | None = (
-            text(f"NOTIFY {RELAY_WAKE_CHANNEL}") if dialect == "postgresql" else None
-        )
-
         self.requeue: Update = requeue()
         i = info_table.c
         self.pruned_before: Select[Any] = select(i.value).where(i.key == PRUNED_BEFORE_KEY)
@@ -543,7 +441,7 @@ class Statements:
 
 #: The updates `Statements._add_preamble` gives the pooled ledger's settings.
 _PREAMBLE_UPDATES = (
-    "mark_queued", "take_due", "give_back", "give_up", "send_soon",
+    "mark_queued",
     "advance_schedule", "requeue",
 )  # fmt: skip
 
@@ -563,29 +461,12 @@ def _made_due_at_start() -> ColumnElement[bool]:
     return and_(t.next_send_at == t.run_after, t.run_after > db_time())
 
 
-def _relay_backoff() -> ColumnElement[Any]:
-    """Seconds until the relay may send a row again after this send, per row: doubling
-    from `first_backoff` with each earlier send of the attempt, capped at `max_backoff`,
-    and never below `accepted_backoff` for a row the broker accepted once (it may just be
-    waiting in a busy queue). The outbox chooses the numbers.
-
-    A shift, not power(): SQLite lacks power() unless built with its math functions. The
-    shift is safe because only rows with fewer than `max_sends` sends are taken.
-    """
-    t = dispatch_table.c
-    doubling = cast(literal(1), BigInteger).op("<<", return_type=BigInteger)(t.send_count)
-    backoff = cast(seconds("first_backoff") * doubling, Float)
-    capped = _smaller(backoff, seconds("max_backoff"))
-    floored = _larger(capped, seconds("accepted_backoff"))
-    return case((t.status == "pending", capped), else_=floored)
-
-
-def _smaller(a: ColumnElement[Any], b: ColumnElement[Any]) -> ColumnElement[Any]:
+def smaller(a: ColumnElement[Any], b: ColumnElement[Any]) -> ColumnElement[Any]:
     # least() and greatest() are spelled min() and max() on SQLite: CASE reads the same.
     return case((a < b, a), else_=b)
 
 
-def _larger(a: ColumnElement[Any], b: ColumnElement[Any]) -> ColumnElement[Any]:
+def larger(a: ColumnElement[Any], b: ColumnElement[Any]) -> ColumnElement[Any]:
     return case((a > b, a), else_=b)
 
 

@@ -20,10 +20,10 @@ from .claims import Claims
 from .engine import create_ledger_engine
 from .errors import SlotTaken, schema_missing, translate_errors
 from .policies import Policies
+from .relay import Relay
 from .rows import DispatchRow, NewDispatch, ScheduleRow
 from .schema import (
     LEDGER_ID_KEY,
-    RELAY_GAVE_UP,
     SCHEMA_VERSION,
     Status,
     dispatch_table,
@@ -34,7 +34,6 @@ from .schema import (
 )
 from .slots import Slots
 from .statements import Statements, db_time, insert_or_nothing, upsert
-from .wakeups import SendWakeups
 
 #: The schema retention needs: `options` nullable, and its index on `finished_at`.
 RETENTION_SCHEMA_VERSION = 4
@@ -43,7 +42,7 @@ WIDE_IDS_SCHEMA_VERSION = 5
 UUID_LENGTH = 36
 
 
-class Ledger(Claims, Slots, Policies):
+class Ledger(Claims, Slots, Policies, Relay):
     """The dispatch ledger in one database."""
 
     def _prepare(self, dialect: str, preamble: ColumnElement[bool] | None) -> None:
@@ -214,95 +213,7 @@ class Ledger(Claims, Slots, Policies):
             }
             self._execute(self._sql.mark_queued, params)
 
-    def send_soon(self, dispatch_ids: Sequence[str], attempt: int, send_in: float) -> None:
-        """After refused sends: let the relay send attempt `attempt + 1` of these
-        dispatches in `send_in` s."""
-        if dispatch_ids:
-            params = {
-                "dispatch_ids": list(dispatch_ids),
-                "seen_attempt": attempt,
-                "send_in": send_in,
-            }
-            self._execute(self._sql.send_soon, params)
-
     # --- the relay's sends -------------------------------------------------------------
-
-    def take_due(
-        self,
-        limit: int,
-        *,
-        max_sends: int,
-        first_backoff: float,
-        max_backoff: float,
-        accepted_backoff: float,
-    ) -> list[DispatchRow]:
-        """Take up to `limit` rows due for a relay send, oldest due first, in one statement:
-        each send counted and the row's next send pushed out by the relay's backoff (see
-        `statements._relay_backoff`). Rows with `max_sends` sends are left for `give_up`.
-
-        No two relays take the same row. If the connection drops and the statement runs
-        again, a first run that landed unseen took rows nobody sends now: they are due
-        again when their backoff ends, so they are late, never lost.
-        """
-        params = {
-            "limit": limit,
-            "max_sends": max_sends,
-            "first_backoff": first_backoff,
-            "max_backoff": max_backoff,
-            "accepted_backoff": accepted_backoff,
-        }
-        return [DispatchRow.from_mapping(row) for row in self._execute(self._sql.take_due, params)]
-
-    def give_back(self, rows: Sequence[DispatchRow], send_in: float) -> None:
-        """Taken rows the relay did not send: their sends uncounted, due in `send_in` s.
-
-        A row another relay took since keeps that relay's take.
-        """
-        if rows:
-            params = [
-                {
-                    "dispatch_id": row.id,
-                    "seen_status": row.status,
-                    "seen_next": row.next_send_at,
-                    "seen_count": row.send_count,
-                    "send_in": send_in,
-                }
-                for row in rows
-            ]
-            self._execute(self._sql.give_back, params)
-
-    def due_out_of_sends(self, max_sends: int, limit: int = 100) -> list[DispatchRow]:
-        """Rows due for a relay send that already had `max_sends` sends this attempt."""
-        rows = self._execute(self._sql.due_out_of_sends, {"max_sends": max_sends, "limit": limit})
-        return [DispatchRow.from_mapping(row) for row in rows]
-
-    def wake_relays(self, conn: Connection) -> None:
-        """In the caller's transaction: wake the listening relays once it commits
-        (PostgreSQL only; on SQLite the relays find the row on their next poll)."""
-        if self._sql.wake_relays is not None:
-            with translate_errors(self.migrate_command):
-                conn.execute(self._sql.wake_relays)
-
-    def send_wakeups(self) -> SendWakeups | None:
-        """A listener for `wake_relays`, or None where the ledger cannot listen (SQLite,
-        a driver other than psycopg 3.2 or later, or a pooled ledger: a pooler in
-        transaction mode would leave the LISTEN on a server connection other clients
-        use, and deliver nothing to ours)."""
-        if self.pooled:
-            return None
-        if self._borrowed is not None:
-            listener = self._borrowed.listener()
-            return SendWakeups.for_engine(listener) if listener is not None else None
-        return SendWakeups.for_engine(self.engine)
-
-    def give_up(self, row: DispatchRow) -> bool:
-        """Record `failed` (erasing a secret's key) after the relay ran out of sends."""
-        params = {"dispatch_id": row.id, "seen_status": row.status, "seen_next": row.next_send_at}
-        count, retried = self._run(self._sql.give_up, params)
-        if count or not retried:
-            return bool(count)
-        now = self.get(row.id)  # ambiguous: did our first run land?
-        return now is not None and now.status == "failed" and now.last_error == RELAY_GAVE_UP
 
     # --- schedules ------------------------------------------------------------------------
 
@@ -471,17 +382,6 @@ class Ledger(Claims, Slots, Policies):
         """(job, slot, count, oldest created_at) of parked runs, the fullest slots first."""
         rows = self._execute(statements.parked_slots(limit), {})
         return [(r["job_name"], r["slot"], int(r["count"]), r["oldest"]) for r in rows]
-
-    def sample_backlog(self, *, every: float, keep: float) -> None:
-        """Record how many dispatches are due for the relay, unless a sample younger than
-        `every` seconds exists; drop samples older than `keep` seconds."""
-        self._execute(self._sql.sample_backlog, {"gap": -every})
-        self._execute(self._sql.prune_backlog, {"keep": -keep})
-
-    def backlog_history(self, seconds: float) -> list[tuple[datetime, int]]:
-        """(sampled_at, backlog) of the last `seconds`, oldest first."""
-        rows = self._execute(self._sql.backlog_since, {"since": -seconds})
-        return [(r["sampled_at"], int(r["backlog"])) for r in rows]
 
     def requeue(self, dispatch_id: str) -> bool:
         """A failed dispatch back to pending (a new attempt under its id and key); False
