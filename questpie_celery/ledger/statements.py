@@ -38,7 +38,6 @@ from sqlalchemy import (
     or_,
     select,
     true,
-    tuple_,
     update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
@@ -57,7 +56,6 @@ from .schema import (
     beat_tick_table,
     dispatch_table,
     info_table,
-    schedule_table,
 )
 
 #: The most rows one reason's stuck count counts (for every job together).
@@ -362,51 +360,6 @@ class Statements:
                 ),
             )
         )
-        sc = schedule_table.c
-        # `skip`: the (job, source) pairs this beat cannot fire just now; another beat may.
-        self.due_schedules: Select[Any] = (
-            select(schedule_table, now.label("now"))
-            .where(
-                sc.next_fire_at <= now,
-                tuple_(sc.job_name, sc.source).not_in(bindparam("skip", expanding=True)),
-            )
-            .order_by(sc.next_fire_at)
-            .limit(bindparam("limit"))
-        )
-        self.next_schedule_due: Select[Any] = select(func.min(sc.next_fire_at).label("at")).where(
-            tuple_(sc.job_name, sc.source).not_in(bindparam("skip", expanding=True))
-        )
-        # Moving a schedule on is conditional on the tick we read: of several beats that
-        # fired the same tick (one dispatch, thanks to its key), one moves it on.
-        self.advance_schedule: Update = (
-            update(schedule_table)
-            .where(
-                sc.job_name == bindparam("job"),
-                sc.source == bindparam("from_source"),
-                sc.next_fire_at == bindparam("seen_next", type_=UTCDateTime),
-            )
-            .values(
-                next_fire_at=bindparam("next_fire_at", type_=UTCDateTime),
-                last_fire_at=bindparam("seen_next", type_=UTCDateTime),
-                last_dispatch_id=bindparam("dispatch_id"),
-            )
-        )
-        # RETURNING says who won: an INSERT's row count is not reported on every driver.
-        self.claim_beat_tick: Insert = (
-            insert_or_nothing(dialect, beat_tick_table)
-            .values(
-                entry=bindparam("entry"),
-                tick=bindparam("tick"),
-                claimer=bindparam("claimer"),
-                claimed_at=now,
-            )
-            .returning(beat_tick_table.c.entry)
-        )
-        self.beat_tick_claimer: Select[Any] = select(beat_tick_table.c.claimer).where(
-            beat_tick_table.c.entry == bindparam("entry"),
-            beat_tick_table.c.tick == bindparam("tick"),
-        )
-
         self.requeue: Update = requeue()
         i = info_table.c
         self.pruned_before: Select[Any] = select(i.value).where(i.key == PRUNED_BEFORE_KEY)
@@ -441,8 +394,7 @@ class Statements:
 
 #: The updates `Statements._add_preamble` gives the pooled ledger's settings.
 _PREAMBLE_UPDATES = (
-    "mark_queued",
-    "advance_schedule", "requeue",
+    "mark_queued", "requeue",
 )  # fmt: skip
 
 
@@ -595,22 +547,6 @@ def parked_slots(limit: int) -> Select[Any]:
         .order_by(func.count().desc(), t.job_name, t.slot)
         .limit(limit)
     )
-
-
-def schedules() -> Select[Any]:
-    """Every schedule, with the status of the dispatch its last fire made."""
-    sc, t = schedule_table.c, dispatch_table.c
-    return (
-        select(schedule_table, t.status.label("last_status"))
-        .select_from(schedule_table.outerjoin(dispatch_table, t.id == sc.last_dispatch_id))
-        .order_by(sc.job_name, sc.source)
-    )
-
-
-def delete_schedules(job_name: str, source: str | None) -> Any:
-    sc = schedule_table.c
-    stmt = delete(schedule_table).where(sc.job_name == job_name)
-    return stmt if source is None else stmt.where(sc.source == source)
 
 
 def prune_fires(dialect: str, *, key_prefix: str, older_than: float, limit: int) -> Any:

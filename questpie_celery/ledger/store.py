@@ -21,11 +21,11 @@ from .engine import create_ledger_engine
 from .errors import SlotTaken, schema_missing, translate_errors
 from .policies import Policies
 from .relay import Relay
-from .rows import DispatchRow, NewDispatch, ScheduleRow
+from .rows import DispatchRow, NewDispatch
+from .schedules import Schedules
 from .schema import (
     LEDGER_ID_KEY,
     SCHEMA_VERSION,
-    Status,
     dispatch_table,
     info_table,
     metadata,
@@ -33,7 +33,7 @@ from .schema import (
     schema_version_table,
 )
 from .slots import Slots
-from .statements import Statements, db_time, insert_or_nothing, upsert
+from .statements import Statements, db_time, insert_or_nothing
 
 #: The schema retention needs: `options` nullable, and its index on `finished_at`.
 RETENTION_SCHEMA_VERSION = 4
@@ -42,7 +42,7 @@ WIDE_IDS_SCHEMA_VERSION = 5
 UUID_LENGTH = 36
 
 
-class Ledger(Claims, Slots, Policies, Relay):
+class Ledger(Claims, Slots, Policies, Relay, Schedules):
     """The dispatch ledger in one database."""
 
     def _prepare(self, dialect: str, preamble: ColumnElement[bool] | None) -> None:
@@ -216,73 +216,6 @@ class Ledger(Claims, Slots, Policies, Relay):
     # --- the relay's sends -------------------------------------------------------------
 
     # --- schedules ------------------------------------------------------------------------
-
-    def put_schedule(self, row: ScheduleRow) -> None:
-        """Create or replace the job's schedule from `row.source`."""
-        values = {
-            "job_name": row.job_name,
-            "source": row.source,
-            "cron": row.cron,
-            "tz": row.tz,
-            "payload": row.payload,
-            "singleton_key": row.singleton_key,
-            "options": row.options,
-            "next_fire_at": row.next_fire_at,
-            "last_fire_at": None,
-            "last_dispatch_id": None,
-            "updated_at": db_time(),
-        }
-        self._execute(upsert(self.dialect, schedule_table, ["job_name", "source"], values), {})
-
-    def delete_schedules(self, job_name: str, source: str | None = None) -> int:
-        """Remove the job's schedules (from one source, or all); returns how many."""
-        return int(self._execute(statements.delete_schedules(job_name, source), {}))
-
-    def due_schedules(
-        self, limit: int = 500, skip: Sequence[tuple[str, str]] = ()
-    ) -> tuple[datetime | None, list[ScheduleRow]]:
-        """(the database's now, schedules whose next tick has come), oldest tick first,
-        leaving out the (job, source) pairs in `skip`."""
-        rows = self._execute(self._sql.due_schedules, {"limit": limit, "skip": list(skip)})
-        now = rows[0]["now"] if rows else None
-        return now, [ScheduleRow.from_mapping(row) for row in rows]
-
-    def next_schedule_due(self, skip: Sequence[tuple[str, str]] = ()) -> datetime | None:
-        row = self._first(self._sql.next_schedule_due, {"skip": list(skip)})
-        return row["at"] if row is not None else None
-
-    def advance_schedule(
-        self, row: ScheduleRow, next_fire_at: datetime, dispatch_id: str | None
-    ) -> bool:
-        """Record that `row`'s tick fired and move it to `next_fire_at`; False when another
-        beat did so first (or the schedule changed meanwhile)."""
-        params = {
-            "job": row.job_name,
-            "from_source": row.source,
-            "seen_next": row.next_fire_at,
-            "next_fire_at": next_fire_at,
-            "dispatch_id": dispatch_id,
-        }
-        count, retried = self._run(self._sql.advance_schedule, params)
-        return bool(count) or retried
-
-    def schedules(self) -> list[tuple[ScheduleRow, Status | None]]:
-        """Every schedule, with the status of the dispatch its last fire made."""
-        return [
-            (ScheduleRow.from_mapping(row), row["last_status"])
-            for row in self._execute(statements.schedules(), {})
-        ]
-
-    def claim_beat_tick(self, entry: str, tick: str) -> bool:
-        """Take the tick of a `beat_schedule` entry; True for exactly one claimer."""
-        claimer = str(uuid.uuid4())
-        params = {"entry": entry, "tick": tick, "claimer": claimer}
-        rows, retried = self._run(self._sql.claim_beat_tick, params)
-        if rows or not retried:
-            return bool(rows)
-        # The connection dropped and the insert ran again: was the first try ours?
-        found = self._first(self._sql.beat_tick_claimer, {"entry": entry, "tick": tick})
-        return found is not None and found["claimer"] == claimer
 
     def prune_schedule_history(self, *, key_prefix: str, older_than: float, limit: int) -> int:
         """Delete spent fire rows and beat tick claims older than `older_than` seconds."""
