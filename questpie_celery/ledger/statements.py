@@ -26,15 +26,12 @@ from sqlalchemy import (
     Text,
     Update,
     and_,
-    any_,
     bindparam,
     case,
     column,
-    delete,
     func,
     literal,
     literal_column,
-    null,
     or_,
     select,
     true,
@@ -49,11 +46,8 @@ from ..errors import LedgerError
 from .schema import (
     CLAIMABLE,
     LEDGER_ID_KEY,
-    PRUNED_BEFORE_KEY,
     RUNNING,
-    TERMINAL,
     UTCDateTime,
-    beat_tick_table,
     dispatch_table,
     info_table,
 )
@@ -361,19 +355,6 @@ class Statements:
             )
         )
         self.requeue: Update = requeue()
-        i = info_table.c
-        self.pruned_before: Select[Any] = select(i.value).where(i.key == PRUNED_BEFORE_KEY)
-        raise_pruned_before = (
-            (postgresql if dialect == "postgresql" else sqlite)
-            .insert(info_table)
-            .values(key=PRUNED_BEFORE_KEY, value=bindparam("value"))
-        )
-        # Only ever forward: ISO 8601 texts in UTC compare as the times they spell.
-        self.raise_pruned_before: Insert = raise_pruned_before.on_conflict_do_update(
-            index_elements=["key"],
-            set_={"value": raise_pruned_before.excluded.value},
-            where=i.value < raise_pruned_before.excluded.value,
-        )
         self.ledger_id: Select[Any] = select(info_table.c.value).where(
             info_table.c.key == LEDGER_ID_KEY
         )
@@ -547,103 +528,6 @@ def parked_slots(limit: int) -> Select[Any]:
         .order_by(func.count().desc(), t.job_name, t.slot)
         .limit(limit)
     )
-
-
-def prune_fires(dialect: str, *, key_prefix: str, older_than: float, limit: int) -> Any:
-    """Delete up to `limit` ended dispatches that schedule fires made, `older_than`
-    seconds after they ended: a past tick never fires again, so its key is spent.
-
-    Retention never prunes a fire row (it leaves them to the beat), so `options IS NOT
-    NULL` holds for all of them; it is there to let the scan use retention's partial
-    index on `finished_at`, oldest first, instead of reading the whole table.
-    """
-    t = dispatch_table.c
-    spent = (
-        select(t.id)
-        .where(
-            _ended_status(),
-            t.idempotency_key.startswith(key_prefix, autoescape=True),
-            t.finished_at < db_time(-older_than),
-            t.options.is_not(None),
-        )
-        .order_by(t.finished_at)
-        .limit(limit)
-    )
-    return delete(dispatch_table).where(_one_of(dialect, spent))
-
-
-def _ended_status() -> ColumnElement[bool]:
-    """The row has ended, as a filter only: `status || ''` keeps SQLite (which, without
-    statistics, takes an equality for the most selective condition) from walking every
-    ended row through the `(status, next_send_at)` index and sorting them, where the
-    partial index on `finished_at` gives the oldest first."""
-    return dispatch_table.c.status.concat("").in_(TERMINAL)
-
-
-def _one_of(dialect: str, ids: Select[Any]) -> ColumnElement[bool]:
-    """`id` is one of those `ids` selects (a batch of at most a few thousand).
-
-    On PostgreSQL as `id = ANY(ARRAY(...))`: the batch is read first and each row found
-    through the primary key. As `id IN (...)`, the planner may hash the batch and read
-    the whole table to join it, which on a big ledger costs a full scan per batch.
-    """
-    t = dispatch_table.c
-    if dialect == "postgresql":
-        return t.id == any_(func.array(ids.scalar_subquery()))
-    return t.id.in_(ids.scalar_subquery())
-
-
-def prune_ended(
-    dialect: str, *, keyed: bool, older_than: float, limit: int, spare_key_prefix: str
-) -> Any:
-    """One batch of retention: up to `limit` dispatches that ended over `older_than`
-    seconds ago, oldest first. Unkeyed ones are deleted. Keyed ones keep what answers their
-    key (id, job, key, status, times) and lose their payload and options; those whose key
-    starts with `spare_key_prefix` are left alone.
-
-    The rows are chosen through the partial index on `finished_at` (`options IS NOT NULL`
-    is there to match it) and, on PostgreSQL, locked with SKIP LOCKED: a row another
-    statement holds (a requeue, another relay's batch) is left for a later batch, so
-    retention never waits on a lock, and a row requeued meanwhile is seen no longer ended.
-    """
-    t = dispatch_table.c
-    # An id derived from a key (a version-5 UUID) is a key's even where the row does not
-    # know the key: one a relaxed ledger's fence wrote again from its message. Deleting
-    # it would let the key run again.
-    derived = func.substr(t.id, 15, 1) == "5"
-    ended = and_(
-        _ended_status(),
-        t.finished_at < db_time(-older_than),
-        t.options.is_not(None),
-        (
-            or_(
-                and_(
-                    t.idempotency_key.is_not(None),
-                    ~t.idempotency_key.startswith(spare_key_prefix, autoescape=True),
-                ),
-                and_(t.idempotency_key.is_(None), derived),
-            )
-            if keyed
-            else and_(t.idempotency_key.is_(None), ~derived)
-        ),
-    )
-    batch = _one_of(
-        dialect,
-        select(t.id)
-        .where(ended)
-        .order_by(t.finished_at)
-        .limit(limit)
-        .with_for_update(skip_locked=True),  # SQLite has one writer, and ignores it
-    )
-    if not keyed:
-        return delete(dispatch_table).where(batch)
-    # null(), not None: SQL NULL; None would be stored as the JSON value null.
-    return update(dispatch_table).where(batch).values(payload=null(), options=null())
-
-
-def prune_beat_ticks(*, older_than: float) -> Any:
-    bt = beat_tick_table.c
-    return delete(beat_tick_table).where(bt.claimed_at < db_time(-older_than))
 
 
 def requeue() -> Update:

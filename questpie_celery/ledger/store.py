@@ -8,19 +8,20 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import ColumnElement, Connection, func, inspect, select
 from sqlalchemy.sql import Executable
 
-from ..errors import LedgerBusyError, LedgerSchemaError
+from ..errors import LedgerBusyError
 from . import statements
 from .claims import Claims
 from .engine import create_ledger_engine
 from .errors import SlotTaken, schema_missing, translate_errors
 from .policies import Policies
 from .relay import Relay
+from .retention import Retention
 from .rows import DispatchRow, NewDispatch
 from .schedules import Schedules
 from .schema import (
@@ -35,14 +36,12 @@ from .schema import (
 from .slots import Slots
 from .statements import Statements, db_time, insert_or_nothing
 
-#: The schema retention needs: `options` nullable, and its index on `finished_at`.
-RETENTION_SCHEMA_VERSION = 4
 #: The first schema version whose dispatch ids may be longer than a UUID's 36 characters.
 WIDE_IDS_SCHEMA_VERSION = 5
 UUID_LENGTH = 36
 
 
-class Ledger(Claims, Slots, Policies, Relay, Schedules):
+class Ledger(Claims, Slots, Policies, Relay, Schedules, Retention):
     """The dispatch ledger in one database."""
 
     def _prepare(self, dialect: str, preamble: ColumnElement[bool] | None) -> None:
@@ -51,8 +50,7 @@ class Ledger(Claims, Slots, Policies, Relay, Schedules):
         #: The statements run in a caller's transaction, which must not keep our settings.
         self._in_caller = Statements(dialect) if preamble is not None else self._sql
         self._ledger_id: str | None = None
-        self._retention_ready = False  # the schema was seen at RETENTION_SCHEMA_VERSION
-        self._wide_ids_ready = False  # ... at WIDE_IDS_SCHEMA_VERSION
+        self._wide_ids_ready = False  # the schema was seen at WIDE_IDS_SCHEMA_VERSION
 
     @property
     def statements(self) -> Statements:
@@ -217,51 +215,7 @@ class Ledger(Claims, Slots, Policies, Relay, Schedules):
 
     # --- schedules ------------------------------------------------------------------------
 
-    def prune_schedule_history(self, *, key_prefix: str, older_than: float, limit: int) -> int:
-        """Delete spent fire rows and beat tick claims older than `older_than` seconds."""
-        self._record_pruned_before(older_than)
-        self._execute(statements.prune_beat_ticks(older_than=older_than), {})
-        stmt = statements.prune_fires(
-            self.dialect, key_prefix=key_prefix, older_than=older_than, limit=limit
-        )
-        return int(self._execute(stmt, {}))
-
     # --- retention -------------------------------------------------------------------------
-
-    def _record_pruned_before(self, older_than: float) -> None:
-        """Say, before deleting any, that rows ended over `older_than` seconds ago may go."""
-        cutoff = self.now() - timedelta(seconds=older_than)
-        self._execute(self._sql.raise_pruned_before, {"value": cutoff.isoformat()})
-
-    def pruned_before(self) -> datetime | None:
-        """Rows that ended before this time may have been deleted; None: none ever was."""
-        found = self._first(self._sql.pruned_before, {})
-        return datetime.fromisoformat(found["value"]) if found is not None else None
-
-    def prune_ended(
-        self, *, keyed: bool, older_than: float, limit: int, spare_key_prefix: str
-    ) -> int:
-        """One batch of retention: delete up to `limit` unkeyed dispatches (or, `keyed`,
-        drop the payload and options of keyed ones) that ended over `older_than` seconds
-        ago, oldest first; keys starting with `spare_key_prefix` are left alone. Returns
-        how many rows it changed. Raises `LedgerSchemaError` before schema version 4."""
-        if not self._retention_ready:
-            found = self.schema_version()
-            if found is None or found < RETENTION_SCHEMA_VERSION:
-                raise LedgerSchemaError(
-                    f"retention needs ledger schema version {RETENTION_SCHEMA_VERSION} "
-                    f"(this one is at {found}); run `{self.migrate_command}`"
-                )
-            self._retention_ready = True  # a schema never goes back
-        self._record_pruned_before(older_than)
-        stmt = statements.prune_ended(
-            self.dialect,
-            keyed=keyed,
-            older_than=older_than,
-            limit=limit,
-            spare_key_prefix=spare_key_prefix,
-        )
-        return int(self._execute(stmt, {}))
 
     # --- the operator's views ------------------------------------------------------------
 
