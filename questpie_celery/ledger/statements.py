@@ -52,8 +52,6 @@ from .schema import (
     info_table,
 )
 
-#: The most rows one reason's stuck count counts (for every job together).
-STUCK_COUNT_CAP = 100_000
 #: The PostgreSQL channel a `publish(connection=...)` notifies in the caller's transaction
 #: and every relay listens on: the notification arrives only once that transaction commits,
 #: exactly when the row becomes visible to the relay.
@@ -354,7 +352,6 @@ class Statements:
                 ),
             )
         )
-        self.requeue: Update = requeue()
         self.ledger_id: Select[Any] = select(info_table.c.value).where(
             info_table.c.key == LEDGER_ID_KEY
         )
@@ -375,7 +372,7 @@ class Statements:
 
 #: The updates `Statements._add_preamble` gives the pooled ledger's settings.
 _PREAMBLE_UPDATES = (
-    "mark_queued", "requeue",
+    "mark_queued",
 )  # fmt: skip
 
 
@@ -417,138 +414,4 @@ def slot_busy(job: ColumnElement[Any], slot: ColumnElement[Any]) -> ColumnElemen
     )
     return (
         select(other.c.id).where(other.c.job_name == job, other.c.slot == slot, on_its_way).exists()
-    )
-
-
-# --- the operator's views: built per call (rare, and their filters vary) ------------------
-
-
-def list_dispatches(
-    *,
-    job: str | None,
-    status: str | None,
-    key: str | None,
-    older_than: float | None,
-    before: tuple[Any, str] | None,
-    limit: int,
-) -> Select[Any]:
-    """Dispatches newest first, filtered, a page at a time (`before`: the last row's
-    (created_at, id) of the previous page)."""
-    t = dispatch_table.c
-    stmt = select(dispatch_table)
-    if job is not None:
-        stmt = stmt.where(t.job_name == job)
-    if status is not None:
-        stmt = stmt.where(t.status == status)
-    if key is not None:
-        stmt = stmt.where(t.idempotency_key == key)
-    if older_than is not None:
-        stmt = stmt.where(t.created_at < db_time(-older_than))
-    if before is not None:
-        created, dispatch_id = before
-        stmt = stmt.where(
-            or_(t.created_at < created, and_(t.created_at == created, t.id < dispatch_id))
-        )
-    return stmt.order_by(t.created_at.desc(), t.id.desc()).limit(limit)
-
-
-def counts() -> Select[Any]:
-    """(job, status, count, oldest created_at, oldest due run_after) for every job and
-    status."""
-    t = dispatch_table.c
-    return (
-        select(
-            t.job_name,
-            t.status,
-            func.count().label("count"),
-            func.min(t.created_at).label("oldest"),
-            # Waiting since it became due: a far-off start is not late before it comes.
-            func.min(case((t.run_after <= db_time(), t.run_after))).label("oldest_due"),
-        )
-        .group_by(t.job_name, t.status)
-        .order_by(t.job_name, t.status)
-    )
-
-
-def _stuck_where(*, grace: float, redeliver_after: float) -> dict[str, ColumnElement[bool]]:
-    """What should have moved on and did not, by reason: the one definition the list and
-    the count share."""
-    t = dispatch_table.c
-    return {
-        # Never accepted by the broker, well past the time the relay should have sent it.
-        "never sent": and_(t.status == "pending", t.next_send_at < db_time(-grace)),
-        "lease lapsed": and_(t.status == "active", t.lease_expires_at < db_time()),
-        "accepted, never claimed": and_(
-            t.status == "queued", t.queued_at < db_time(-redeliver_after)
-        ),
-        "parked, slot free": and_(t.status == "parked", ~slot_busy(t.job_name, t.slot)),
-    }
-
-
-#: The reasons a dispatch is stuck, in the order the operator lists them.
-STUCK_REASONS: tuple[str, ...] = tuple(_stuck_where(grace=0.0, redeliver_after=0.0))
-
-
-def stuck(*, grace: float, redeliver_after: float, limit: int) -> dict[str, Select[Any]]:
-    """What should have moved on and did not, by reason."""
-    t = dispatch_table.c
-    newest = (t.created_at.desc(), t.id.desc())
-    return {
-        reason: select(dispatch_table).where(where).order_by(*newest).limit(limit)
-        for reason, where in _stuck_where(grace=grace, redeliver_after=redeliver_after).items()
-    }
-
-
-def stuck_counts(*, grace: float, redeliver_after: float) -> dict[str, Select[Any]]:
-    """(job, count) of what is stuck, by reason. Counted through a capped subquery, like
-    the backlog: a ledger stuck by the million costs a bounded scan, and reads as the cap."""
-    counts: dict[str, Select[Any]] = {}
-    for reason, where in _stuck_where(grace=grace, redeliver_after=redeliver_after).items():
-        found = select(dispatch_table.c.job_name).where(where).limit(STUCK_COUNT_CAP).subquery()
-        counts[reason] = (
-            select(found.c.job_name, func.count().label("count"))
-            .group_by(found.c.job_name)
-            .order_by(found.c.job_name)
-        )
-    return counts
-
-
-def parked_slots(limit: int) -> Select[Any]:
-    """(job, slot, count, oldest created_at) of parked runs, the fullest slots first."""
-    t = dispatch_table.c
-    return (
-        select(
-            t.job_name,
-            t.slot,
-            func.count().label("count"),
-            func.min(t.created_at).label("oldest"),
-        )
-        .where(t.status == "parked")
-        .group_by(t.job_name, t.slot)
-        .order_by(func.count().desc(), t.job_name, t.slot)
-        .limit(limit)
-    )
-
-
-def requeue() -> Update:
-    """A failed dispatch back to `pending`, due for the relay at once: a new attempt under
-    the same id and key. Only while its secret (if any) still has its key, and while
-    retention has not pruned its payload and options."""
-    t = dispatch_table.c
-    return (
-        update(dispatch_table)
-        .where(
-            t.id == bindparam("dispatch_id"),
-            t.status == "failed",
-            or_(t.secret.is_(False), t.secret_wrapped_key.is_not(None)),
-            t.options.is_not(None),
-        )
-        .values(
-            status="pending",
-            send_count=0,
-            claim_token=None,
-            finished_at=None,
-            next_send_at=db_time(),
-            run_after=db_time(),
-        )
     )

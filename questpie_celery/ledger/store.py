@@ -8,17 +8,14 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
-from datetime import datetime
 from typing import Any
 
 from sqlalchemy import ColumnElement, Connection, func, inspect, select
 from sqlalchemy.sql import Executable
 
-from ..errors import LedgerBusyError
-from . import statements
 from .claims import Claims
 from .engine import create_ledger_engine
-from .errors import SlotTaken, schema_missing, translate_errors
+from .errors import schema_missing, translate_errors
 from .policies import Policies
 from .relay import Relay
 from .retention import Retention
@@ -35,13 +32,14 @@ from .schema import (
 )
 from .slots import Slots
 from .statements import Statements, db_time, insert_or_nothing
+from .views import Views
 
 #: The first schema version whose dispatch ids may be longer than a UUID's 36 characters.
 WIDE_IDS_SCHEMA_VERSION = 5
 UUID_LENGTH = 36
 
 
-class Ledger(Claims, Slots, Policies, Relay, Schedules, Retention):
+class Ledger(Claims, Slots, Policies, Relay, Schedules, Retention, Views):
     """The dispatch ledger in one database."""
 
     def _prepare(self, dialect: str, preamble: ColumnElement[bool] | None) -> None:
@@ -218,67 +216,6 @@ class Ledger(Claims, Slots, Policies, Relay, Schedules, Retention):
     # --- retention -------------------------------------------------------------------------
 
     # --- the operator's views ------------------------------------------------------------
-
-    def list_dispatches(
-        self,
-        *,
-        job: str | None = None,
-        status: str | None = None,
-        key: str | None = None,
-        older_than: float | None = None,
-        before: tuple[datetime, str] | None = None,
-        limit: int = 50,
-    ) -> list[DispatchRow]:
-        """Dispatches newest first; `before` continues after the last row of a page."""
-        stmt = statements.list_dispatches(
-            job=job, status=status, key=key, older_than=older_than, before=before, limit=limit
-        )
-        return [DispatchRow.from_mapping(row) for row in self._execute(stmt, {})]
-
-    def counts(self) -> list[tuple[str, str, int, datetime, datetime | None]]:
-        """(job, status, count, oldest created_at, oldest run_after that has come) per job
-        and status."""
-        rows = self._execute(statements.counts(), {})
-        return [
-            (r["job_name"], r["status"], int(r["count"]), r["oldest"], r["oldest_due"])
-            for r in rows
-        ]
-
-    def stuck(
-        self, *, grace: float, redeliver_after: float, limit: int = 100
-    ) -> list[tuple[str, DispatchRow]]:
-        """(reason, row) for what should have moved on and did not."""
-        found: list[tuple[str, DispatchRow]] = []
-        for reason, stmt in statements.stuck(
-            grace=grace, redeliver_after=redeliver_after, limit=limit
-        ).items():
-            found += [(reason, DispatchRow.from_mapping(row)) for row in self._execute(stmt, {})]
-        return found
-
-    def stuck_counts(self, *, grace: float, redeliver_after: float) -> list[tuple[str, str, int]]:
-        """(reason, job, count) of what should have moved on and did not; each reason
-        counts up to `statements.STUCK_COUNT_CAP` rows."""
-        found: list[tuple[str, str, int]] = []
-        for reason, stmt in statements.stuck_counts(
-            grace=grace, redeliver_after=redeliver_after
-        ).items():
-            found += [(reason, r["job_name"], int(r["count"])) for r in self._execute(stmt, {})]
-        return found
-
-    def parked_slots(self, limit: int = 50) -> list[tuple[str, str, int, datetime]]:
-        """(job, slot, count, oldest created_at) of parked runs, the fullest slots first."""
-        rows = self._execute(statements.parked_slots(limit), {})
-        return [(r["job_name"], r["slot"], int(r["count"]), r["oldest"]) for r in rows]
-
-    def requeue(self, dispatch_id: str) -> bool:
-        """A failed dispatch back to pending (a new attempt under its id and key); False
-        when it is not failed, or is a secret one whose key was erased."""
-        try:
-            return bool(self._execute(self._sql.requeue, {"dispatch_id": dispatch_id}))
-        except SlotTaken:
-            raise LedgerBusyError(
-                "its queue policy slot is taken by another dispatch; requeue it once that ends"
-            ) from None
 
 
 def _allow_pruned_options(conn: Connection) -> None:
