@@ -27,10 +27,11 @@ from sqlalchemy import exc
 from sqlalchemy.sql import Executable
 
 from ..errors import ConfigurationError
+from .dispatches import batch_params, row_params
 from .engine import create_async_ledger_engine, runs_in_autocommit
 from .errors import Reruns, SlotTaken, translate_errors
 from .rows import DispatchRow, NewDispatch
-from .store import Ledger, batch_params, row_params
+from .store import Ledger
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine

@@ -18,24 +18,17 @@ from typing import Any
 from sqlalchemy import (
     ColumnElement,
     Float,
-    Insert,
-    LargeBinary,
-    Select,
-    String,
     Table,
     Text,
     Update,
     and_,
     bindparam,
     case,
-    column,
     func,
-    literal,
     literal_column,
     or_,
     select,
     true,
-    update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.compiler import compiles
@@ -45,11 +38,9 @@ from sqlalchemy.sql.expression import FunctionElement
 from ..errors import LedgerError
 from .schema import (
     CLAIMABLE,
-    LEDGER_ID_KEY,
     RUNNING,
     UTCDateTime,
     dispatch_table,
-    info_table,
 )
 
 #: The PostgreSQL channel a `publish(connection=...)` notifies in the caller's transaction
@@ -136,66 +127,6 @@ def in_own_transaction(settings: Mapping[str, str]) -> ColumnElement[bool]:
     return and_(*checks)
 
 
-def insert_batch(dialect: str, preamble: ColumnElement[bool] | None = None) -> Insert:
-    """Many new rows in one statement, each inserted or skipped as `insert` would, in order.
-
-    The values a batch shares (job, status, policy, options, times) are single
-    parameters; the per-row values travel as one array per column. On PostgreSQL that
-    keeps the statement's text the same for every batch size (unnest, in order), so
-    neither the driver nor the server parses thousands of placeholders; SQLite runs the
-    one-row `insert` for each parameter set instead (SQLAlchemy batches it).
-    """
-    if dialect != "postgresql":
-        raise LedgerError("insert_batch is PostgreSQL's; SQLite executes `insert` per row")
-    t = dispatch_table.c
-    per_row = {
-        "id": String,
-        "idempotency_key": Text,
-        "singleton_key": Text,
-        "slot": Text,
-        "payload": postgresql.JSON,
-        "secret_ciphertext": LargeBinary,
-        "secret_wrapped_key": LargeBinary,
-        "secret_key_id": String,
-    }
-    rows = (
-        func.unnest(
-            *(bindparam(f"{name}s", type_=postgresql.ARRAY(kind)) for name, kind in per_row.items())
-        )
-        .table_valued(
-            *(column(name, kind) for name, kind in per_row.items()), with_ordinality="ord"
-        )
-        .render_derived()
-    )
-    now = db_time()
-    shared = {
-        "job_name": bindparam("job_name", type_=String),
-        "status": bindparam("status", type_=String),
-        "policy": bindparam("policy", type_=t.policy.type),
-        "secret": bindparam("secret", type_=t.secret.type),
-        "options": bindparam("options", type_=t.options.type),
-        "attempt": literal(0),
-        "send_count": literal(0),
-        "created_at": now,
-        "run_after": func.coalesce(bindparam("run_after", type_=UTCDateTime), now),
-        "next_send_at": func.coalesce(
-            bindparam("next_send_at", type_=UTCDateTime), db_time(seconds("send_in"))
-        ),
-    }
-    values = {**{name: rows.c[name] for name in per_row}, **shared}
-    # In the order given: a later row conflicts with an earlier one, as it would if
-    # published after it.
-    chosen = select(*values.values()).order_by(rows.c.ord)
-    if preamble is not None:  # `in_own_transaction`, before any row is inserted
-        chosen = chosen.where(preamble)
-    return (
-        postgresql.insert(dispatch_table)
-        .from_select(list(values), chosen)
-        .on_conflict_do_nothing()
-        .returning(t.id)
-    )
-
-
 def by_id() -> ColumnElement[bool]:
     """The one dispatch a statement addresses (`dispatch_id`)."""
     return dispatch_table.c.id == bindparam("dispatch_id")
@@ -264,131 +195,6 @@ def add_preamble(
     for name in names:
         update_: Update = getattr(statements, name)
         setattr(statements, name, update_.where(preamble))
-
-
-class Statements:
-    """The ledger's statements for one dialect.
-
-    With `settings` (a pooled PostgreSQL ledger's own connections), every write that can
-    wait on another transaction's row, or that commits on the hot path, sets them for its
-    own transaction first (its preamble, `in_own_transaction`): what an unpooled engine
-    sets once per connection at startup. Statements run in a caller's transaction must
-    come from a `Statements` without settings, or the caller's transaction would keep
-    them.
-    """
-
-    def __init__(self, dialect: str, preamble: ColumnElement[bool] | None = None) -> None:
-        t = dispatch_table.c
-        now = db_time()
-        by_id = dispatch_table.c.id == bindparam("dispatch_id")
-
-        self.insert: Insert = (
-            insert_or_nothing(dialect, dispatch_table)
-            .values(
-                id=bindparam("id"),
-                job_name=bindparam("job_name"),
-                idempotency_key=bindparam("idempotency_key"),
-                singleton_key=bindparam("singleton_key"),
-                status=bindparam("status"),
-                policy=bindparam("policy", type_=t.policy.type),
-                slot=bindparam("slot"),
-                payload=bindparam("payload", type_=t.payload.type),
-                secret=bindparam("secret"),
-                secret_ciphertext=bindparam("secret_ciphertext", type_=t.secret_ciphertext.type),
-                secret_wrapped_key=bindparam("secret_wrapped_key", type_=t.secret_wrapped_key.type),
-                secret_key_id=bindparam("secret_key_id"),
-                options=bindparam("options", type_=t.options.type),
-                attempt=bindparam("attempt"),
-                send_count=0,
-                created_at=now,
-                # An absolute start (start_after) or now; the relay's first look: an
-                # absolute time or now plus a delay.
-                run_after=func.coalesce(bindparam("run_after", type_=UTCDateTime), now),
-                next_send_at=func.coalesce(
-                    bindparam("next_send_at", type_=UTCDateTime), db_time(seconds("send_in"))
-                ),
-                queued_at=case((bindparam("status") == "queued", now), else_=None),
-            )
-            .returning(t.id)
-        )
-        self.insert_batch: Insert | None = (
-            insert_batch(dialect, preamble) if dialect == "postgresql" else None
-        )
-        self.existing: Select[Any] = select(t.id).where(
-            t.id.in_(bindparam("dispatch_ids", expanding=True))
-        )
-        self.get_many: Select[Any] = select(dispatch_table).where(
-            t.id.in_(bindparam("dispatch_ids", expanding=True))
-        )
-        self.exists: Select[Any] = select(t.id).where(by_id)
-        # A fast worker may already have claimed the row: keep its status then, and only a
-        # row still waiting for its first claim gets a redelivery time.
-        still_pending = t.status == "pending"
-        # When the broker took the message: the mark is batched, so it comes a moment
-        # later (`accepted_ago`, measured by the publisher), never before the row was
-        # written, and never after a run started (on a row a release before this one
-        # claimed without recording its acceptance).
-        accepted = larger(t.created_at, db_time(-seconds("accepted_ago")))
-        # One statement (one commit) for a whole batch of acceptances.
-        self.mark_queued: Update = (
-            update(dispatch_table)
-            .where(
-                t.id.in_(bindparam("dispatch_ids", expanding=True)),
-                # Rows already marked (or claimed, which records acceptance too) are left
-                # alone: no write.
-                or_(still_pending, t.queued_at.is_(None)),
-            )
-            .values(
-                queued_at=func.coalesce(
-                    t.queued_at, smaller(accepted, func.coalesce(t.started_at, accepted))
-                ),
-                status=case((still_pending, "queued"), else_=t.status),
-                next_send_at=case(
-                    (
-                        and_(still_pending, ~_made_due_at_start()),
-                        db_time(seconds("redeliver_in")),
-                    ),
-                    else_=t.next_send_at,
-                ),
-            )
-        )
-        self.ledger_id: Select[Any] = select(info_table.c.value).where(
-            info_table.c.key == LEDGER_ID_KEY
-        )
-        if preamble is not None:
-            self._add_preamble(preamble)
-
-    def _add_preamble(self, preamble: ColumnElement[bool]) -> None:
-        """`preamble` in every write that may wait on a row another transaction holds (a
-        key, a policy slot, a row lock), or that commits on the hot path (a relaxed
-        ledger's `synchronous_commit`). The rare ones (schedules, retention, policies,
-        backlog samples) commit with the server's defaults."""
-        # In a value: the insert evaluates its row before checking its keys and slots.
-        self.insert = self.insert.values(created_at=case((preamble, db_time())))
-        for name in _PREAMBLE_UPDATES:
-            update_: Update = getattr(self, name)
-            setattr(self, name, update_.where(preamble))
-
-
-#: The updates `Statements._add_preamble` gives the pooled ledger's settings.
-_PREAMBLE_UPDATES = (
-    "mark_queued",
-)  # fmt: skip
-
-
-def _made_due_at_start() -> ColumnElement[bool]:
-    """The fence dropped an early delivery of the row and made it due for the relay at its
-    start (`send_when_due`): its next send is exactly its `run_after`, still to come. The
-    acceptance mark of its publish, which may come a moment after (it is batched), keeps
-    that rather than putting the next send off by `redeliver_after`: the delivery dropped
-    may have been the very message accepted.
-
-    Only that write makes the two equal while the start is ahead: an insert's next send
-    equals its start only when both are its now (no `start_after`, `send_in` 0), which has
-    passed by the time of its mark; a far-off start's is the start less the ETA horizon.
-    One equal by chance would cost one more send, which the fence drops."""
-    t = dispatch_table.c
-    return and_(t.next_send_at == t.run_after, t.run_after > db_time())
 
 
 def smaller(a: ColumnElement[Any], b: ColumnElement[Any]) -> ColumnElement[Any]:
