@@ -1,167 +1,43 @@
 """`Ledger`: every operation on the ledger tables, addressed by what it does.
 
-How each one runs its statement (autocommit, the one rerun, reading back) is
-`executor.py`'s.
+The operations live by concept beside their statements; how each one runs its
+statement (autocommit, the one rerun, reading back) is `executor.py`'s:
+
+- `migration`: creating and upgrading the schema, the ledger's identity
+- `dispatches`: inserting rows (one, a batch, in a caller's transaction), reading them,
+  recording the broker's acceptance
+- `claims`: the fence's claim, its lease, and how an attempt ends
+- `slots`: parking runs, handing queue policy slots on
+- `policies`: the queue policy recorded for each job
+- `relay`: the relay's takes, give-backs, give-ups, wake-ups and backlog samples
+- `schedules`: schedules and beat ticks
+- `retention`: pruning ended dispatches and spent schedule history
+- `views`: the operator's reads and requeue, and the Django admin's reads
 """
 
 from __future__ import annotations
 
-import uuid
-from typing import Any
-
-from sqlalchemy import ColumnElement, Connection, Select, func, inspect, select
-
 from .claims import Claims
 from .dispatches import Dispatches
 from .engine import create_ledger_engine
-from .errors import schema_missing, translate_errors
+from .migration import Migration
 from .policies import Policies
 from .relay import Relay
 from .retention import Retention
 from .schedules import Schedules
-from .schema import (
-    LEDGER_ID_KEY,
-    SCHEMA_VERSION,
-    dispatch_table,
-    info_table,
-    metadata,
-    schedule_table,
-    schema_version_table,
-)
 from .slots import Slots
-from .statements import db_time, insert_or_nothing
 from .views import Views
 
 
-class MigrationStatements:
-    """What `migrate` reads back of the schema, for one dialect."""
+class Ledger(Migration, Dispatches, Claims, Slots, Policies, Relay, Schedules, Retention, Views):
+    """The dispatch ledger in one database: every operation the rest of the package
+    calls, each concept's from its own module.
 
-    def __init__(self, dialect: str, preamble: ColumnElement[bool] | None) -> None:
-        self.ledger_id: Select[Any] = select(info_table.c.value).where(
-            info_table.c.key == LEDGER_ID_KEY
-        )
-
-
-class Ledger(Dispatches, Claims, Slots, Policies, Relay, Schedules, Retention, Views):
-    """The dispatch ledger in one database."""
-
-    def _prepare(self, dialect: str, preamble: ColumnElement[bool] | None) -> None:
-        super()._prepare(dialect, preamble)
-        self._ledger_id: str | None = None
-        self._migration_sql = MigrationStatements(dialect, preamble)
-
-    # --- schema ------------------------------------------------------------------------
-
-    def migrate(self) -> int:
-        """Create or upgrade the schema; safe to run again. Returns the schema version."""
-        with translate_errors(self.migrate_command), self._begin() as conn:
-            metadata.create_all(conn, checkfirst=True)
-            # Committed on its own: on PostgreSQL their exclusive locks (which stop reads
-            # too) then last a moment, not as long as the index builds below.
-            _allow_pruned_options(conn)
-            _widen_dispatch_ids(conn)
-        with translate_errors(self.migrate_command), self._begin() as conn:
-            # create_all adds missing tables only; indexes added by a later version too.
-            for table in metadata.sorted_tables:
-                for index in table.indexes:
-                    index.create(conn, checkfirst=True)
-            conn.execute(
-                insert_or_nothing(self.dialect, info_table).values(
-                    key=LEDGER_ID_KEY, value=str(uuid.uuid4())
-                )
-            )
-            current = conn.execute(select(func.max(schema_version_table.c.version))).scalar()
-            if current is None or current < SCHEMA_VERSION:
-                conn.execute(
-                    insert_or_nothing(self.dialect, schema_version_table).values(
-                        version=SCHEMA_VERSION, applied_at=db_time()
-                    )
-                )
-        return SCHEMA_VERSION
-
-    @property
-    def knows_identity(self) -> bool:
-        """Whether `ledger_id()` answers from memory."""
-        return self._ledger_id is not None
-
-    def ledger_id(self, conn: Connection | None = None) -> str:
-        """The random identity the first migration gave this ledger database.
-
-        With `conn`, read through the caller's connection: which database that is.
-        """
-        if conn is None and self._ledger_id is not None:
-            return self._ledger_id
-        if conn is not None:
-            with translate_errors(self.migrate_command):
-                found = conn.execute(self._migration_sql.ledger_id).scalar()
-        else:
-            row = self._first(self._migration_sql.ledger_id, {})
-            found = row["value"] if row is not None else None
-        if not isinstance(found, str):
-            raise schema_missing(self.migrate_command)
-        if conn is None:
-            self._ledger_id = found
-        return found
-
-    # --- publishing --------------------------------------------------------------------
-
-    # --- the relay's sends -------------------------------------------------------------
-
-    # --- schedules ------------------------------------------------------------------------
-
-    # --- retention -------------------------------------------------------------------------
-
-    # --- the operator's views ------------------------------------------------------------
-
-
-def _allow_pruned_options(conn: Connection) -> None:
-    """Schema version 4: `options` may be NULL (a pruned row); a dispatch table made by an
-    older version still refuses it."""
-    name = dispatch_table.name
-    options = next(c for c in inspect(conn).get_columns(name) if c["name"] == "options")
-    if options["nullable"]:
-        return
-    if conn.dialect.name != "sqlite":
-        # A change to the catalog only: no rewrite, and the lock lasts a moment.
-        conn.exec_driver_sql(f"ALTER TABLE {name} ALTER COLUMN options DROP NOT NULL")
-        return
-    # SQLite cannot drop a NOT NULL constraint in place: rebuild the table, as its ALTER
-    # TABLE documentation advises, within one transaction. An engine passed in may leave
-    # DDL outside any transaction (pysqlite opens one only before DML), so open it here:
-    # a crash half-way must not leave the table renamed.
-    if not conn.connection.driver_connection.in_transaction:  # type: ignore[union-attr]
-        conn.exec_driver_sql("BEGIN IMMEDIATE")
-    old = f"{name}_before_v4"
-    for index in dispatch_table.indexes:
-        conn.exec_driver_sql(f"DROP INDEX IF EXISTS {index.name}")
-    conn.exec_driver_sql(f"ALTER TABLE {name} RENAME TO {old}")
-    dispatch_table.create(conn)
-    columns = ", ".join(column.name for column in dispatch_table.columns)
-    conn.exec_driver_sql(f"INSERT INTO {name} ({columns}) SELECT {columns} FROM {old}")
-    conn.exec_driver_sql(f"DROP TABLE {old}")
-
-
-#: The columns that hold a dispatch id, unbounded since schema version 5 (String(36) before).
-_DISPATCH_ID_COLUMNS = ((dispatch_table.name, "id"), (schedule_table.name, "last_dispatch_id"))
-
-
-def _widen_dispatch_ids(conn: Connection) -> None:
-    """Schema version 5: a dispatch id may be any task id a plain Celery call carries
-    (see `ids.unstorable_id`), not only a 36-character UUID.
-
-    On PostgreSQL, `varchar(36)` to `text` is a change to the catalog only: the two are
-    binary-compatible, so neither the table nor its indexes are rewritten, and the
-    exclusive lock lasts a moment. SQLite never enforced the length, so nothing changes
-    there: its tables made before version 5 keep `VARCHAR(36)` in their definition and
-    store ids of any length all the same.
+    Assembled from mixins over one `Executor` rather than composed of parts
+    (`ledger.claims.claim(...)`): the callers keep calling `ledger.claim(...)`, and a
+    test that replaces one operation on the instance (`monkeypatch.setattr(ledger,
+    "renew", ...)`) still replaces it for every caller.
     """
-    if conn.dialect.name == "sqlite":
-        return
-    inspector = inspect(conn)
-    for table, name in _DISPATCH_ID_COLUMNS:
-        column = next(c for c in inspector.get_columns(table) if c["name"] == name)
-        if getattr(column["type"], "length", None) is not None:
-            conn.exec_driver_sql(f"ALTER TABLE {table} ALTER COLUMN {name} TYPE text")
 
 
 def open_ledger(url: str, *, relaxed: bool = False, pooled: bool = False) -> Ledger:
