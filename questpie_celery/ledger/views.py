@@ -7,8 +7,10 @@ The lists and counts are built per call: they are rare, and their filters vary.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, Protocol
 
 from sqlalchemy import (
     ColumnElement,
@@ -171,6 +173,46 @@ def requeue_statement() -> Update:
             run_after=db_time(),
         )
     )
+
+
+# --- the Django admin's reads: on Django's own cursor (`%s` placeholders on every backend) --
+
+
+class Cursor(Protocol):
+    """A DB-API cursor, as Django's connections hand them out."""
+
+    def execute(self, sql: str, params: Sequence[Any]) -> Any: ...
+    def fetchall(self) -> Sequence[Sequence[Any]]: ...
+    def fetchone(self) -> Sequence[Any] | None: ...
+
+
+def distinct_job_names(cursor: Cursor, quote: Callable[[str], str], limit: int) -> list[str]:
+    """The distinct job names in the ledger, sorted: a loose index scan of the
+    `(job_name, created_at)` index, one probe per job (PostgreSQL and SQLite alike), not a
+    `SELECT DISTINCT` of every row. `quote` quotes a name for the cursor's database."""
+    table, job = quote(dispatch_table.name), quote(dispatch_table.c.job_name.name)
+    sql = (
+        "WITH RECURSIVE jobs(name, n) AS ("
+        f" SELECT (SELECT min({job}) FROM {table}), 1"
+        " UNION ALL"
+        f" SELECT (SELECT min({job}) FROM {table} WHERE {job} > jobs.name), jobs.n + 1"
+        " FROM jobs WHERE jobs.name IS NOT NULL AND jobs.n < %s"
+        ") SELECT name FROM jobs WHERE name IS NOT NULL ORDER BY name"
+    )
+    cursor.execute(sql, [limit])
+    return [str(row[0]) for row in cursor.fetchall()]
+
+
+def planned_rows(cursor: Cursor, dialect: str, sql: str, params: Sequence[Any]) -> int | None:
+    """How many rows PostgreSQL's planner expects the query `sql` to return (its
+    statistics, not a count); None on other databases."""
+    if dialect != "postgresql":
+        return None
+    cursor.execute(f"EXPLAIN (FORMAT JSON) {sql}", params)
+    row = cursor.fetchone()
+    assert row is not None  # EXPLAIN always answers
+    plan = json.loads(row[0]) if isinstance(row[0], str) else row[0]
+    return int(plan[0]["Plan"]["Plan Rows"])
 
 
 class Views(Executor):
