@@ -2,8 +2,8 @@
 
 On PostgreSQL (a `Questpie` made with `ledger_url=`), they run on SQLAlchemy's
 asyncio engine over psycopg's async driver: the loop goes on while a statement
-waits for the server. The statements are the sync ledger's own, from
-`statements`; only how they are awaited differs.
+waits for the server. The statements are the sync ledger's own (its
+`statements` and `run_statements`); only how they are awaited differs.
 
 An asyncio engine's pooled connections belong to the event loop that opened
 them, so each loop gets an engine of its own (a test suite may run many loops;

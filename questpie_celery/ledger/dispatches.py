@@ -46,14 +46,13 @@ UUID_LENGTH = 36
 
 
 class DispatchStatements:
-    """The ledger's statements for one dialect.
+    """Publishing's statements for one dialect.
 
-    With `preamble` (a pooled PostgreSQL ledger's own connections), every write that can
-    wait on another transaction's row, or that commits on the hot path, sets them for its
-    own transaction first (its preamble, `in_own_transaction`): what an unpooled engine
-    sets once per connection at startup. Statements run in a caller's transaction must
-    come from a `DispatchStatements` without `preamble`, or the caller's transaction would keep
-    them.
+    With `preamble` (a pooled PostgreSQL ledger's own connections), the insert and the
+    acceptance mark set the ledger's settings for their own transaction first
+    (`statements.in_own_transaction`): what an unpooled engine sets once per connection
+    at startup. Statements run in a caller's transaction must come from a
+    `DispatchStatements` without `preamble`, or the caller's transaction would keep them.
     """
 
     def __init__(self, dialect: str, preamble: ColumnElement[bool] | None = None) -> None:
@@ -134,10 +133,7 @@ class DispatchStatements:
             self._add_preamble(preamble)
 
     def _add_preamble(self, preamble: ColumnElement[bool]) -> None:
-        """`preamble` in every write that may wait on a row another transaction holds (a
-        key, a policy slot, a row lock), or that commits on the hot path (a relaxed
-        ledger's `synchronous_commit`). The rare ones (schedules, retention, policies,
-        backlog samples) commit with the server's defaults."""
+        """`preamble` in the insert and the acceptance mark (see `statements.add_preamble`)."""
         # In a value: the insert evaluates its row before checking its keys and slots.
         self.insert = self.insert.values(created_at=case((preamble, db_time())))
         add_preamble(self, preamble, ("mark_queued",))

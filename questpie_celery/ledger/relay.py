@@ -185,7 +185,7 @@ class Relay(Executor):
     ) -> list[DispatchRow]:
         """Take up to `limit` rows due for a relay send, oldest due first, in one statement:
         each send counted and the row's next send pushed out by the relay's backoff (see
-        `statements._relay_backoff`). Rows with `max_sends` sends are left for `give_up`.
+        `relay_backoff`). Rows with `max_sends` sends are left for `give_up`.
 
         No two relays take the same row. If the connection drops and the statement runs
         again, a first run that landed unseen took rows nobody sends now: they are due

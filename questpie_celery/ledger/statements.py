@@ -1,9 +1,12 @@
-"""Every SQL statement against the ledger, built once per dialect and addressed by name.
+"""What every concept's statements are built from: the database's clock, the dialect
+helpers, a pooled ledger's settings in a statement, and the conditions several
+concepts share (the row addressed, a delivery's claim, the terminal write, a busy slot).
 
-Statements are built once with bind parameters and reused: SQLAlchemy then skips
-construction and cache-key generation on each call, which is most of its
-per-statement cost. Dialect differences (PostgreSQL and SQLite) live here and in
-`engine.py`, nowhere else.
+Each concept module (`dispatches`, `claims`, `slots`, ...) builds its own statements
+from these once per dialect, with bind parameters, and reuses them: SQLAlchemy then
+skips construction and cache-key generation on each call, which is most of its
+per-statement cost. Dialect differences (PostgreSQL and SQLite) live in these
+statements and in `engine.py`, nowhere else.
 
 Times come from the database's clock (`db_time`), never a host's: leases, due
 times and redelivery times written by workers on different machines compare
