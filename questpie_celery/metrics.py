@@ -21,7 +21,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from .errors import LedgerSchemaError
 from .ledger import Status
 from .ledger.schema import WAITING
-from .ledger.statements import STUCK_COUNT_CAP, STUCK_REASONS
+from .ledger.views import STUCK_COUNT_CAP, STUCK_REASONS
 from .operations import JobCount, Operator, StuckCount
 
 STATUSES: tuple[str, ...] = get_args(Status)

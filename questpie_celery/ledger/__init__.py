@@ -2,9 +2,12 @@
 
 - `schema`: the tables, the status vocabulary and the policy slot indexes
 - `engine`: engines tuned per dialect, and their life across forks
-- `statements`: every statement, per dialect, on the database's clock
-- `store`: `Ledger`, the operations the rest of the package calls
-- `inserts`: a publish's inserts as plans, which `store` runs and `aio` awaits
+- `statements`: what every statement is built from, on the database's clock
+- `executor`: how every operation runs its statement (the one rerun, errors translated)
+- `store`: `Ledger`, the operations the rest of the package calls, assembled from one
+  module per concept (`migration`, `dispatches`, `claims`, `slots`, `policies`, `relay`,
+  `schedules`, `retention`, `views`), each with its statements
+- `inserts`: a publish's inserts as plans, which `dispatches` runs and `aio` awaits
 - `transactions`: rows written in a caller's Session or Connection
 - `wakeups`: relays listening for commits that wrote rows for them (PostgreSQL)
 - `errors`: SQLAlchemy's errors turned into the package's own

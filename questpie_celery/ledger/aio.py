@@ -2,8 +2,8 @@
 
 On PostgreSQL (a `Questpie` made with `ledger_url=`), they run on SQLAlchemy's
 asyncio engine over psycopg's async driver: the loop goes on while a statement
-waits for the server. The statements are the sync ledger's own, from
-`statements`; only how they are awaited differs.
+waits for the server. The statements are the sync ledger's own (its
+`statements` and `run_statements`); only how they are awaited differs.
 
 An asyncio engine's pooled connections belong to the event loop that opened
 them, so each loop gets an engine of its own (a test suite may run many loops;
@@ -74,6 +74,7 @@ class AsyncLedger:
                 loop.run_until_complete(engine.dispose())
         ledger = self._ledger
         self._sql = ledger.statements
+        self._run_sql = ledger.run_statements
         # Only an engine we made knows its own settings, and only PostgreSQL has a
         # driver that can wait without a thread.
         self.native = ledger.dialect == "postgresql" and runs_in_autocommit(ledger.engine)
@@ -106,7 +107,7 @@ class AsyncLedger:
     async def get(self, dispatch_id: str) -> DispatchRow | None:
         if not self.native:
             return await asyncio.to_thread(self._ledger.get, dispatch_id)
-        rows, _ = await self._run(self._sql.get, {"dispatch_id": dispatch_id})
+        rows, _ = await self._run(self._run_sql.get, {"dispatch_id": dispatch_id})
         return DispatchRow.from_mapping(rows[0]) if rows else None
 
     async def know_identity(self) -> None:
@@ -171,7 +172,7 @@ class AsyncLedger:
         transactional = engine.execution_options(isolation_level="READ COMMITTED")
         async with transactional.begin() as conn:
             yield conn
-            await conn.execute(self._sql.commit_durably)  # after the statement, as in `Ledger`
+            await conn.execute(self._run_sql.commit_durably)  # after the statement, as in `Ledger`
 
     def _engine(self) -> AsyncEngine:
         loop = asyncio.get_running_loop()

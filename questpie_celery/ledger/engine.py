@@ -11,7 +11,7 @@ mode, such as PgBouncer) keeps no state between transactions, since its next one
 may run on another client's server connection: no startup parameters and no
 server-side prepared statements. The settings an unpooled engine gives each
 connection at startup are then set by each write statement for its own
-transaction (see `statement_settings` and `Statements`).
+transaction (see `statement_settings` and `statements.in_own_transaction`).
 """
 
 from __future__ import annotations

@@ -12,14 +12,23 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
+from sqlalchemy import Insert, Select
 from sqlalchemy.sql import Executable
 
 from .rows import NewDispatch
-from .statements import Statements
 
 T = TypeVar("T")
+
+
+class Statements(Protocol):
+    """The statements a plan runs: `dispatches.DispatchStatements` of the ledger's dialect."""
+
+    insert: Insert
+    insert_batch: Insert | None
+    existing: Select[Any]
+    exists: Select[Any]
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,12 @@
-"""Every SQL statement against the ledger, built once per dialect and addressed by name.
+"""What every concept's statements are built from: the database's clock, the dialect
+helpers, a pooled ledger's settings in a statement, and the conditions several
+concepts share (the row addressed, a delivery's claim, the terminal write, a busy slot).
 
-Statements are built once with bind parameters and reused: SQLAlchemy then skips
-construction and cache-key generation on each call, which is most of its
-per-statement cost. Dialect differences (PostgreSQL and SQLite) live here and in
-`engine.py`, nowhere else.
+Each concept module (`dispatches`, `claims`, `slots`, ...) builds its own statements
+from these once per dialect, with bind parameters, and reuses them: SQLAlchemy then
+skips construction and cache-key generation on each call, which is most of its
+per-statement cost. Dialect differences (PostgreSQL and SQLite) live in these
+statements and in `engine.py`, nowhere else.
 
 Times come from the database's clock (`db_time`), never a host's: leases, due
 times and redelivery times written by workers on different machines compare
@@ -16,65 +19,33 @@ from collections.abc import Mapping
 from typing import Any
 
 from sqlalchemy import (
-    BigInteger,
-    Boolean,
     ColumnElement,
     Float,
-    Insert,
-    LargeBinary,
-    Select,
-    String,
     Table,
     Text,
     Update,
     and_,
-    any_,
     bindparam,
     case,
-    cast,
-    column,
-    delete,
-    exists,
     func,
-    insert,
-    literal,
     literal_column,
-    null,
     or_,
     select,
-    text,
     true,
-    tuple_,
-    update,
 )
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.compiler import SQLCompiler
-from sqlalchemy.sql.elements import TextClause
 from sqlalchemy.sql.expression import FunctionElement
 
 from ..errors import LedgerError
 from .schema import (
     CLAIMABLE,
-    LEDGER_ID_KEY,
-    PRUNED_BEFORE_KEY,
-    RELAY_GAVE_UP,
-    RESENDABLE,
     RUNNING,
-    TERMINAL,
     UTCDateTime,
-    backlog_table,
-    beat_tick_table,
     dispatch_table,
-    info_table,
-    policy_table,
-    schedule_table,
 )
 
-#: The most due rows one backlog sample counts; past it the plot shows the cap.
-BACKLOG_CAP = 100_000
-#: The most rows one reason's stuck count counts (for every job together).
-STUCK_COUNT_CAP = 100_000
 #: The PostgreSQL channel a `publish(connection=...)` notifies in the caller's transaction
 #: and every relay listens on: the notification arrives only once that transaction commits,
 #: exactly when the row becomes visible to the relay.
@@ -159,545 +130,86 @@ def in_own_transaction(settings: Mapping[str, str]) -> ColumnElement[bool]:
     return and_(*checks)
 
 
-def insert_batch(dialect: str, preamble: ColumnElement[bool] | None = None) -> Insert:
-    """Many new rows in one statement, each inserted or skipped as `insert` would, in order.
+def by_id() -> ColumnElement[bool]:
+    """The one dispatch a statement addresses (`dispatch_id`)."""
+    return dispatch_table.c.id == bindparam("dispatch_id")
 
-    The values a batch shares (job, status, policy, options, times) are single
-    parameters; the per-row values travel as one array per column. On PostgreSQL that
-    keeps the statement's text the same for every batch size (unnest, in order), so
-    neither the driver nor the server parses thousands of placeholders; SQLite runs the
-    one-row `insert` for each parameter set instead (SQLAlchemy batches it).
-    """
-    if dialect != "postgresql":
-        raise LedgerError("insert_batch is PostgreSQL's; SQLite executes `insert` per row")
+
+def claimable() -> ColumnElement[bool]:
+    """The row waits for a claim (see `schema.CLAIMABLE`)."""
     t = dispatch_table.c
-    per_row = {
-        "id": String,
-        "idempotency_key": Text,
-        "singleton_key": Text,
-        "slot": Text,
-        "payload": postgresql.JSON,
-        "secret_ciphertext": LargeBinary,
-        "secret_wrapped_key": LargeBinary,
-        "secret_key_id": String,
-    }
-    rows = (
-        func.unnest(
-            *(bindparam(f"{name}s", type_=postgresql.ARRAY(kind)) for name, kind in per_row.items())
-        )
-        .table_valued(
-            *(column(name, kind) for name, kind in per_row.items()), with_ordinality="ord"
-        )
-        .render_derived()
+    return or_(*(t.status == status for status in CLAIMABLE))
+
+
+def deliverable() -> ColumnElement[bool]:
+    """The row waits for the claim of delivery `previous + 1` of it, by its job.
+
+    Bound to its job: a message for another job that carries this id claims nothing.
+    `job_name || ''` keeps the job out of the index conditions: the row is found by
+    its id. PostgreSQL, for a job its statistics have not seen yet (a new job on a
+    big ledger, until the next ANALYZE), would otherwise rate the per-job index as
+    good as the primary key and read every row of the job on each claim.
+    """
+    t = dispatch_table.c
+    return and_(
+        by_id(),
+        t.job_name.concat("") == bindparam("job"),
+        claimable(),
+        t.attempt == bindparam("previous"),
     )
+
+
+def delivered() -> ColumnElement[Any]:
+    """The row's `queued_at` once a delivery of it arrived.
+
+    A delivery is proof that the broker had its message: a claim (or a park, or the
+    end of a revoked one) records the acceptance if the publisher's batched mark has
+    not landed yet, and the mark then leaves the row alone. Never after now: a claim
+    that waited on a mark's row lock started before the mark.
+    """
+    t = dispatch_table.c
     now = db_time()
-    shared = {
-        "job_name": bindparam("job_name", type_=String),
-        "status": bindparam("status", type_=String),
-        "policy": bindparam("policy", type_=t.policy.type),
-        "secret": bindparam("secret", type_=t.secret.type),
-        "options": bindparam("options", type_=t.options.type),
-        "attempt": literal(0),
-        "send_count": literal(0),
-        "created_at": now,
-        "run_after": func.coalesce(bindparam("run_after", type_=UTCDateTime), now),
-        "next_send_at": func.coalesce(
-            bindparam("next_send_at", type_=UTCDateTime), db_time(seconds("send_in"))
-        ),
+    return case((or_(t.queued_at.is_(None), t.queued_at > now), now), else_=t.queued_at)
+
+
+def terminal_values() -> dict[str, Any]:
+    """What every write that ends a dispatch sets, with its `error`."""
+    return {
+        "lease_expires_at": None,
+        "last_error": bindparam("error"),
+        "finished_at": db_time(),
+        "next_send_at": None,  # an ended dispatch is never sent again
+        # Key erasure is part of the terminal write, never a second step.
+        "secret_ciphertext": None,
+        "secret_wrapped_key": None,
     }
-    values = {**{name: rows.c[name] for name in per_row}, **shared}
-    # In the order given: a later row conflicts with an earlier one, as it would if
-    # published after it.
-    chosen = select(*values.values()).order_by(rows.c.ord)
-    if preamble is not None:  # `in_own_transaction`, before any row is inserted
-        chosen = chosen.where(preamble)
-    return (
-        postgresql.insert(dispatch_table)
-        .from_select(list(values), chosen)
-        .on_conflict_do_nothing()
-        .returning(t.id)
-    )
 
 
-class Statements:
-    """The ledger's statements for one dialect.
-
-    With `settings` (a pooled PostgreSQL ledger's own connections), every write that can
-    wait on another transaction's row, or that commits on the hot path, sets them for its
-    own transaction first (its preamble, `in_own_transaction`): what an unpooled engine
-    sets once per connection at startup. Statements run in a caller's transaction must
-    come from a `Statements` without settings, or the caller's transaction would keep
-    them.
-    """
-
-    def __init__(self, dialect: str, settings: Mapping[str, str] | None = None) -> None:
-        preamble = in_own_transaction(settings) if settings else None
-        t = dispatch_table.c
-        now = db_time()
-        by_id = t.id == bindparam("dispatch_id")
-        held = and_(by_id, t.claim_token == bindparam("token"), t.status == "active")
-        claimable = or_(*(t.status == status for status in CLAIMABLE))
-        in_slot = and_(t.job_name == bindparam("job"), t.slot == bindparam("slot_key"))
-
-        self.insert: Insert = (
-            insert_or_nothing(dialect, dispatch_table)
-            .values(
-                id=bindparam("id"),
-                job_name=bindparam("job_name"),
-                idempotency_key=bindparam("idempotency_key"),
-                singleton_key=bindparam("singleton_key"),
-                status=bindparam("status"),
-                policy=bindparam("policy", type_=t.policy.type),
-                slot=bindparam("slot"),
-                payload=bindparam("payload", type_=t.payload.type),
-                secret=bindparam("secret"),
-                secret_ciphertext=bindparam("secret_ciphertext", type_=t.secret_ciphertext.type),
-                secret_wrapped_key=bindparam("secret_wrapped_key", type_=t.secret_wrapped_key.type),
-                secret_key_id=bindparam("secret_key_id"),
-                options=bindparam("options", type_=t.options.type),
-                attempt=bindparam("attempt"),
-                send_count=0,
-                created_at=now,
-                # An absolute start (start_after) or now; the relay's first look: an
-                # absolute time or now plus a delay.
-                run_after=func.coalesce(bindparam("run_after", type_=UTCDateTime), now),
-                next_send_at=func.coalesce(
-                    bindparam("next_send_at", type_=UTCDateTime), db_time(seconds("send_in"))
-                ),
-                queued_at=case((bindparam("status") == "queued", now), else_=None),
-            )
-            .returning(t.id)
-        )
-        # The settings for the length of a transaction of the ledger's own (`migrate`'s),
-        # behind a pooler: what an unpooled engine's connections have from startup, so a
-        # schema upgrade waiting for a table lock gives up after the lock timeout instead
-        # of queueing every ledger statement behind it for as long as the holder lasts.
-        self.transaction_settings: Select[Any] | None = (
-            select(preamble) if preamble is not None else None
-        )
-        # On a relaxed ledger, what makes one write durable anyway: on PostgreSQL, run
-        # after it in its own transaction, before the commit (where the setting counts,
-        # and after a pooled statement's preamble turned it off); on SQLite, around it
-        # on its connection.
-        self.commit_durably: TextClause = (
-            text("SET LOCAL synchronous_commit TO on")
-            if dialect == "postgresql"
-            else text("PRAGMA synchronous=FULL")
-        )
-        self.commit_relaxed: TextClause | None = (
-            None if dialect == "postgresql" else text("PRAGMA synchronous=NORMAL")
-        )
-        self.insert_batch: Insert | None = (
-            insert_batch(dialect, preamble) if dialect == "postgresql" else None
-        )
-        self.existing: Select[Any] = select(t.id).where(
-            t.id.in_(bindparam("dispatch_ids", expanding=True))
-        )
-        self.get: Select[Any] = select(dispatch_table).where(by_id)
-        self.get_many: Select[Any] = select(dispatch_table).where(
-            t.id.in_(bindparam("dispatch_ids", expanding=True))
-        )
-        self.exists: Select[Any] = select(t.id).where(by_id)
-        # A fast worker may already have claimed the row: keep its status then, and only a
-        # row still waiting for its first claim gets a redelivery time.
-        still_pending = t.status == "pending"
-        # When the broker took the message: the mark is batched, so it comes a moment
-        # later (`accepted_ago`, measured by the publisher), never before the row was
-        # written, and never after a run started (on a row a release before this one
-        # claimed without recording its acceptance).
-        accepted = _larger(t.created_at, db_time(-seconds("accepted_ago")))
-        # One statement (one commit) for a whole batch of acceptances.
-        self.mark_queued: Update = (
-            update(dispatch_table)
-            .where(
-                t.id.in_(bindparam("dispatch_ids", expanding=True)),
-                # Rows already marked (or claimed, which records acceptance too) are left
-                # alone: no write.
-                or_(still_pending, t.queued_at.is_(None)),
-            )
-            .values(
-                queued_at=func.coalesce(
-                    t.queued_at, _smaller(accepted, func.coalesce(t.started_at, accepted))
-                ),
-                status=case((still_pending, "queued"), else_=t.status),
-                next_send_at=case(
-                    (
-                        and_(still_pending, ~_made_due_at_start()),
-                        db_time(seconds("redeliver_in")),
-                    ),
-                    else_=t.next_send_at,
-                ),
-            )
-        )
-        # Bound to its job: a message for another job that carries this id claims nothing.
-        # `job_name || ''` keeps the job out of the index conditions: the row is found by
-        # its id. PostgreSQL, for a job its statistics have not seen yet (a new job on a
-        # big ledger, until the next ANALYZE), would otherwise rate the per-job index as
-        # good as the primary key and read every row of the job on each claim.
-        deliverable = and_(
-            by_id,
-            t.job_name.concat("") == bindparam("job"),
-            claimable,
-            t.attempt == bindparam("previous"),
-        )
-        # Never before the row is due: a message that carries the id of a dispatch that
-        # waits for its start or its retry (a forged one, a stale copy) runs nothing early.
-        # Eager mode runs everything at once, as Celery's does (`any_time`).
-        started = or_(bindparam("any_time", type_=Boolean), t.run_after <= now)
-        # A delivery is proof that the broker had its message: a claim (or a park, or the
-        # end of a revoked one) records the acceptance if the publisher's batched mark has
-        # not landed yet, and the mark then leaves the row alone. Never after now: a claim
-        # that waited on a mark's row lock started before the mark.
-        delivered = case((or_(t.queued_at.is_(None), t.queued_at > now), now), else_=t.queued_at)
-        self.claim: Update = (
-            update(dispatch_table)
-            .where(deliverable, started)
-            .values(
-                status="active",
-                attempt=t.attempt + 1,
-                send_count=0,  # the relay's budget counts sends per attempt
-                claim_token=bindparam("new_token"),
-                lease_expires_at=db_time(seconds("lease")),
-                started_at=now,
-                queued_at=delivered,
-                # Nothing is due for the relay while a claim holds: it watches the lease.
-                next_send_at=None,
-            )
-            .returning(*dispatch_table.c)
-        )
-        self.renew: Update = (
-            update(dispatch_table).where(held).values(lease_expires_at=db_time(seconds("lease")))
-        )
-        # Why a claim took nothing, and how long before the row is due, on one clock.
-        self.get_and_now: Select[Any] = select(dispatch_table, now.label("now")).where(by_id)
-        # An early delivery dropped: the relay sends the row when it is due, whatever time
-        # it was to look at the row next (a retry sent at once looks only after
-        # `redeliver_after`, trusting the message the early delivery may have been).
-        # (The acceptance mark of a publish that comes later leaves it so; see
-        # `_made_due_at_start`.)
-        self.send_when_due: Update = (
-            update(dispatch_table)
-            .where(
-                by_id,
-                t.job_name == bindparam("job"),
-                claimable,
-                t.attempt == bindparam("previous"),
-                or_(t.next_send_at.is_(None), t.next_send_at > t.run_after),
-            )
-            .values(next_send_at=t.run_after)
-        )
-        ended: dict[str, Any] = {"lease_expires_at": None, "last_error": bindparam("error")}
-        terminal = {
-            **ended,
-            "finished_at": now,
-            "next_send_at": None,  # an ended dispatch is never sent again
-            # Key erasure is part of the terminal write, never a second step.
-            "secret_ciphertext": None,
-            "secret_wrapped_key": None,
-        }
-        retrying = {
-            **ended,
-            "status": "retry",
-            "run_after": db_time(seconds("retry_in")),
-            "next_send_at": db_time(seconds("relay_in")),
-        }
-        self.finish: Update = (
-            update(dispatch_table).where(held).values(status=bindparam("new_status"), **terminal)
-        )
-        self.retry: Update = update(dispatch_table).where(held).values(**retrying)
-        # Ending a lapsed lease is the relay's doing, not the holder's: it clears the token,
-        # so a holder reading back after a failed write knows its own write did not land.
-        lapsed = and_(held, t.lease_expires_at < now)
-        self.lapse_retry: Update = (
-            update(dispatch_table).where(lapsed).values(claim_token=None, **retrying)
-        )
-        self.lapse_fail: Update = (
-            update(dispatch_table)
-            .where(lapsed)
-            .values(status="failed", claim_token=None, **terminal)
-        )
-        self.expired: Select[Any] = (
-            select(dispatch_table)
-            .where(t.status == "active", t.lease_expires_at < now)
-            .order_by(t.lease_expires_at)
-            .limit(bindparam("limit"))
-        )
-
-        # A delivery that ended without a run (its pool process died before the claim, or
-        # the worker revoked its message): only a row still waiting for that very claim
-        # is touched, so a run that did claim, or a later attempt, is never disturbed.
-        # Due now, unless its start is further off than the outbox's ETA horizon (the
-        # lost delivery was an early copy): then its own next send stands, or the relay
-        # would hand the broker an ETA far in the future.
-        self.send_unclaimed_now: Update = (
-            update(dispatch_table)
-            .where(deliverable)
-            .values(
-                next_send_at=case(
-                    (t.run_after > db_time(seconds("horizon")), t.next_send_at), else_=now
-                )
-            )
-        )
-        self.end_unclaimed: Update = (
-            update(dispatch_table)
-            .where(deliverable)
-            .values(status="failed", claim_token=None, queued_at=delivered, **terminal)
-            .returning(*dispatch_table.c)
-        )
-
-        # Parked, a run waits for its slot, not for the relay: unparking makes it due again.
-        self.park: Update = (
-            update(dispatch_table)
-            .where(deliverable)
-            .values(status="parked", queued_at=delivered, next_send_at=None)
-        )
-        self.oldest_parked: Select[Any] = (
-            select(t.id).where(in_slot, t.status == "parked").order_by(t.created_at, t.id).limit(1)
-        )
-        self.unpark: Update = (
-            update(dispatch_table)
-            .where(by_id, t.status == "parked")
-            .values(status="queued", next_send_at=db_time(seconds("redeliver_in")))
-            .returning(*dispatch_table.c)
-        )
-        self.slot_running: Select[Any] = (
-            select(t.id).where(in_slot, t.status.in_(RUNNING), t.policy.is_not(None)).limit(1)
-        )
-        self.free_parked_slots: Select[Any] = _free_parked_slots()
-
-        due = and_(t.status.in_(RESENDABLE), t.next_send_at <= now)
-        max_sends: Any = bindparam("max_sends")
-        # Rows the relay ran out of sends for: recorded failed, one by one (rare).
-        self.due_out_of_sends: Select[Any] = (
-            select(dispatch_table)
-            .where(due, t.send_count >= max_sends)
-            .order_by(t.next_send_at)
-            .limit(bindparam("limit"))
-        )
-        # The relay takes due rows a batch per statement: each row's send counted and its
-        # next send pushed out by the relay's backoff, so it is not due again meanwhile.
-        # SKIP LOCKED lets several relays take disjoint batches at once on PostgreSQL; a row
-        # another relay just took fails `due` when re-checked under its lock. SQLite has no
-        # row locks and needs none: one statement holds the database's write lock, so two
-        # relays' takes run one after the other and the second sees the first's backoff.
-        batch = (
-            select(t.id)
-            .where(due, t.send_count < max_sends)
-            .order_by(t.next_send_at)
-            .limit(bindparam("limit"))
-            .with_for_update(skip_locked=True)
-        )
-        self.take_due: Update = (
-            update(dispatch_table)
-            .where(t.id.in_(batch.scalar_subquery()))
-            .values(send_count=t.send_count + 1, next_send_at=db_time(_relay_backoff()))
-            .returning(*dispatch_table.c)
-        )
-        # The relay's backlog: what is due for it to send. Counted through a capped
-        # subquery, so a huge backlog costs a bounded index scan, not a count of it all.
-        due_rows = (
-            select(literal(1))
-            .where(t.status.in_(RESENDABLE), t.next_send_at <= now)
-            .limit(BACKLOG_CAP)
-            .subquery()
-        )
-        b = backlog_table.c
-        # One sample per `gap` seconds however many relays run: each inserts only when no
-        # recent sample exists (two racing relays may both insert; the plot shrugs).
-        self.sample_backlog: Insert = insert(backlog_table).from_select(
-            ["sampled_at", "backlog"],
-            select(now, select(func.count()).select_from(due_rows).scalar_subquery()).where(
-                # A sample "from the future" (the clock stepped back) must not stop sampling.
-                ~exists().where(b.sampled_at > db_time(seconds("gap")), b.sampled_at <= now)
-            ),
-        )
-        self.prune_backlog = delete(backlog_table).where(b.sampled_at < db_time(seconds("keep")))
-        self.backlog_since: Select[Any] = (
-            select(b.sampled_at, b.backlog)
-            .where(b.sampled_at >= db_time(seconds("since")))
-            .order_by(b.sampled_at)
-        )
-
-        sc = schedule_table.c
-        self.now: Select[Any] = select(now.label("now"))
-        # `skip`: the (job, source) pairs this beat cannot fire just now; another beat may.
-        self.due_schedules: Select[Any] = (
-            select(schedule_table, now.label("now"))
-            .where(
-                sc.next_fire_at <= now,
-                tuple_(sc.job_name, sc.source).not_in(bindparam("skip", expanding=True)),
-            )
-            .order_by(sc.next_fire_at)
-            .limit(bindparam("limit"))
-        )
-        self.next_schedule_due: Select[Any] = select(func.min(sc.next_fire_at).label("at")).where(
-            tuple_(sc.job_name, sc.source).not_in(bindparam("skip", expanding=True))
-        )
-        # Moving a schedule on is conditional on the tick we read: of several beats that
-        # fired the same tick (one dispatch, thanks to its key), one moves it on.
-        self.advance_schedule: Update = (
-            update(schedule_table)
-            .where(
-                sc.job_name == bindparam("job"),
-                sc.source == bindparam("from_source"),
-                sc.next_fire_at == bindparam("seen_next", type_=UTCDateTime),
-            )
-            .values(
-                next_fire_at=bindparam("next_fire_at", type_=UTCDateTime),
-                last_fire_at=bindparam("seen_next", type_=UTCDateTime),
-                last_dispatch_id=bindparam("dispatch_id"),
-            )
-        )
-        # RETURNING says who won: an INSERT's row count is not reported on every driver.
-        self.claim_beat_tick: Insert = (
-            insert_or_nothing(dialect, beat_tick_table)
-            .values(
-                entry=bindparam("entry"),
-                tick=bindparam("tick"),
-                claimer=bindparam("claimer"),
-                claimed_at=now,
-            )
-            .returning(beat_tick_table.c.entry)
-        )
-        self.beat_tick_claimer: Select[Any] = select(beat_tick_table.c.claimer).where(
-            beat_tick_table.c.entry == bindparam("entry"),
-            beat_tick_table.c.tick == bindparam("tick"),
-        )
-
-        # Giving up is conditional on the exact next_send_at we read, so of several relays
-        # exactly one records it.
-        seen = and_(
-            by_id, t.status == bindparam("seen_status"), t.next_send_at == bindparam("seen_next")
-        )
-        # A taken row the relay did not send (the broker refused an earlier one of its
-        # batch): its send uncounted, due again soon. Conditional on the take as it left the
-        # row, so a row another relay has taken since keeps that relay's count.
-        self.give_back: Update = (
-            update(dispatch_table)
-            .where(seen, t.send_count == bindparam("seen_count"))
-            .values(send_count=t.send_count - 1, next_send_at=db_time(seconds("send_in")))
-        )
-        self.give_up: Update = (
-            update(dispatch_table)
-            .where(seen)
-            .values(status="failed", claim_token=None, **{**terminal, "last_error": RELAY_GAVE_UP})
-        )
-        # After a send the broker refused: let the relay try again soon, not at the far-off
-        # safety-net time the row was given in the hope that the send would succeed.
-        self.send_soon: Update = (
-            update(dispatch_table)
-            .where(
-                t.id.in_(bindparam("dispatch_ids", expanding=True)),
-                t.status.in_(RESENDABLE),
-                t.attempt == bindparam("seen_attempt"),
-            )
-            .values(next_send_at=db_time(seconds("send_in")))
-        )
-
-        # Wakes every listening relay once the caller's transaction commits (PostgreSQL
-        # delivers notifications at commit, and drops them on rollback); SQLite has none.
-        self.wake_relays: TextClause | None = (
-            text(f"NOTIFY {RELAY_WAKE_CHANNEL}") if dialect == "postgresql" else None
-        )
-
-        p = policy_table.c
-        self.get_policy: Select[Any] = select(p.policy).where(p.job_name == bindparam("job"))
-        self.record_policy: Insert = insert_or_nothing(dialect, policy_table).values(
-            job_name=bindparam("job"),
-            policy=bindparam("policy", type_=p.policy.type),
-            updated_at=now,
-        )
-        upsert = (postgresql if dialect == "postgresql" else sqlite).insert(policy_table)
-        self.set_policy: Insert = upsert.values(
-            job_name=bindparam("job"),
-            policy=bindparam("policy", type_=p.policy.type),
-            updated_at=now,
-        ).on_conflict_do_update(
-            index_elements=[p.job_name],
-            set_={"policy": upsert.excluded.policy, "updated_at": upsert.excluded.updated_at},
-        )
-        self.requeue: Update = requeue()
-        i = info_table.c
-        self.pruned_before: Select[Any] = select(i.value).where(i.key == PRUNED_BEFORE_KEY)
-        raise_pruned_before = (
-            (postgresql if dialect == "postgresql" else sqlite)
-            .insert(info_table)
-            .values(key=PRUNED_BEFORE_KEY, value=bindparam("value"))
-        )
-        # Only ever forward: ISO 8601 texts in UTC compare as the times they spell.
-        self.raise_pruned_before: Insert = raise_pruned_before.on_conflict_do_update(
-            index_elements=["key"],
-            set_={"value": raise_pruned_before.excluded.value},
-            where=i.value < raise_pruned_before.excluded.value,
-        )
-        self.ledger_id: Select[Any] = select(info_table.c.value).where(
-            info_table.c.key == LEDGER_ID_KEY
-        )
-        if preamble is not None:
-            self._add_preamble(preamble)
-
-    def _add_preamble(self, preamble: ColumnElement[bool]) -> None:
-        """`preamble` in every write that may wait on a row another transaction holds (a
-        key, a policy slot, a row lock), or that commits on the hot path (a relaxed
-        ledger's `synchronous_commit`). The rare ones (schedules, retention, policies,
-        backlog samples) commit with the server's defaults."""
-        # In a value: the insert evaluates its row before checking its keys and slots.
-        self.insert = self.insert.values(created_at=case((preamble, db_time())))
-        for name in _PREAMBLE_UPDATES:
-            update_: Update = getattr(self, name)
-            setattr(self, name, update_.where(preamble))
+def add_preamble(
+    statements: object, preamble: ColumnElement[bool] | None, names: tuple[str, ...]
+) -> None:
+    """`preamble` (a pooled ledger's settings, `in_own_transaction`) in each of the
+    updates `names` of `statements`: the writes that may wait on a row another
+    transaction holds (a key, a policy slot, a row lock), or that commit on the hot path
+    (a relaxed ledger's `synchronous_commit`). The rare ones (schedules, retention,
+    policies, backlog samples) commit with the server's defaults."""
+    if preamble is None:
+        return
+    for name in names:
+        update_: Update = getattr(statements, name)
+        setattr(statements, name, update_.where(preamble))
 
 
-#: The updates `Statements._add_preamble` gives the pooled ledger's settings.
-_PREAMBLE_UPDATES = (
-    "mark_queued", "claim", "renew", "finish", "retry", "lapse_retry", "lapse_fail", "park",
-    "unpark", "take_due", "give_back", "give_up", "send_soon", "advance_schedule", "requeue",
-    "send_when_due", "send_unclaimed_now", "end_unclaimed",
-)  # fmt: skip
-
-
-def _made_due_at_start() -> ColumnElement[bool]:
-    """The fence dropped an early delivery of the row and made it due for the relay at its
-    start (`send_when_due`): its next send is exactly its `run_after`, still to come. The
-    acceptance mark of its publish, which may come a moment after (it is batched), keeps
-    that rather than putting the next send off by `redeliver_after`: the delivery dropped
-    may have been the very message accepted.
-
-    Only that write makes the two equal while the start is ahead: an insert's next send
-    equals its start only when both are its now (no `start_after`, `send_in` 0), which has
-    passed by the time of its mark; a far-off start's is the start less the ETA horizon.
-    One equal by chance would cost one more send, which the fence drops."""
-    t = dispatch_table.c
-    return and_(t.next_send_at == t.run_after, t.run_after > db_time())
-
-
-def _relay_backoff() -> ColumnElement[Any]:
-    """Seconds until the relay may send a row again after this send, per row: doubling
-    from `first_backoff` with each earlier send of the attempt, capped at `max_backoff`,
-    and never below `accepted_backoff` for a row the broker accepted once (it may just be
-    waiting in a busy queue). The outbox chooses the numbers.
-
-    A shift, not power(): SQLite lacks power() unless built with its math functions. The
-    shift is safe because only rows with fewer than `max_sends` sends are taken.
-    """
-    t = dispatch_table.c
-    doubling = cast(literal(1), BigInteger).op("<<", return_type=BigInteger)(t.send_count)
-    backoff = cast(seconds("first_backoff") * doubling, Float)
-    capped = _smaller(backoff, seconds("max_backoff"))
-    floored = _larger(capped, seconds("accepted_backoff"))
-    return case((t.status == "pending", capped), else_=floored)
-
-
-def _smaller(a: ColumnElement[Any], b: ColumnElement[Any]) -> ColumnElement[Any]:
+def smaller(a: ColumnElement[Any], b: ColumnElement[Any]) -> ColumnElement[Any]:
     # least() and greatest() are spelled min() and max() on SQLite: CASE reads the same.
     return case((a < b, a), else_=b)
 
 
-def _larger(a: ColumnElement[Any], b: ColumnElement[Any]) -> ColumnElement[Any]:
+def larger(a: ColumnElement[Any], b: ColumnElement[Any]) -> ColumnElement[Any]:
     return case((a > b, a), else_=b)
 
 
-def _slot_busy(job: ColumnElement[Any], slot: ColumnElement[Any]) -> ColumnElement[bool]:
+def slot_busy(job: ColumnElement[Any], slot: ColumnElement[Any]) -> ColumnElement[bool]:
     """Something runs in the slot, or is on its way to it.
 
     A run on its way (an unparked or accepted run that is due, its message in the
@@ -711,262 +223,4 @@ def _slot_busy(job: ColumnElement[Any], slot: ColumnElement[Any]) -> ColumnEleme
     )
     return (
         select(other.c.id).where(other.c.job_name == job, other.c.slot == slot, on_its_way).exists()
-    )
-
-
-def _free_parked_slots() -> Select[Any]:
-    """(job, slot) pairs holding parked runs while nothing runs in the slot."""
-    t = dispatch_table.c
-    return (
-        select(t.job_name, t.slot)
-        .where(t.status == "parked", ~_slot_busy(t.job_name, t.slot))
-        .distinct()
-        .limit(bindparam("limit"))
-    )
-
-
-# --- the operator's views: built per call (rare, and their filters vary) ------------------
-
-
-def list_dispatches(
-    *,
-    job: str | None,
-    status: str | None,
-    key: str | None,
-    older_than: float | None,
-    before: tuple[Any, str] | None,
-    limit: int,
-) -> Select[Any]:
-    """Dispatches newest first, filtered, a page at a time (`before`: the last row's
-    (created_at, id) of the previous page)."""
-    t = dispatch_table.c
-    stmt = select(dispatch_table)
-    if job is not None:
-        stmt = stmt.where(t.job_name == job)
-    if status is not None:
-        stmt = stmt.where(t.status == status)
-    if key is not None:
-        stmt = stmt.where(t.idempotency_key == key)
-    if older_than is not None:
-        stmt = stmt.where(t.created_at < db_time(-older_than))
-    if before is not None:
-        created, dispatch_id = before
-        stmt = stmt.where(
-            or_(t.created_at < created, and_(t.created_at == created, t.id < dispatch_id))
-        )
-    return stmt.order_by(t.created_at.desc(), t.id.desc()).limit(limit)
-
-
-def counts() -> Select[Any]:
-    """(job, status, count, oldest created_at, oldest due run_after) for every job and
-    status."""
-    t = dispatch_table.c
-    return (
-        select(
-            t.job_name,
-            t.status,
-            func.count().label("count"),
-            func.min(t.created_at).label("oldest"),
-            # Waiting since it became due: a far-off start is not late before it comes.
-            func.min(case((t.run_after <= db_time(), t.run_after))).label("oldest_due"),
-        )
-        .group_by(t.job_name, t.status)
-        .order_by(t.job_name, t.status)
-    )
-
-
-def _stuck_where(*, grace: float, redeliver_after: float) -> dict[str, ColumnElement[bool]]:
-    """What should have moved on and did not, by reason: the one definition the list and
-    the count share."""
-    t = dispatch_table.c
-    return {
-        # Never accepted by the broker, well past the time the relay should have sent it.
-        "never sent": and_(t.status == "pending", t.next_send_at < db_time(-grace)),
-        "lease lapsed": and_(t.status == "active", t.lease_expires_at < db_time()),
-        "accepted, never claimed": and_(
-            t.status == "queued", t.queued_at < db_time(-redeliver_after)
-        ),
-        "parked, slot free": and_(t.status == "parked", ~_slot_busy(t.job_name, t.slot)),
-    }
-
-
-#: The reasons a dispatch is stuck, in the order the operator lists them.
-STUCK_REASONS: tuple[str, ...] = tuple(_stuck_where(grace=0.0, redeliver_after=0.0))
-
-
-def stuck(*, grace: float, redeliver_after: float, limit: int) -> dict[str, Select[Any]]:
-    """What should have moved on and did not, by reason."""
-    t = dispatch_table.c
-    newest = (t.created_at.desc(), t.id.desc())
-    return {
-        reason: select(dispatch_table).where(where).order_by(*newest).limit(limit)
-        for reason, where in _stuck_where(grace=grace, redeliver_after=redeliver_after).items()
-    }
-
-
-def stuck_counts(*, grace: float, redeliver_after: float) -> dict[str, Select[Any]]:
-    """(job, count) of what is stuck, by reason. Counted through a capped subquery, like
-    the backlog: a ledger stuck by the million costs a bounded scan, and reads as the cap."""
-    counts: dict[str, Select[Any]] = {}
-    for reason, where in _stuck_where(grace=grace, redeliver_after=redeliver_after).items():
-        found = select(dispatch_table.c.job_name).where(where).limit(STUCK_COUNT_CAP).subquery()
-        counts[reason] = (
-            select(found.c.job_name, func.count().label("count"))
-            .group_by(found.c.job_name)
-            .order_by(found.c.job_name)
-        )
-    return counts
-
-
-def parked_slots(limit: int) -> Select[Any]:
-    """(job, slot, count, oldest created_at) of parked runs, the fullest slots first."""
-    t = dispatch_table.c
-    return (
-        select(
-            t.job_name,
-            t.slot,
-            func.count().label("count"),
-            func.min(t.created_at).label("oldest"),
-        )
-        .where(t.status == "parked")
-        .group_by(t.job_name, t.slot)
-        .order_by(func.count().desc(), t.job_name, t.slot)
-        .limit(limit)
-    )
-
-
-def schedules() -> Select[Any]:
-    """Every schedule, with the status of the dispatch its last fire made."""
-    sc, t = schedule_table.c, dispatch_table.c
-    return (
-        select(schedule_table, t.status.label("last_status"))
-        .select_from(schedule_table.outerjoin(dispatch_table, t.id == sc.last_dispatch_id))
-        .order_by(sc.job_name, sc.source)
-    )
-
-
-def delete_schedules(job_name: str, source: str | None) -> Any:
-    sc = schedule_table.c
-    stmt = delete(schedule_table).where(sc.job_name == job_name)
-    return stmt if source is None else stmt.where(sc.source == source)
-
-
-def prune_fires(dialect: str, *, key_prefix: str, older_than: float, limit: int) -> Any:
-    """Delete up to `limit` ended dispatches that schedule fires made, `older_than`
-    seconds after they ended: a past tick never fires again, so its key is spent.
-
-    Retention never prunes a fire row (it leaves them to the beat), so `options IS NOT
-    NULL` holds for all of them; it is there to let the scan use retention's partial
-    index on `finished_at`, oldest first, instead of reading the whole table.
-    """
-    t = dispatch_table.c
-    spent = (
-        select(t.id)
-        .where(
-            _ended_status(),
-            t.idempotency_key.startswith(key_prefix, autoescape=True),
-            t.finished_at < db_time(-older_than),
-            t.options.is_not(None),
-        )
-        .order_by(t.finished_at)
-        .limit(limit)
-    )
-    return delete(dispatch_table).where(_one_of(dialect, spent))
-
-
-def _ended_status() -> ColumnElement[bool]:
-    """The row has ended, as a filter only: `status || ''` keeps SQLite (which, without
-    statistics, takes an equality for the most selective condition) from walking every
-    ended row through the `(status, next_send_at)` index and sorting them, where the
-    partial index on `finished_at` gives the oldest first."""
-    return dispatch_table.c.status.concat("").in_(TERMINAL)
-
-
-def _one_of(dialect: str, ids: Select[Any]) -> ColumnElement[bool]:
-    """`id` is one of those `ids` selects (a batch of at most a few thousand).
-
-    On PostgreSQL as `id = ANY(ARRAY(...))`: the batch is read first and each row found
-    through the primary key. As `id IN (...)`, the planner may hash the batch and read
-    the whole table to join it, which on a big ledger costs a full scan per batch.
-    """
-    t = dispatch_table.c
-    if dialect == "postgresql":
-        return t.id == any_(func.array(ids.scalar_subquery()))
-    return t.id.in_(ids.scalar_subquery())
-
-
-def prune_ended(
-    dialect: str, *, keyed: bool, older_than: float, limit: int, spare_key_prefix: str
-) -> Any:
-    """One batch of retention: up to `limit` dispatches that ended over `older_than`
-    seconds ago, oldest first. Unkeyed ones are deleted. Keyed ones keep what answers their
-    key (id, job, key, status, times) and lose their payload and options; those whose key
-    starts with `spare_key_prefix` are left alone.
-
-    The rows are chosen through the partial index on `finished_at` (`options IS NOT NULL`
-    is there to match it) and, on PostgreSQL, locked with SKIP LOCKED: a row another
-    statement holds (a requeue, another relay's batch) is left for a later batch, so
-    retention never waits on a lock, and a row requeued meanwhile is seen no longer ended.
-    """
-    t = dispatch_table.c
-    # An id derived from a key (a version-5 UUID) is a key's even where the row does not
-    # know the key: one a relaxed ledger's fence wrote again from its message. Deleting
-    # it would let the key run again.
-    derived = func.substr(t.id, 15, 1) == "5"
-    ended = and_(
-        _ended_status(),
-        t.finished_at < db_time(-older_than),
-        t.options.is_not(None),
-        (
-            or_(
-                and_(
-                    t.idempotency_key.is_not(None),
-                    ~t.idempotency_key.startswith(spare_key_prefix, autoescape=True),
-                ),
-                and_(t.idempotency_key.is_(None), derived),
-            )
-            if keyed
-            else and_(t.idempotency_key.is_(None), ~derived)
-        ),
-    )
-    batch = _one_of(
-        dialect,
-        select(t.id)
-        .where(ended)
-        .order_by(t.finished_at)
-        .limit(limit)
-        .with_for_update(skip_locked=True),  # SQLite has one writer, and ignores it
-    )
-    if not keyed:
-        return delete(dispatch_table).where(batch)
-    # null(), not None: SQL NULL; None would be stored as the JSON value null.
-    return update(dispatch_table).where(batch).values(payload=null(), options=null())
-
-
-def prune_beat_ticks(*, older_than: float) -> Any:
-    bt = beat_tick_table.c
-    return delete(beat_tick_table).where(bt.claimed_at < db_time(-older_than))
-
-
-def requeue() -> Update:
-    """A failed dispatch back to `pending`, due for the relay at once: a new attempt under
-    the same id and key. Only while its secret (if any) still has its key, and while
-    retention has not pruned its payload and options."""
-    t = dispatch_table.c
-    return (
-        update(dispatch_table)
-        .where(
-            t.id == bindparam("dispatch_id"),
-            t.status == "failed",
-            or_(t.secret.is_(False), t.secret_wrapped_key.is_not(None)),
-            t.options.is_not(None),
-        )
-        .values(
-            status="pending",
-            send_count=0,
-            claim_token=None,
-            finished_at=None,
-            next_send_at=db_time(),
-            run_after=db_time(),
-        )
     )

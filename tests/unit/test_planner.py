@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from questpie_celery.ledger import NewDispatch, inserts
-from questpie_celery.ledger.statements import Statements
+from questpie_celery.ledger.dispatches import DispatchStatements
 from questpie_celery.options import StoredOptions
 from questpie_celery.outbox import FirstSend
 from questpie_celery.planner import Chunk, Route
@@ -93,7 +93,7 @@ def test_inserted_rows_are_sent_by_their_publisher_or_wake_the_relays(
 
 @pytest.mark.parametrize("dialect", ["postgresql", "sqlite"])
 def test_an_insert_that_ran_twice_reads_back_what_it_did_not_see(dialect: str) -> None:
-    sql = Statements(dialect)
+    sql = DispatchStatements(dialect)
     batch = [_row("a"), _row("b"), _row("c")]
     steps: list[inserts.Run] = []
 

@@ -20,7 +20,6 @@ Every page stays quick on a ledger of millions of dispatches:
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any, get_args
 
@@ -35,7 +34,8 @@ from django.utils.functional import cached_property
 from django.utils.html import format_html
 
 from ...ids import derive_dispatch_id
-from ...ledger.schema import Status, dispatch_table
+from ...ledger.schema import Status
+from ...ledger.views import distinct_job_names, planned_rows
 from .models import Dispatch, Policy, Schedule
 from .settings import ledger_database
 
@@ -47,36 +47,20 @@ STATUSES: tuple[str, ...] = get_args(Status)
 
 
 def job_names(using: str, limit: int = MAX_JOBS) -> list[str]:
-    """The distinct job names in the ledger, sorted: a loose index scan of the
-    `(job_name, created_at)` index, one probe per job (PostgreSQL and SQLite alike)."""
+    """The distinct job names in the ledger, sorted (a skip scan: see
+    `ledger.views.distinct_job_names`)."""
     connection = connections[using]
-    quote = connection.ops.quote_name
-    table, job = quote(dispatch_table.name), quote(dispatch_table.c.job_name.name)
-    sql = (
-        "WITH RECURSIVE jobs(name, n) AS ("
-        f" SELECT (SELECT min({job}) FROM {table}), 1"
-        " UNION ALL"
-        f" SELECT (SELECT min({job}) FROM {table} WHERE {job} > jobs.name), jobs.n + 1"
-        " FROM jobs WHERE jobs.name IS NOT NULL AND jobs.n < %s"
-        ") SELECT name FROM jobs WHERE name IS NOT NULL ORDER BY name"
-    )
     with connection.cursor() as cursor:
-        cursor.execute(sql, [limit])
-        return [str(row[0]) for row in cursor.fetchall()]
+        return distinct_job_names(cursor, connection.ops.quote_name, limit)
 
 
 def planner_estimate(queryset: QuerySet[Any]) -> int | None:
     """How many rows PostgreSQL's planner expects `queryset` to return (its statistics,
     not a count); None on other databases."""
     connection = connections[queryset.db]
-    if connection.vendor != "postgresql":
-        return None
     sql, params = queryset.order_by().query.sql_with_params()
     with connection.cursor() as cursor:
-        cursor.execute(f"EXPLAIN (FORMAT JSON) {sql}", params)
-        row = cursor.fetchone()
-    plan = json.loads(row[0]) if isinstance(row[0], str) else row[0]
-    return int(plan[0]["Plan"]["Plan Rows"])
+        return planned_rows(cursor, connection.vendor, sql, params)
 
 
 class LedgerPaginator(Paginator):

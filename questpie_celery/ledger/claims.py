@@ -1,0 +1,326 @@
+"""The execution fence's claims, and how a claimed (or never claimed) attempt ends.
+
+A claim is one conditional update of the row: it succeeds for the delivery of exactly
+the next attempt of a due, claimable row of its job, and hands the claimer a fencing
+token. Only the holder of that token may renew the lease or end the attempt; the
+relay ends a lapsed lease. A delivery that ended without a run touches only a row
+still waiting for that very claim.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from sqlalchemy import (
+    Boolean,
+    ColumnElement,
+    Select,
+    Update,
+    and_,
+    bindparam,
+    case,
+    or_,
+    select,
+    update,
+)
+from sqlalchemy.sql import Executable
+
+from .errors import SlotTaken
+from .executor import Executor
+from .rows import Claim, DispatchRow
+from .schema import CLAIMABLE, LEASE_EXPIRED, TERMINAL, Status, dispatch_table
+from .statements import (
+    add_preamble,
+    by_id,
+    claimable,
+    db_time,
+    deliverable,
+    delivered,
+    seconds,
+    terminal_values,
+)
+
+
+class ClaimStatements:
+    """The fence's statements for one dialect."""
+
+    def __init__(self, dialect: str, preamble: ColumnElement[bool] | None) -> None:
+        t = dispatch_table.c
+        now = db_time()
+        held = and_(by_id(), t.claim_token == bindparam("token"), t.status == "active")
+        # Never before the row is due: a message that carries the id of a dispatch that
+        # waits for its start or its retry (a forged one, a stale copy) runs nothing early.
+        # Eager mode runs everything at once, as Celery's does (`any_time`).
+        started = or_(bindparam("any_time", type_=Boolean), t.run_after <= now)
+        self.claim: Update = (
+            update(dispatch_table)
+            .where(deliverable(), started)
+            .values(
+                status="active",
+                attempt=t.attempt + 1,
+                send_count=0,  # the relay's budget counts sends per attempt
+                claim_token=bindparam("new_token"),
+                lease_expires_at=db_time(seconds("lease")),
+                started_at=now,
+                queued_at=delivered(),
+                # Nothing is due for the relay while a claim holds: it watches the lease.
+                next_send_at=None,
+            )
+            .returning(*dispatch_table.c)
+        )
+        self.renew: Update = (
+            update(dispatch_table).where(held).values(lease_expires_at=db_time(seconds("lease")))
+        )
+        # Why a claim took nothing, and how long before the row is due, on one clock.
+        self.get_and_now: Select[Any] = select(dispatch_table, now.label("now")).where(by_id())
+        # An early delivery dropped: the relay sends the row when it is due, whatever time
+        # it was to look at the row next (a retry sent at once looks only after
+        # `redeliver_after`, trusting the message the early delivery may have been).
+        # (The acceptance mark of a publish that comes later leaves it so; see
+        # `dispatches._made_due_at_start`.)
+        self.send_when_due: Update = (
+            update(dispatch_table)
+            .where(
+                by_id(),
+                t.job_name == bindparam("job"),
+                claimable(),
+                t.attempt == bindparam("previous"),
+                or_(t.next_send_at.is_(None), t.next_send_at > t.run_after),
+            )
+            .values(next_send_at=t.run_after)
+        )
+        terminal = terminal_values()
+        retrying: dict[str, Any] = {
+            "lease_expires_at": None,
+            "last_error": bindparam("error"),
+            "status": "retry",
+            "run_after": db_time(seconds("retry_in")),
+            "next_send_at": db_time(seconds("relay_in")),
+        }
+        self.finish: Update = (
+            update(dispatch_table).where(held).values(status=bindparam("new_status"), **terminal)
+        )
+        self.retry: Update = update(dispatch_table).where(held).values(**retrying)
+        # Ending a lapsed lease is the relay's doing, not the holder's: it clears the token,
+        # so a holder reading back after a failed write knows its own write did not land.
+        lapsed = and_(held, t.lease_expires_at < now)
+        self.lapse_retry: Update = (
+            update(dispatch_table).where(lapsed).values(claim_token=None, **retrying)
+        )
+        self.lapse_fail: Update = (
+            update(dispatch_table)
+            .where(lapsed)
+            .values(status="failed", claim_token=None, **terminal)
+        )
+        self.expired: Select[Any] = (
+            select(dispatch_table)
+            .where(t.status == "active", t.lease_expires_at < now)
+            .order_by(t.lease_expires_at)
+            .limit(bindparam("limit"))
+        )
+
+        # A delivery that ended without a run (its pool process died before the claim, or
+        # the worker revoked its message): only a row still waiting for that very claim
+        # is touched, so a run that did claim, or a later attempt, is never disturbed.
+        # Due now, unless its start is further off than the outbox's ETA horizon (the
+        # lost delivery was an early copy): then its own next send stands, or the relay
+        # would hand the broker an ETA far in the future.
+        self.send_unclaimed_now: Update = (
+            update(dispatch_table)
+            .where(deliverable())
+            .values(
+                next_send_at=case(
+                    (t.run_after > db_time(seconds("horizon")), t.next_send_at), else_=now
+                )
+            )
+        )
+        self.end_unclaimed: Update = (
+            update(dispatch_table)
+            .where(deliverable())
+            .values(status="failed", claim_token=None, queued_at=delivered(), **terminal)
+            .returning(*dispatch_table.c)
+        )
+        add_preamble(self, preamble, _CARRY_PREAMBLE)
+
+
+#: The writes that carry a pooled ledger's settings (see `statements.add_preamble`).
+_CARRY_PREAMBLE = (
+    "claim", "renew", "finish", "retry", "lapse_retry", "lapse_fail", "send_when_due",
+    "send_unclaimed_now", "end_unclaimed",
+)  # fmt: skip
+
+
+class Claims(Executor):
+    """The fence's operations: claiming a delivery, renewing its lease, ending it."""
+
+    def _prepare(self, dialect: str, preamble: ColumnElement[bool] | None) -> None:
+        super()._prepare(dialect, preamble)
+        self._claims_sql = ClaimStatements(dialect, preamble)
+
+    def claim(
+        self,
+        dispatch_id: str,
+        job_name: str,
+        attempt: int,
+        lease_seconds: float,
+        token: str | None = None,
+        *,
+        any_time: bool = False,
+    ) -> Claim:
+        """Take the execution claim for delivery `attempt` of a dispatch of `job_name`.
+
+        Succeeds only when the row belongs to the job, is claimable, has made exactly
+        `attempt - 1` claims and is due (its `run_after` has come; `any_time` skips
+        that, for eager mode): a delivery of an attempt the row has moved past is
+        `stale`, one of a finished dispatch `done`, one that meets a live claim `busy`,
+        one for a row of another job or none at all `unknown`, one whose policy slot is
+        taken `blocked`, and one before the row is due `early` (with how early).
+        `token` is the delivery's fencing token (a fresh one when None); pass the same
+        on every try of one delivery, so a try whose reply was lost is ours.
+        """
+        token = token or str(uuid.uuid4())
+        params = {
+            "dispatch_id": dispatch_id,
+            "job": job_name,
+            "previous": attempt - 1,
+            "new_token": token,
+            "lease": lease_seconds,
+            "any_time": any_time,
+        }
+        try:
+            row = self._row(self._claims_sql.claim, params)
+        except SlotTaken:
+            return Claim("blocked")
+        if row is not None:
+            return Claim("claimed", row, token)
+        # Not claimed: read the row to say why (the answer may be a moment old).
+        read = self._first(self._claims_sql.get_and_now, {"dispatch_id": dispatch_id})
+        found = DispatchRow.from_mapping(read) if read is not None else None
+        if read is None or found is None or found.job_name != job_name:
+            return Claim("unknown")
+        if found.claim_token == token and found.status == "active":
+            return Claim("claimed", found, token)  # our first try landed; its reply was lost
+        if found.status in TERMINAL:
+            return Claim("done", found)
+        if found.status == "active" and found.attempt == attempt:
+            return Claim("busy", found)
+        due_in = (found.run_after - read["now"]).total_seconds()
+        if found.status in CLAIMABLE and found.attempt == attempt - 1 and due_in > 0:
+            return Claim("early", found, due_in=due_in)
+        return Claim("stale", found)
+
+    def send_when_due(self, dispatch_id: str, job_name: str, attempt: int) -> bool:
+        """Make the relay send delivery `attempt` of the row at its `run_after` at the
+        latest (an early delivery of it was dropped); False when the row has moved on,
+        or is due for the relay by then anyway."""
+        params = {"dispatch_id": dispatch_id, "job": job_name, "previous": attempt - 1}
+        return bool(self._execute(self._claims_sql.send_when_due, params))
+
+    def renew(self, dispatch_id: str, token: str, lease_seconds: float) -> bool:
+        """Extend a live claim; False when the claim is no longer ours."""
+        params = {"dispatch_id": dispatch_id, "token": token, "lease": lease_seconds}
+        return bool(self._execute(self._claims_sql.renew, params))
+
+    def finish(self, dispatch_id: str, token: str, status: Status, error: str | None) -> bool:
+        """Record `completed` or `failed` (erasing a secret's key); only the holder can.
+
+        False when the claim was lost (the relay ended the lapsed lease).
+        """
+        params = {"dispatch_id": dispatch_id, "token": token, "new_status": status, "error": error}
+        return self._held_write(self._claims_sql.finish, params, dispatch_id, token, status)
+
+    def retry(
+        self, dispatch_id: str, token: str, *, retry_in: float, relay_in: float, error: str
+    ) -> bool:
+        """End the claim as a failed attempt, due again in `retry_in` s.
+
+        `relay_in` is when the relay sends the retry if no message claims it first.
+        """
+        params = {
+            "dispatch_id": dispatch_id,
+            "token": token,
+            "retry_in": retry_in,
+            "relay_in": relay_in,
+            "error": error,
+        }
+        return self._held_write(self._claims_sql.retry, params, dispatch_id, token, "retry")
+
+    def _held_write(
+        self, stmt: Executable, params: dict[str, Any], dispatch_id: str, token: str, to: Status
+    ) -> bool:
+        if self._execute(stmt, params):
+            return True
+        # Nothing matched. If a dropped connection made us run it twice, the first run
+        # may have landed: then the row carries our token in the state we wrote.
+        row = self.get(dispatch_id)
+        return row is not None and row.claim_token == token and row.status == to
+
+    def expired_claims(self, limit: int = 100) -> list[DispatchRow]:
+        """Active rows whose lease has lapsed: their holder died or overran."""
+        rows = self._execute(self._claims_sql.expired, {"limit": limit})
+        return [DispatchRow.from_mapping(row) for row in rows]
+
+    def lapse(self, row: DispatchRow, *, retry_in: float | None, relay_in: float) -> bool:
+        """End a lapsed claim as a failed attempt: due again in `retry_in` s, or failed."""
+        params: dict[str, Any] = {
+            "dispatch_id": row.id,
+            "token": row.claim_token,
+            "error": LEASE_EXPIRED,
+        }
+        stmt = self._claims_sql.lapse_fail
+        if retry_in is not None:
+            stmt = self._claims_sql.lapse_retry
+            params.update(retry_in=retry_in, relay_in=relay_in)
+        count, retried = self._run(stmt, params)
+        if count or not retried:
+            return bool(count)
+        now = self.get(row.id)  # ambiguous: did our first run land?
+        return (
+            now is not None
+            and now.attempt == row.attempt
+            and now.claim_token is None
+            and now.last_error == LEASE_EXPIRED
+        )
+
+    def send_unclaimed_now(
+        self, dispatch_id: str, job_name: str, attempt: int, *, horizon: float
+    ) -> bool:
+        """Make the row due for the relay now, if delivery `attempt` never claimed it (the
+        delivery ended without a run) and its start is at most `horizon` seconds away;
+        False when the row has moved on, or is not there. A row that starts later keeps
+        its own next send."""
+        params = {
+            "dispatch_id": dispatch_id,
+            "job": job_name,
+            "previous": attempt - 1,
+            "horizon": horizon,
+        }
+        count, retried = self._run(self._claims_sql.send_unclaimed_now, params)
+        return bool(count) or retried  # run twice: the first run may have landed; harmless
+
+    def end_unclaimed(
+        self, dispatch_id: str, job_name: str, attempt: int, error: str
+    ) -> DispatchRow | None:
+        """Record `failed` with `error` (erasing a secret's key) for a dispatch whose
+        delivery `attempt` was called off before it claimed (a revoke); the row ended, or
+        None when the row has moved on (it ran, or a later attempt is under way)."""
+        params = {
+            "dispatch_id": dispatch_id,
+            "job": job_name,
+            "previous": attempt - 1,
+            "error": error,
+        }
+        rows, retried = self._run(self._claims_sql.end_unclaimed, params)
+        if rows:
+            return DispatchRow.from_mapping(rows[0])
+        if not retried:
+            return None
+        now = self.get(dispatch_id)  # ambiguous: did our first run land?
+        landed = (
+            now is not None
+            and now.status == "failed"
+            and now.last_error == error
+            and now.attempt == attempt - 1
+        )
+        return now if landed else None

@@ -1,0 +1,261 @@
+"""How every ledger operation runs its statement: the one executor the concepts share.
+
+Each operation outside `migrate` is a single statement in autocommit: one round
+trip, atomic on its own, and no transaction left open to hold row locks. A
+statement that meets a connection the server dropped (restart, failover,
+`pg_terminate_backend`, an idle timeout) runs once more on a fresh connection.
+Where that second run cannot tell whether the first one landed (a conditional
+write that now matches nothing), the operation reads the row back (`get`) and
+decides from the fencing token it names.
+
+The operations themselves live by concept beside their statements (`dispatches`,
+`claims`, `slots`, `policies`, `relay`, `schedules`, `retention`, `views`,
+`migration`), as mixins of `Executor` that `store.Ledger` assembles. Each builds its
+statements once per dialect in `_prepare`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import ColumnElement, Connection, Engine, Select, exc, func, select, text
+from sqlalchemy.engine import RowMapping
+from sqlalchemy.sql import Executable
+from sqlalchemy.sql.elements import TextClause
+
+from ..outages import Outage
+from .engine import (
+    Ambient,
+    borrowed_by,
+    dispose_in_children,
+    runs_in_autocommit,
+    statement_settings,
+)
+from .errors import MIGRATE_COMMAND, Reruns, SlotTaken, translate_errors
+from .rows import DispatchRow
+from .schema import dispatch_table, schema_version_table
+from .statements import by_id, db_time, in_own_transaction
+
+#: The logger the ledger always wrote under (operators filter on it): `store` made it.
+log = logging.getLogger("questpie_celery.ledger.store")
+
+
+class RunStatements:
+    """What the executor itself runs: a transaction's settings, a durable commit, the
+    read-back of one row, and the database's clock."""
+
+    def __init__(self, dialect: str, preamble: ColumnElement[bool] | None) -> None:
+        # The settings for the length of a transaction of the ledger's own (`migrate`'s),
+        # behind a pooler: what an unpooled engine's connections have from startup, so a
+        # schema upgrade waiting for a table lock gives up after the lock timeout instead
+        # of queueing every ledger statement behind it for as long as the holder lasts.
+        self.transaction_settings: Select[Any] | None = (
+            select(preamble) if preamble is not None else None
+        )
+        # On a relaxed ledger, what makes one write durable anyway: on PostgreSQL, run
+        # after it in its own transaction, before the commit (where the setting counts,
+        # and after a pooled statement's preamble turned it off); on SQLite, around it
+        # on its connection.
+        self.commit_durably: TextClause = (
+            text("SET LOCAL synchronous_commit TO on")
+            if dialect == "postgresql"
+            else text("PRAGMA synchronous=FULL")
+        )
+        self.commit_relaxed: TextClause | None = (
+            None if dialect == "postgresql" else text("PRAGMA synchronous=NORMAL")
+        )
+        self.get: Select[Any] = select(dispatch_table).where(by_id())
+        self.now: Select[Any] = select(db_time().label("now"))
+
+
+class Executor:
+    """The connection to the ledger's database, and how one statement runs on it."""
+
+    def __init__(self, engine: Engine, *, relaxed: bool = False, pooled: bool = False) -> None:
+        #: Commits may not be on disk when they return (see `create_ledger_engine`): the
+        #: fence then takes back a delivery whose row a database crash lost.
+        self.relaxed = relaxed
+        #: The database is reached through a pooler in transaction mode: no statement
+        #: leaves state on its connection, and relays poll instead of listening.
+        self.pooled = pooled
+        #: Whether this process reaches the database, as the parts that wait out an
+        #: outage report it (see `outages.py`): they tell the log, not the ledger.
+        self.outage = Outage("the dispatch ledger")
+        self.rebind(engine)
+
+    def rebind(self, engine: Engine) -> None:
+        """Talk to the database of `engine` from now on, forgetting what was read from
+        the previous one. For tests (see `Questpie.rebind_ledger`): every part of a
+        `Questpie` shares this object, so rebinding it moves them all."""
+        self.engine = engine
+        self._autocommit: Engine
+        self._transactional: Engine
+        self._borrowed = borrowed_by(engine)
+        if self._borrowed is not None:
+            # Another framework's connections (Django's): their autocommit and any open
+            # transaction are its own. Outside its transactions they are in autocommit,
+            # so each statement stands alone; inside one, it rides that transaction.
+            self._autocommit = self._transactional = engine
+        elif runs_in_autocommit(engine):
+            self._autocommit = engine
+            self._transactional = engine.execution_options(isolation_level="READ COMMITTED")
+        else:
+            # An engine the caller passed in is left as it is; ours run in autocommit.
+            self._autocommit = engine.execution_options(isolation_level="AUTOCOMMIT")
+            self._transactional = engine
+        preamble = None
+        if self.pooled and runs_in_autocommit(engine) and engine.dialect.name == "postgresql":
+            # Our pooled engine starts its connections with no settings: each write sets
+            # them for its own transaction instead (an engine passed in, or Django's,
+            # gets none, as it gets no startup settings unpooled). Statements run in a
+            # caller's transaction are built without them: it must not keep them.
+            preamble = in_own_transaction(statement_settings(relaxed=self.relaxed))
+        self._prepare(engine.dialect.name, preamble)
+        dispose_in_children(engine)
+
+    def _prepare(self, dialect: str, preamble: ColumnElement[bool] | None) -> None:
+        """Build the statements of `dialect`, and forget what was read of the schema;
+        each concept adds its own (calling this first). `preamble`: the pooled ledger's
+        settings, for the writes that carry them (see `statements.in_own_transaction`)."""
+        self._run_sql = RunStatements(dialect, preamble)
+
+    @property
+    def dialect(self) -> str:
+        return self.engine.dialect.name
+
+    @property
+    def run_statements(self) -> RunStatements:
+        """The executor's own statements of this ledger's dialect (for `aio.AsyncLedger`)."""
+        return self._run_sql
+
+    @property
+    def migrate_command(self) -> str:
+        """What creates or upgrades the tables of this ledger: `questpie-celery migrate`,
+        or on Django's connections `manage.py migrate`."""
+        return self._borrowed.migrate_command if self._borrowed is not None else MIGRATE_COMMAND
+
+    @property
+    def borrowed(self) -> bool:
+        """Whether the connections belong to another framework (Django's)."""
+        return self._borrowed is not None
+
+    @property
+    def ambient(self) -> Ambient | None:
+        """Opens the caller's transaction in the framework that owns the connections
+        (Django's atomic block), for a publish to write in; None on an ordinary engine."""
+        return self._borrowed.ambient if self._borrowed is not None else None
+
+    def close(self) -> None:
+        """Release the pool's connections."""
+        self.engine.dispose()
+
+    def idle(self) -> None:
+        """The calling thread is between units of work (a relay pass, a round of lease
+        renewals): on borrowed connections, their owner's rules apply now (Django closes
+        one older than `CONN_MAX_AGE`, or unusable). Never raises."""
+        if self._borrowed is not None:
+            try:
+                self._borrowed.idle()
+            except Exception:
+                log.exception("releasing the ledger's borrowed connection failed")
+
+    # --- running statements ------------------------------------------------------------
+
+    def _run(
+        self,
+        stmt: Executable,
+        params: Any,
+        *,
+        durable: bool = False,
+        rerun_if_rolled_back: bool = False,
+    ) -> tuple[Any, bool]:
+        """Run one statement in autocommit; once more if its connection was found dead.
+
+        Returns its rows (or row count) and whether it ran twice: then its first run may
+        have landed unseen, and a conditional write that now matches nothing is ambiguous.
+        `durable` commits it to disk before returning even on a relaxed ledger.
+        `rerun_if_rolled_back` runs it again when the server undid it to break a
+        deadlock: a multi-row insert meeting another in the opposite order can.
+        """
+        reruns = Reruns(after_rollback=rerun_if_rolled_back, log=log)
+        with translate_errors(self.migrate_command):
+            while True:
+                try:
+                    with self._connected(durable) as conn:
+                        result = conn.execute(stmt, params)
+                        rows = result.mappings().all() if result.returns_rows else result.rowcount
+                        return rows, reruns.reconnected
+                except exc.IntegrityError:
+                    # Only the queue-policy slot indexes can refuse these statements.
+                    raise SlotTaken() from None
+                except exc.DBAPIError as error:
+                    if not reruns.again(error):
+                        raise
+
+    @contextmanager
+    def _connected(self, durable: bool) -> Iterator[Connection]:
+        if not (durable and self.relaxed):
+            with self._autocommit.connect() as conn:
+                yield conn
+            return
+        relax_again = self._run_sql.commit_relaxed
+        if relax_again is None:
+            # PostgreSQL: a transaction of its own, told to wait for the disk at commit.
+            with self._transactional.begin() as conn:
+                yield conn
+                conn.execute(self._run_sql.commit_durably)
+            return
+        # SQLite: this connection syncs every commit until the write is done.
+        with self._autocommit.connect() as conn:
+            conn.execute(self._run_sql.commit_durably)
+            try:
+                yield conn
+            finally:
+                conn.execute(relax_again)
+
+    def _execute(self, stmt: Executable, params: Any) -> Any:
+        return self._run(stmt, params)[0]
+
+    def _first(self, stmt: Executable, params: Any) -> RowMapping | None:
+        rows = self._execute(stmt, params)
+        return rows[0] if rows else None
+
+    def _row(self, stmt: Executable, params: Any) -> DispatchRow | None:
+        found = self._first(stmt, params)
+        return DispatchRow.from_mapping(found) if found is not None else None
+
+    @contextmanager
+    def _begin(self) -> Iterator[Connection]:
+        """A connection in a transaction of its own, with the ledger's settings (or, on
+        borrowed connections, in the owner's: Django's atomic block, nested in the
+        caller's if one is open)."""
+        if self._borrowed is None:
+            with self._transactional.begin() as conn:
+                if self._run_sql.transaction_settings is not None:
+                    conn.execute(self._run_sql.transaction_settings)
+                yield conn
+            return
+        with self._borrowed.atomic(), self.engine.connect() as conn:
+            yield conn
+
+    # --- what every concept reads -------------------------------------------------------
+
+    def get(self, dispatch_id: str) -> DispatchRow | None:
+        """The row as it is now: also how an ambiguous rerun finds out whether its first
+        run landed."""
+        return self._row(self._run_sql.get, {"dispatch_id": dispatch_id})
+
+    def now(self) -> datetime:
+        """The database's clock: the one every due time is compared with."""
+        row = self._first(self._run_sql.now, {})
+        assert row is not None
+        value: datetime = row["now"]
+        return value
+
+    def schema_version(self) -> int | None:
+        with translate_errors(self.migrate_command), self._autocommit.connect() as conn:
+            return conn.execute(select(func.max(schema_version_table.c.version))).scalar()
