@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from datetime import datetime
 from typing import Any, Protocol
 
@@ -186,7 +187,14 @@ class Cursor(Protocol):
     def fetchone(self) -> Sequence[Any] | None: ...
 
 
-def distinct_job_names(cursor: Cursor, quote: Callable[[str], str], limit: int) -> list[str]:
+#: Opens a cursor of the caller's connection, closed when the block ends
+#: (`connections[alias].cursor` on Django).
+OpenCursor = Callable[[], AbstractContextManager[Cursor]]
+
+
+def distinct_job_names(
+    open_cursor: OpenCursor, quote: Callable[[str], str], limit: int
+) -> list[str]:
     """The distinct job names in the ledger, sorted: a loose index scan of the
     `(job_name, created_at)` index, one probe per job (PostgreSQL and SQLite alike), not a
     `SELECT DISTINCT` of every row. `quote` quotes a name for the cursor's database."""
@@ -199,17 +207,21 @@ def distinct_job_names(cursor: Cursor, quote: Callable[[str], str], limit: int) 
         " FROM jobs WHERE jobs.name IS NOT NULL AND jobs.n < %s"
         ") SELECT name FROM jobs WHERE name IS NOT NULL ORDER BY name"
     )
-    cursor.execute(sql, [limit])
-    return [str(row[0]) for row in cursor.fetchall()]
+    with open_cursor() as cursor:
+        cursor.execute(sql, [limit])
+        return [str(row[0]) for row in cursor.fetchall()]
 
 
-def planned_rows(cursor: Cursor, dialect: str, sql: str, params: Sequence[Any]) -> int | None:
+def planned_rows(
+    open_cursor: OpenCursor, dialect: str, sql: str, params: Sequence[Any]
+) -> int | None:
     """How many rows PostgreSQL's planner expects the query `sql` to return (its
     statistics, not a count); None on other databases."""
     if dialect != "postgresql":
         return None
-    cursor.execute(f"EXPLAIN (FORMAT JSON) {sql}", params)
-    row = cursor.fetchone()
+    with open_cursor() as cursor:
+        cursor.execute(f"EXPLAIN (FORMAT JSON) {sql}", params)
+        row = cursor.fetchone()
     assert row is not None  # EXPLAIN always answers
     plan = json.loads(row[0]) if isinstance(row[0], str) else row[0]
     return int(plan[0]["Plan"]["Plan Rows"])

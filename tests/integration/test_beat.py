@@ -7,11 +7,8 @@ still fires, once, from the other."""
 from __future__ import annotations
 
 import textwrap
-import time
-from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
 
 import pytest
 from celery import Celery
@@ -26,6 +23,7 @@ from questpie_celery.jobs import JobDefinition
 from questpie_celery.ledger import open_ledger
 from tests.support.faultproxy import FaultProxy
 from tests.support.services import Beat, PostgresServer, RedisServer, Worker
+from tests.unit.helpers import wait_until
 
 PROJECT = """
 import os
@@ -80,14 +78,9 @@ class Report(BaseModel):
     note: str
 
 
-def wait_for(probe: Callable[[], Any], what: str, until: datetime) -> Any:
-    while True:
-        found = probe()
-        if found:
-            return found
-        if datetime.now(UTC) > until:
-            raise AssertionError(f"no {what} by {until:%H:%M:%S}")
-        time.sleep(0.2)
+def seconds_until(moment: datetime) -> float:
+    """How long from now until `moment` (a tick's deadline), for `wait_until`."""
+    return max((moment - datetime.now(UTC)).total_seconds(), 0.0)
 
 
 @pytest.mark.timeout(420)
@@ -145,13 +138,17 @@ def test_two_beats_fire_each_tick_once_pick_up_changes_and_survive_a_kill(
         first = admin.schedules.list()[0].next_fire_at
         second = first + timedelta(minutes=1)
 
-        wait_for(
-            lambda: ("report", "v1", first) in runs(), "first report", first + timedelta(seconds=30)
+        wait_until(
+            lambda: ("report", "v1", first) in runs(),
+            "first report",
+            seconds_until(first + timedelta(seconds=30)),
+            0.2,
         )
-        wait_for(
+        wait_until(
             lambda: ("plain", None, first) in runs(),
             "first plain run",
-            first + timedelta(seconds=30),
+            seconds_until(first + timedelta(seconds=30)),
+            0.2,
         )
         fired = [b for b in beats if "beatproj.report fired its" in b.log()]
         assert len(fired) == 1, [b.log() for b in beats]
@@ -159,15 +156,17 @@ def test_two_beats_fire_each_tick_once_pick_up_changes_and_survive_a_kill(
         survivor = next(b for b in beats if b is not fired[0])
         report.schedule({"note": "v2"}, "* * * * *")  # changed by another process
 
-        wait_for(
+        wait_until(
             lambda: ("report", "v2", second) in runs(),
             "second report",
-            second + timedelta(seconds=30),
+            seconds_until(second + timedelta(seconds=30)),
+            0.2,
         )
-        wait_for(
+        wait_until(
             lambda: ("plain", None, second) in runs(),
             "second plain run",
-            second + timedelta(seconds=30),
+            seconds_until(second + timedelta(seconds=30)),
+            0.2,
         )
         # Anything a second beat might have doubled would have run by now, within the
         # second after each tick; the worker is idle and has drained its queue.
@@ -281,16 +280,16 @@ def test_a_beat_tells_of_a_ledger_outage_once_and_of_its_end_once(
     back = "the dispatch ledger can be reached again, after"
     until = datetime.now(UTC) + timedelta(seconds=60)
     try:
-        wait_for(migrated.schedules, "the job's schedule stored", until)
+        wait_until(migrated.schedules, "the job's schedule stored", seconds_until(until))
         before = len(beat.log())
         proxy.cut()
         try:
-            wait_for(lambda: down in beat.log()[before:], "the outage told", until)
+            wait_until(lambda: down in beat.log()[before:], "the outage told", seconds_until(until))
             tries = proxy.refused
-            wait_for(lambda: proxy.refused >= tries + 8, "eight more looks", until)
+            wait_until(lambda: proxy.refused >= tries + 8, "eight more looks", seconds_until(until))
         finally:
             proxy.heal()
-        wait_for(lambda: back in beat.log()[before:], "the ledger back", until)
+        wait_until(lambda: back in beat.log()[before:], "the ledger back", seconds_until(until))
         log = beat.log()[before:]
         assert log.count(down) == 1 and log.count(back) == 1, log
         assert "could not be read" not in log and "Traceback" not in log, log

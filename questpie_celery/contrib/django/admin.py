@@ -50,8 +50,7 @@ def job_names(using: str, limit: int = MAX_JOBS) -> list[str]:
     """The distinct job names in the ledger, sorted (a skip scan: see
     `ledger.views.distinct_job_names`)."""
     connection = connections[using]
-    with connection.cursor() as cursor:
-        return distinct_job_names(cursor, connection.ops.quote_name, limit)
+    return distinct_job_names(connection.cursor, connection.ops.quote_name, limit)
 
 
 def planner_estimate(queryset: QuerySet[Any]) -> int | None:
@@ -59,8 +58,7 @@ def planner_estimate(queryset: QuerySet[Any]) -> int | None:
     not a count); None on other databases."""
     connection = connections[queryset.db]
     sql, params = queryset.order_by().query.sql_with_params()
-    with connection.cursor() as cursor:
-        return planned_rows(cursor, connection.vendor, sql, params)
+    return planned_rows(connection.cursor, connection.vendor, sql, params)
 
 
 class LedgerPaginator(Paginator):
