@@ -353,7 +353,8 @@ def _ledger_queries(sqls: list[str]) -> list[str]:
         # job choices, capped count, planner estimate, the page
         ({}, 4, "about 2", 100),
         ({"status": "completed"}, 4, "about 1", 100),
-        ({"job": "job-3"}, 4, "about 16,", 100),
+        # One job of twelve: about 16,667 rows, as the planner samples its statistics.
+        ({"job": "job-3"}, 4, r"about 1[4-9],\d{3} ", 100),
         ({"p": "2"}, 4, "about 2", 100),
         # Fewer than the cap: counted exactly, no estimate.
         ({"job": "job-4", "status": "failed", "p": "3"}, 3, "660 dispatches", 100),
@@ -381,7 +382,7 @@ def test_list_pages_at_scale_never_count_the_table(
             assert re.search(r"LIMIT (100|1)\b", upper) or "WHERE" in upper, sql
     paginator = re.search(r'<p class="paginator">(.*?)</p>', html, re.S)
     assert paginator is not None
-    assert count_text in paginator.group(1), paginator.group(1)
+    assert re.search(count_text, paginator.group(1)), paginator.group(1)
     assert len(_listed(html)) == rows
     if "q" in params:
         assert _listed(html) <= {FIXTURE_ID, derive_dispatch_id("job-9", "order-x-1")}

@@ -354,6 +354,10 @@ spoilers = st.one_of(
 )
 
 
+def _non_finite(value: Any) -> bool:
+    return isinstance(value, float) and not math.isfinite(value)
+
+
 def _spoiled(good: dict[str, Any], field: str, bad: Any) -> Any:
     if field == "header":
         return bad
@@ -377,6 +381,10 @@ def test_a_malformed_header_runs_nothing_and_leaves_the_row_to_its_own_message(
     fence_stack: Stack, spoiler: tuple[str, Any]
 ) -> None:
     stack = fence_stack
+    if stack.broker == "rabbitmq" and _non_finite(spoiler[1]):
+        # RabbitMQ closes the connection on a non-finite double in a header table, after
+        # the publish returned: no such message can reach a worker there.
+        reject()
     t, idle = tag(), idle_queue()
     dispatch_id = stack.questpie.queue.record.publish(
         {"tag": t}, idempotency_key=f"malformed:{t}", queue=idle

@@ -33,20 +33,14 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from datetime import datetime
 from functools import partial
 from typing import Any
 
-from sqlalchemy import Connection, Engine, create_engine, event
-from sqlalchemy import types as sqltypes
-from sqlalchemy.dialects import registry
-from sqlalchemy.dialects.sqlite import DATETIME
-from sqlalchemy.dialects.sqlite.pysqlite import SQLiteDialect_pysqlite
-from sqlalchemy.engine import URL
-from sqlalchemy.pool import NullPool
+from sqlalchemy import Connection, Engine
 
 from ...errors import ConfigurationError, LedgerUnavailableError
 from ...ledger import AmbientTransaction, Borrowed, Ledger, mark_borrowed
+from ...ledger.borrowed import borrowing_engine, dedicated_postgres_engine, refusing_engine
 from ...ledger.engine import PG_CONNECT_TIMEOUT_SECONDS
 from .settings import DEFAULT_DATABASE, MIGRATE_COMMAND, Problem, ledger_database, problems
 
@@ -97,7 +91,7 @@ def _refusing(problem: Problem) -> Engine:
             "`manage.py check` reports it)"
         )
 
-    return create_engine("sqlite://", creator=refuse, poolclass=NullPool)
+    return refusing_engine(refuse)
 
 
 def migrate_ledger(alias: str) -> int | None:
@@ -118,23 +112,13 @@ def _make_engine(alias: str) -> Engine:
 
     wrapper = connections[alias]
     postgres = wrapper.vendor == "postgresql"
-    url = (
-        URL.create("postgresql+psycopg")
-        if postgres
-        else URL.create("sqlite+questpie_django", database=str(wrapper.settings_dict["NAME"]))
+    engine = borrowing_engine(
+        partial(_borrow, alias, postgres),
+        postgres=postgres,
+        sqlite_path="" if postgres else str(wrapper.settings_dict["NAME"]),
+        on_invalidate=_on_invalidate,
+        on_error=partial(_mark_for_rollback, alias),
     )
-    # The ledger has no hstore column, and psycopg would refuse the proxy for its lookup.
-    dialect_options: dict[str, Any] = {"use_native_hstore": False} if postgres else {}
-    engine = create_engine(
-        url,
-        creator=partial(_borrow, alias, postgres),
-        poolclass=NullPool,
-        pool_reset_on_return=None,
-        hide_parameters=True,  # errors name no statement value: no payload in logs
-        **dialect_options,
-    )
-    event.listen(engine, "invalidate", _on_invalidate)
-    event.listen(engine, "handle_error", partial(_mark_for_rollback, alias))
     return mark_borrowed(
         engine,
         Borrowed(
@@ -327,38 +311,4 @@ def _make_listener(alias: str) -> Engine:
         ("keepalives_count", 3),
     ):
         params.setdefault(key, value)
-    return create_engine(
-        URL.create("postgresql+psycopg"),
-        creator=lambda: psycopg.connect(**params),
-        poolclass=NullPool,
-    )
-
-
-# --- SQLite ---------------------------------------------------------------------------------
-
-
-class _ParsedDateTime(DATETIME):
-    """A DATETIME that Django's `PARSE_DECLTYPES` connection may hand over parsed."""
-
-    def result_processor(self, dialect: Any, coltype: Any) -> Any:
-        parse = super().result_processor(dialect, coltype)
-
-        def process(value: Any) -> Any:
-            if value is None or isinstance(value, datetime) or parse is None:
-                return value
-            return parse(value)
-
-        return process
-
-
-class DjangoSQLiteDialect(SQLiteDialect_pysqlite):
-    """SQLite on Django's connections (`sqlite+questpie_django://`)."""
-
-    supports_statement_cache = True
-    colspecs = {  # noqa: RUF012  # declared as SQLAlchemy's own dialects do
-        **SQLiteDialect_pysqlite.colspecs,
-        sqltypes.DateTime: _ParsedDateTime,
-    }
-
-
-registry.register("sqlite.questpie_django", __name__, "DjangoSQLiteDialect")
+    return dedicated_postgres_engine(lambda: psycopg.connect(**params))
