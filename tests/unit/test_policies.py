@@ -280,7 +280,8 @@ def test_the_worker_and_publish_lines_keep_the_loggers_operators_filter_on(
     def run(self: Any, payload: Any) -> None:
         """The job's task: only its request is read here."""
 
-    task = app.task(name=plain_job.name, bind=True)(run)
+    # Only its request is read: a name of its own keeps Celery's registry unambiguous.
+    task = app.task(name=f"{plain_job.name}.loggers", bind=True)(run)
     admission = Admission(ledger, DeliveryWait(ledger, Sender(app)), redeliver_after=lambda: 1.0)
     caplog.clear()
     try:
