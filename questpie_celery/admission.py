@@ -31,7 +31,9 @@ from .options import StoredOptions, resolve_options
 from .outbox import FirstSend
 from .policies import QueuePolicy
 
-log = logging.getLogger(__name__)
+#: The logger these lines always had (a project's logging configuration names it): the
+#: fence took deliveries in before this module did.
+log = logging.getLogger("questpie_celery.fence")
 
 #: How far a sender's clock may run ahead of the database's before a relaxed fence could
 #: mistake a pruned row's late message for one whose row a crash lost.

@@ -27,7 +27,9 @@ from .ledger import Ledger
 from .options import resolve_options
 from .waiting import TRANSIENT, LedgerWait
 
-log = logging.getLogger(__name__)
+#: The logger these lines always had (a project's logging configuration names it): the
+#: fence's, whose wait this was before this module took it over.
+log = logging.getLogger("questpie_celery.fence")
 
 T = TypeVar("T")
 

@@ -15,7 +15,10 @@ from .outbox import FirstSend
 from .policies import QueuePolicy
 from .signals import publish_suppressed
 
-log = logging.getLogger(__name__)
+#: The loggers these lines always had (a project's logging configuration names them):
+#: a publish's in `publish`, a delivery's in the fence, which took deliveries in then.
+_publish_log = logging.getLogger("questpie_celery.publish")
+_delivery_log = logging.getLogger("questpie_celery.fence")
 
 
 def new_dispatch(
@@ -60,7 +63,7 @@ def report_suppressed(new: NewDispatch, *, delivery: bool = False) -> None:
     """Tell the log and `publish_suppressed` that a policy slot refused `new`: a
     publish's row, or (`delivery`) a plain delivery's that the worker took in."""
     if delivery:
-        log.info(
+        _delivery_log.info(
             "delivery %s of job %s suppressed by its %s queue policy (slot %r is taken)",
             new.id,
             new.job_name,
@@ -69,7 +72,7 @@ def report_suppressed(new: NewDispatch, *, delivery: bool = False) -> None:
             extra={"dispatch_id": new.id, "job_name": new.job_name},
         )
     else:
-        log.info(
+        _publish_log.info(
             "publish of job %s suppressed by its %s queue policy (slot %r is taken)",
             new.job_name,
             new.policy,

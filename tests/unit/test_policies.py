@@ -19,9 +19,10 @@ from questpie_celery import JobContext, QueuePolicy, QueuePolicyName, job
 from questpie_celery.admission import Admission
 from questpie_celery.broker import Sender
 from questpie_celery.delivery_wait import DeliveryWait
+from questpie_celery.errors import DispatchIdError, LedgerBusyError
 from questpie_celery.ledger import Ledger, dispatch_table, open_ledger
 from questpie_celery.signals import publish_suppressed
-from tests.unit.helpers import new_dispatch, sqlite_now, sqlite_url
+from tests.unit.helpers import IdleApp, new_dispatch, sqlite_now, sqlite_url
 
 # The table of the policies module's docstring, written out: (one_waiting, one_running,
 # one_overall). `standard` limits nothing.
@@ -255,3 +256,67 @@ def test_a_plain_delivery_of_a_policy_job_is_taken_in_as_a_publish_would_write_i
     finally:
         publish_suppressed.disconnect(on_suppressed)
         ledger.close()
+
+
+def test_the_worker_and_publish_lines_keep_the_loggers_operators_filter_on(
+    idle: IdleApp, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A publish's suppression is told under `questpie_celery.publish`, and what the worker
+    tells of a delivery before its run (a suppressed plain delivery, a refused task id)
+    under `questpie_celery.fence`, as before those lines moved to `dispatch_rows.py`,
+    `admission.py` and `delivery_wait.py`: a project's logging configuration names those
+    loggers."""
+    short = idle.questpie.queue.policy_short
+    with caplog.at_level(logging.INFO):
+        assert short.publish({"tag": "a"}, singleton_key="loggers") is not None
+        assert short.publish({"tag": "b"}, singleton_key="loggers") is None
+    told = [r for r in caplog.records if "suppressed by its short queue policy" in r.message]
+    assert [r.name for r in told] == ["questpie_celery.publish"]
+
+    ledger = open_ledger(sqlite_url(tmp_path))
+    ledger.migrate()
+    app = Celery("admission-loggers", broker="memory://")
+
+    def run(self: Any, payload: Any) -> None:
+        """The job's task: only its request is read here."""
+
+    # Only its request is read: a name of its own keeps Celery's registry unambiguous.
+    task = app.task(name=f"{plain_job.name}.loggers", bind=True)(run)
+    admission = Admission(ledger, DeliveryWait(ledger, Sender(app)), redeliver_after=lambda: 1.0)
+    caplog.clear()
+    try:
+        with caplog.at_level(logging.INFO):
+            task.push_request(id="taken-1", headers={}, delivery_info={})
+            admission.plain(task, plain_job, QueuePolicy.EXCLUSIVE, None, {"n": 1})
+            task.pop_request()
+            task.push_request(id="taken-2", headers={}, delivery_info={})
+            with pytest.raises(Ignore):  # its slot is taken
+                admission.plain(task, plain_job, QueuePolicy.EXCLUSIVE, None, {"n": 2})
+            task.pop_request()
+            task.push_request(id="x" * 10_000, headers={}, delivery_info={})
+            with pytest.raises(DispatchIdError):
+                admission.plain(task, plain_job, QueuePolicy.EXCLUSIVE, None, {"n": 1})
+            task.pop_request()
+            held = iter([LedgerBusyError("a row is held"), None])
+
+            def claim_once_held() -> bool:
+                error = next(held)
+                if error is not None:
+                    raise error
+                return True
+
+            task.push_request(id="waits-1", headers={}, delivery_info={})
+            assert DeliveryWait(ledger, Sender(app)).unledgered(
+                task, claim_once_held, None, plain_job
+            )
+            task.pop_request()
+    finally:
+        ledger.close()
+    worker_lines = {
+        r.name
+        for r in caplog.records
+        if "delivery taken-2" in r.message
+        or "cannot be a dispatch id" in r.message
+        or "dispatch waits-1: the ledger is unreachable or busy" in r.message
+    }
+    assert worker_lines == {"questpie_celery.fence"}
