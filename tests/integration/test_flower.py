@@ -19,6 +19,7 @@ from tests.integration.conftest import new_stack
 from tests.integration.test_secrets import SECRET, assert_absent, canary
 from tests.support.services import Flower
 from tests.support.stack import Stack, tag
+from tests.unit.helpers import wait_until
 
 
 @pytest.fixture(params=["redis", "rabbitmq"])
@@ -152,9 +153,14 @@ def test_flower_shows_jobs_by_name_and_dispatch_id_and_no_secret(
         assert SECRET not in text, f"the ledger's secret is in Flower's {where}"
 
     # What Flower kept of the events (its saved task states), and its debug log.
+    wait_until(
+        lambda: retried.encode() in (kept := flower.saved_state()) and t.encode() in kept,
+        "Flower to save what it heard",
+        60,
+        0.2,
+    )
     flower.stop()
-    saved = b"".join(path.read_bytes() for path in flower.folder.glob("state*"))
-    assert retried.encode() in saved and t.encode() in saved
+    saved = flower.saved_state()
     assert_absent(secret, "Flower's saved state", saved)
     assert_absent(secret, "Flower's log", flower.log())
     assert SECRET.encode() not in saved and SECRET not in flower.log()

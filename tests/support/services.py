@@ -605,6 +605,14 @@ class Flower(CeleryProcess):
     def db(self) -> Path:
         return self.folder / "state"
 
+    def saved_state(self) -> bytes:
+        """The bytes of the task states Flower last saved (its dbm files)."""
+        return b"".join(
+            path.read_bytes()
+            for path in self.folder.glob("state*")
+            if not path.name.startswith("state.tmp")
+        )
+
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
@@ -614,6 +622,9 @@ class Flower(CeleryProcess):
             sys.executable, "-m", "celery", "-A", self.app, "flower",
             f"--port={self.port}", "--address=127.0.0.1", "--persistent=True",
             f"--db={self.db}", "--logging=debug",
+            # Saved every half second too, not only at its exit: an exit that outlasts
+            # `stop()`'s patience would be killed before it saved.
+            "--state_save_interval=500",
         ]  # fmt: skip
         self._launch(cmd, ready="Visit me at", what="flower", timeout=timeout)
         wait_for_port(self.port, timeout)
