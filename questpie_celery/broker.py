@@ -23,6 +23,7 @@ from celery import Celery, Task
 
 from . import telemetry
 from .errors import BrokerError, MalformedHeaderError, PublishOptionsError
+from .filesystem import TRANSPORT as FILESYSTEM_TRANSPORT
 from .options import MAX_PRIORITY, RunOptions
 
 log = logging.getLogger(__name__)
@@ -159,7 +160,11 @@ REDIS_SOCKET_CONNECT_TIMEOUT_SECONDS = 5
 
 def configure_app(app: Celery) -> None:
     """Configure what questpie needs on a configured Celery app, keeping the user's choices."""
-    if broker_kind(app) != "redis":
+    kind = broker_kind(app)
+    if kind == "filesystem" and not app.conf.broker_transport:
+        # kombu's own loses a message a worker reads while it is written (see the module).
+        app.conf.broker_transport = FILESYSTEM_TRANSPORT
+    if kind != "redis":
         return
     options = dict(app.conf.broker_transport_options or {})
     options.setdefault("socket_connect_timeout", REDIS_SOCKET_CONNECT_TIMEOUT_SECONDS)

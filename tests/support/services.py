@@ -512,9 +512,13 @@ class CeleryProcess:
             return file.read()
 
     def stop(self) -> None:
+        """A warm shutdown, as an operator's `kill -TERM <pid>` asks for it: the signal goes
+        to the main process only. Sent to the whole group it also kills the pool children,
+        and a child that dies holding billiard's queue lock leaves the main process waiting
+        on it for ever (the SIGKILL below then ends it, 30 s later)."""
         if self.proc is None or self.proc.poll() is not None:
             return
-        os.killpg(self.proc.pid, signal.SIGTERM)
+        os.kill(self.proc.pid, signal.SIGTERM)
         try:
             self.proc.wait(30)
         except subprocess.TimeoutExpired:

@@ -110,7 +110,15 @@ class Stack:
             if row is not None and row.status == status:
                 return row
             time.sleep(0.05)
-        raise AssertionError(f"dispatch {dispatch_id} is {row and row.status}, not {status}")
+        # What the workers said of it, and their last lines: a failure in CI is all there is.
+        said = [
+            line for w in [self.worker, *self.extra_workers] for line in w.log_about(dispatch_id)
+        ]
+        last = self.worker.log().splitlines()[-30:]
+        raise AssertionError(
+            f"dispatch {dispatch_id} is {row and row.status}, not {status}\n"
+            + "\n".join(["workers logged of it:", *said, "the worker's last lines:", *last])
+        )
 
     def dispatch_count(self) -> int:
         with self.ledger.engine.connect() as conn:
