@@ -87,9 +87,10 @@ class Fence:
         outcomes: Outcomes,
         keyring: Keyring | None,
         *,
-        redeliver_after: Callable[[], float],
         context: AppContext,
         sender: Sender,
+        waits: DeliveryWait,
+        admission: Admission,
     ) -> None:
         self._ledger = ledger
         self._leases = leases
@@ -97,8 +98,8 @@ class Fence:
         self._outcomes = outcomes
         self._keyring = keyring
         self._context = context
-        self._waits = DeliveryWait(ledger, sender)
-        self._admission = Admission(ledger, self._waits, redeliver_after=redeliver_after)
+        self._waits = waits
+        self._admission = admission
 
     def header_of(self, task: Task, definition: JobDefinition[Any]) -> MessageHeader | None:
         """The delivery's `questpie` header (None for a plain call). One questpie could
@@ -119,17 +120,12 @@ class Fence:
             telemetry.current().set(outcome="skipped: malformed header")
             raise Ignore() from None
 
-    def adopt_and_run(
-        self,
-        task: Task,
-        definition: JobDefinition[Any],
-        policy: QueuePolicy,
-        header: MessageHeader | None,
-        payload: Any,
+    def run_admitted(
+        self, task: Task, definition: JobDefinition[Any], payload: Any, back: MessageHeader
     ) -> Any:
-        """Take an unledgered delivery of a policy-limited job into the ledger, then run it."""
-        body, back = self._admission.plain(task, definition, policy, header, payload)
-        return self._run(task, definition, attempt=1, payload=body, back=back)
+        """Run a plain delivery that `Admission.plain` took into the ledger: its first
+        attempt, claimed like any other."""
+        return self._run(task, definition, attempt=1, payload=payload, back=back)
 
     def run(
         self,
@@ -340,16 +336,6 @@ class Fence:
             return _ending_of(row, exc, for_good=False)
         # A secret dispatch's return value is never stored: it may echo the payload.
         return _Ending(result=None if row.secret else result)
-
-    def patiently(
-        self,
-        task: Task,
-        step: Callable[[], T],
-        header: MessageHeader | None,
-        definition: JobDefinition[Any],
-    ) -> T:
-        """`step` waited out like a claim, for a delivery not yet in the ledger."""
-        return self._waits.unledgered(task, step, header, definition)
 
     def _payload_of(
         self, definition: JobDefinition[Any], row: DispatchRow, message_payload: Any

@@ -14,11 +14,13 @@ from typing import Any, TypeVar
 
 from celery import Celery
 
+from .admission import Admission
 from .apublish import AsyncPublisher
 from .broker import Sender
 from .client import JobRegistry, Lookups, QueueClient
 from .context import AppContext
 from .crypto import MIN_SECRET_BYTES, Keyring
+from .delivery_wait import DeliveryWait
 from .errors import PublishOptionsError
 from .fence import Fence
 from .jobs import JobDefinition
@@ -76,15 +78,18 @@ def wire(settings: Settings, discover: Callable[[], None]) -> Parts:
     policies = PolicyBook(ledger)
     slots = Slots(ledger, outbox)
     outcomes = Outcomes(ledger, outbox, slots)
+    waits = DeliveryWait(ledger, sender)
+    admission = Admission(ledger, waits, redeliver_after=lambda: outbox.redeliver_after)
     fence = Fence(
         ledger,
         LeaseKeeper(ledger, settings.lease_seconds),
         slots,
         outcomes,
         settings.keyring,
-        redeliver_after=lambda: outbox.redeliver_after,
         context=context,
         sender=sender,
+        waits=waits,
+        admission=admission,
     )
     publisher = Publisher(ledger, outbox, sender, policies, _keyring_for(settings.keyring, ledger))
     aledger = AsyncLedger(ledger)
@@ -95,7 +100,7 @@ def wire(settings: Settings, discover: Callable[[], None]) -> Parts:
     )
     relay = Relay(ledger, outbox, outcomes, slots, settings.relay_interval, retention)
     # A delivery the worker's main process saw end unrun goes to the relay running there.
-    runner = Runner(fence, policies, context, relay.hear_unrun)
+    runner = Runner(fence, admission, waits, policies, context, relay.hear_unrun)
     registry = JobRegistry()
 
     def registered_definition(job_name: str) -> JobDefinition[Any] | None:

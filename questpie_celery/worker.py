@@ -21,8 +21,10 @@ from celery.signals import task_revoked
 from celery.worker.request import Request
 
 from . import telemetry
+from .admission import Admission
 from .broker import HARD_TIME_LIMIT_GRACE_SECONDS, MessageHeader
 from .context import AppContext
+from .delivery_wait import DeliveryWait
 from .errors import HandlerAbortedError, PermanentFailure
 from .fence import Fence, mark_started
 from .ids import unstorable_id
@@ -83,11 +85,15 @@ class Runner:
     def __init__(
         self,
         fence: Fence,
+        admission: Admission,
+        waits: DeliveryWait,
         policies: PolicyBook,
         context: AppContext,
         unrun: Callable[[Unrun], None],
     ) -> None:
         self._fence = fence
+        self._admission = admission
+        self._waits = waits
         self._policies = policies
         self._context = context
         self._unrun = unrun
@@ -158,11 +164,12 @@ class Runner:
             )
         # A policy this process never read, with the ledger down, is waited for like a
         # claim: guessing `standard` could run a policy job unfenced.
-        policy = self._fence.patiently(
+        policy = self._waits.unledgered(
             task, lambda: self._policies.in_force(definition), header, definition
         )
         if policy.ledgered:
-            return self._fence.adopt_and_run(task, definition, policy, header, payload)
+            body, back = self._admission.plain(task, definition, policy, header, payload)
+            return self._fence.run_admitted(task, definition, body, back)
         return self._run_plain(task, definition, header, payload)
 
     def _run_plain(
