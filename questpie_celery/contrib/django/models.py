@@ -14,12 +14,6 @@ from django.db import models
 
 from ...ledger.schema import dispatch_table, policy_table, schedule_table
 
-#: Columns no model here may map: payloads, and what decrypts a secret dispatch.
-NEVER_MAPPED: dict[str, frozenset[str]] = {
-    dispatch_table.name: frozenset({"payload", "secret_ciphertext", "secret_wrapped_key"}),
-    schedule_table.name: frozenset({"payload"}),
-}
-
 
 class Dispatch(models.Model):
     """One row of the dispatch ledger, short of its payload and secrets."""
