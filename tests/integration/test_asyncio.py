@@ -189,8 +189,11 @@ def test_session_commit_sends_after_commit_and_rollback_leaves_nothing(
     row = pg_redis.wait_status(kept or "", "completed")
     assert row.attempt == 1
     assert len(pg_redis.runs(t)) == 1
-    time.sleep(1)
     assert pg_redis.ledger.get(dropped or "") is None
+    # Nothing was sent for the rolled-back one: the worker, having taken every message
+    # sent until now, never received a delivery of it.
+    pg_redis.wait_taken()
+    assert pg_redis.worker.log_about(dropped or "") == []
     assert pg_redis.runs(t + "-rolled-back") == []
 
 
@@ -325,10 +328,18 @@ def test_apublish_on_the_sqlite_ledger(sqlite_fs: Stack) -> None:
     ids = run(sqlite_fs.questpie, body)
     keyed = derive_dispatch_id("record", f"q:{t}")
     assert ids[:6] == [keyed] * 6
-    sqlite_fs.wait_status(keyed, "completed")
-    sqlite_fs.wait_runs(t, 2)  # the keyed one once, the unkeyed item once
-    time.sleep(1)
-    assert len(sqlite_fs.runs(t)) == 2
+    unkeyed = ids[6]
+    assert unkeyed is not None and unkeyed != keyed
+    # The keyed one once, the unkeyed item once. The keyed row ended for good (a
+    # completed row can be claimed no more); the unkeyed item has no row, so a second
+    # run of it would take a second message, and the worker, having taken every
+    # message sent until now, received only one.
+    assert sqlite_fs.wait_status(keyed, "completed").attempt == 1
+    sqlite_fs.wait_runs(t, 2)
+    sqlite_fs.wait_taken()
+    received = [line for line in sqlite_fs.worker.log_about(unkeyed) if "] received" in line]
+    assert len(received) == 1, received
+    assert sorted(run["dispatch_id"] for run in sqlite_fs.runs(t)) == sorted([keyed, unkeyed])
 
 
 # --- faults: a down broker or ledger, bad input amid good ------------------------------

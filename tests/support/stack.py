@@ -96,6 +96,22 @@ class Stack:
             assert time.monotonic() < deadline, f"no worker logged {text!r} for {dispatch_id}"
             time.sleep(0.05)
 
+    def wait_taken(self) -> None:
+        """Wait until the worker has taken every message sent to this stack's queue so far.
+
+        A control dispatch is published now and waited for: the queue is first in,
+        first out (the filesystem broker reads its files in the order of their names,
+        which start with the time of the send) and its one consumer logs each message's
+        receipt ("Task ...[id] received") as it takes it, so a message sent before the
+        control one is in the log before the control one runs. A test asserting that
+        something was never sent, or sent once, checks the log after this; with extra
+        workers the order would not hold."""
+        assert not self.extra_workers, "wait_taken needs the stack's one worker alone"
+        name = f"control-{tag()}"  # keyed: a ledgered dispatch, with a state to wait for
+        control = self.questpie.queue.record.publish({"tag": name}, idempotency_key=name)
+        assert control is not None
+        self.wait_status(control, "completed")
+
     def row(self, dispatch_id: str) -> DispatchRow:
         found = self.ledger.get(dispatch_id)
         assert found is not None, f"dispatch {dispatch_id} has no ledger row"
