@@ -198,6 +198,15 @@ def pg_db(postgres: PostgresServer) -> str:
     return postgres.create_database("unit")
 
 
+@pytest.fixture
+def pg_ledger(pg_db: str) -> Iterator[Ledger]:
+    """A migrated PostgreSQL ledger of this test's own."""
+    made = open_ledger(pg_db)
+    made.migrate()
+    yield made
+    made.close()
+
+
 @pytest.fixture(params=["sqlite", "postgresql"])
 def ledger(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Ledger]:
     """A migrated, empty ledger on each dialect (no broker, no worker)."""
