@@ -14,6 +14,7 @@ import pytest
 
 from questpie_celery.ledger import Ledger, dispatch_table, open_ledger
 from tests.support.faultproxy import FaultProxy
+from tests.support.faults import SHORT_LEASE
 from tests.support.services import PgBouncerServer, PostgresServer, RabbitServer, RedisServer
 from tests.support.stack import Stack, build_stack
 
@@ -167,9 +168,43 @@ def proxy(postgres: PostgresServer) -> Iterator[FaultProxy]:
 
 
 @pytest.fixture
+def via_proxy(
+    make_stack: StackFactory, postgres: PostgresServer, proxy: FaultProxy
+) -> StackFactory:
+    """A factory of stacks whose worker and publisher reach the ledger through `proxy`,
+    with a short lease (`via_proxy("redis", start_worker=False)`); the test's own
+    `stack.ledger` and the `test_runs` table (in a database of its own) are reached
+    directly, so only the worker's and the publisher's traffic meets the faults."""
+
+    def make(broker: str, env: dict[str, str] | None = None, **worker: Any) -> Stack:
+        direct = postgres.create_database("faults")
+        settings = {
+            "QP_TEST_LEDGER": proxy.url(direct, postgres.port),
+            "QP_TEST_RUNS": postgres.create_database("runs"),
+            **SHORT_LEASE,
+            **(env or {}),
+        }
+        stack = make_stack(broker, env=settings, **worker)
+        stack.ledger.close()
+        stack.ledger = open_ledger(direct)
+        return stack
+
+    return make
+
+
+@pytest.fixture
 def pg_db(postgres: PostgresServer) -> str:
     """A fresh, empty PostgreSQL database of this test's own."""
     return postgres.create_database("unit")
+
+
+@pytest.fixture
+def pg_ledger(pg_db: str) -> Iterator[Ledger]:
+    """A migrated PostgreSQL ledger of this test's own."""
+    made = open_ledger(pg_db)
+    made.migrate()
+    yield made
+    made.close()
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

@@ -22,6 +22,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import UTC
 from pathlib import Path
@@ -128,6 +129,23 @@ def database_url(request: pytest.FixtureRequest, dialect: str, folder: Path, nam
     return f"sqlite:///{folder / name}"
 
 
+@contextmanager
+def running_project(env: dict[str, str], url: str) -> Iterator[DjangoProject]:
+    """The project migrated on the database at `url` (reached directly), its worker
+    running; stopped and its connections closed on the way out."""
+    worker = Worker(env, app="proj", cwd=PROJECT, pythonpath=PYTHONPATH)
+    made = DjangoProject(env, url, worker, open_ledger(url), create_engine(url, pool_pre_ping=True))
+    try:
+        migrated = made.run("manage.py", "migrate", "-v0")
+        assert migrated.returncode == 0, migrated.stderr
+        worker.start()
+        yield made
+    finally:
+        worker.stop()
+        made.ledger.close()
+        made.engine.dispose()
+
+
 @pytest.fixture(scope="module", params=["postgresql", "sqlite"])
 def project(
     request: pytest.FixtureRequest,
@@ -141,16 +159,8 @@ def project(
         "DJ_BROKER": redis_server.url(redis_server.new_db()),
         "DJANGO_SETTINGS_MODULE": "proj.settings",
     }
-    worker = Worker(env, app="proj", cwd=PROJECT, pythonpath=PYTHONPATH)
-    ledger = open_ledger(url)
-    made = DjangoProject(env, url, worker, ledger, create_engine(url, pool_pre_ping=True))
-    migrated = made.run("manage.py", "migrate", "-v0")
-    assert migrated.returncode == 0, migrated.stderr
-    worker.start()
-    yield made
-    worker.stop()
-    ledger.close()
-    made.engine.dispose()
+    with running_project(env, url) as made:
+        yield made
 
 
 def run_in_project(folder: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
@@ -530,16 +540,11 @@ def test_the_workers_connections_follow_conn_max_age(
         "DJANGO_SETTINGS_MODULE": "proj.settings",
         "DJ_CONN_MAX_AGE": str(max_age),
     }
-    worker = Worker(env, app="proj", cwd=PROJECT, pythonpath=PYTHONPATH)
-    ledger = open_ledger(url)
-    made = DjangoProject(env, url, worker, ledger, create_engine(url, pool_pre_ping=True))
-    try:
-        assert made.run("manage.py", "migrate", "-v0").returncode == 0
-        worker.start()
+    with running_project(env, url) as made:
         for _ in range(3):
             dispatch_id = made.scenario("publish", f"m{uuid.uuid4().hex[:8]}")["id"]
             made.wait_status(dispatch_id, "completed")
-        ledger.close()  # this test's own connections: only the worker's are left
+        made.ledger.close()  # this test's own connections: only the worker's are left
         # Looked at from another database, so that no connection of this test is counted.
         watch = create_engine(make_url(url).set(database="postgres"))
         try:
@@ -566,10 +571,6 @@ def test_the_workers_connections_follow_conn_max_age(
                 )
         finally:
             watch.dispose()
-    finally:
-        worker.stop()
-        ledger.close()
-        made.engine.dispose()
 
 
 # --- behind a pooler -------------------------------------------------------------------------
@@ -588,16 +589,8 @@ def pooled_project(
         "DJ_BROKER": redis_server.url(redis_server.new_db()),
         "DJANGO_SETTINGS_MODULE": "proj.settings",
     }
-    worker = Worker(env, app="proj", cwd=PROJECT, pythonpath=PYTHONPATH)
-    ledger = open_ledger(direct)
-    made = DjangoProject(env, direct, worker, ledger, create_engine(direct, pool_pre_ping=True))
-    migrated = made.run("manage.py", "migrate", "-v0")
-    assert migrated.returncode == 0, migrated.stderr
-    worker.start()
-    yield made
-    worker.stop()
-    ledger.close()
-    made.engine.dispose()
+    with running_project(env, direct) as made:
+        yield made
 
 
 def test_a_pooled_project_works_through_pgbouncer(pooled_project: DjangoProject) -> None:

@@ -14,7 +14,6 @@ no server takes writes; it fires late, after the promotion, and once.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -29,6 +28,7 @@ from questpie_celery import QuestpieError
 from questpie_celery.ledger import dispatch_table
 from questpie_celery.schedules import FIRE_KEY_PREFIX
 from tests.support import jobapp
+from tests.support.background import Background
 from tests.support.services import (
     ROOT,
     Beat,
@@ -52,7 +52,7 @@ SWITCH_SECONDS = 4.0
 
 
 @dataclass
-class Publisher:
+class Publisher(Background):
     """Publishes keyed dispatches one after another from a thread; a publish that fails
     is made again under the same key until it returns an id, as a careful caller would.
     Every id returned is kept, and every failure with the moment it happened."""
@@ -62,18 +62,6 @@ class Publisher:
     ids: list[str] = field(default_factory=list)
     refused: list[tuple[float, str]] = field(default_factory=list)
     unexpected: list[BaseException] = field(default_factory=list)
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _thread: threading.Thread | None = None
-
-    def start(self) -> Publisher:
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(60)
 
     def _run(self) -> None:
         n = 0

@@ -13,8 +13,7 @@ import re
 import socket
 import threading
 import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -34,22 +33,17 @@ from questpie_celery.cli import main as cli_main
 from questpie_celery.ledger import DispatchRow, open_ledger
 from questpie_celery.outages import Outage
 from questpie_celery.outbox import PENDING_GRACE_SECONDS, REFUSED_SEND_RETRY_SECONDS
+from tests.integration.conftest import StackFactory
 from tests.support import jobapp
-from tests.support.brokers import capture, deliver
+from tests.support.brokers import capture, deliver, idle_queue
 from tests.support.faultproxy import FaultProxy
+from tests.support.faults import SHORT_LEASE, own_runs_stack
 from tests.support.services import PostgresServer, RedisServer, free_port
 from tests.support.stack import Stack, build_stack, tag
 from tests.unit.helpers import wait_until
 
-StackFactory = Callable[..., Stack]
-
-LEASE_SECONDS = 3.0
-#: A short lease and a fast relay: a lost outcome WOULD be rerun within the test's time.
-SHORT_LEASE = {"QP_TEST_LEASE": str(LEASE_SECONDS), "QP_TEST_RELAY": "0.5"}
-
-
-def idle_queue() -> str:
-    return f"idle-{uuid.uuid4().hex[:8]}"
+#: With SHORT_LEASE's fast relay, a lost outcome WOULD be rerun within the test's time.
+LEASE_SECONDS = float(SHORT_LEASE["QP_TEST_LEASE"])
 
 
 def closed_ledger_url() -> str:
@@ -150,7 +144,7 @@ def test_idle_publisher_with_killed_connections_publishes_on_its_next_call(
 def test_backends_killed_while_a_handler_runs_complete_it_once(
     make_stack: StackFactory, postgres: PostgresServer, broker: str
 ) -> None:
-    stack = make_stack(broker, env={**SHORT_LEASE, "QP_TEST_RUNS": runs_database(postgres)})
+    stack = own_runs_stack(make_stack, postgres, broker)
     t = tag()
     gate = stack.gate()
     dispatch_id = stack.questpie.queue.record.publish(
@@ -175,7 +169,7 @@ def test_backends_killed_while_a_handler_runs_complete_it_once(
 def test_backends_killed_while_a_failing_handler_runs_retry_once(
     make_stack: StackFactory, postgres: PostgresServer, broker: str
 ) -> None:
-    stack = make_stack(broker, env={**SHORT_LEASE, "QP_TEST_RUNS": runs_database(postgres)})
+    stack = own_runs_stack(make_stack, postgres, broker)
     t = tag()
     gate = stack.gate()
     dispatch_id = stack.questpie.queue.record.publish(

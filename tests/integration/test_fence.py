@@ -26,7 +26,7 @@ from questpie_celery.broker import MessageHeader
 from questpie_celery.fence import EARLY_WAIT_SECONDS
 from tests.integration.conftest import new_stack
 from tests.support import jobapp
-from tests.support.brokers import capture, deliver
+from tests.support.brokers import capture, deliver, idle_queue
 from tests.support.services import RedisServer
 from tests.support.stack import Stack, tag
 
@@ -47,10 +47,6 @@ def fence_stack(
     assert made.celery_app.conf.task_track_started is True
     yield made
     made.close()
-
-
-def idle_queue() -> str:
-    return f"idle-{uuid.uuid4().hex[:8]}"
 
 
 def runs_of(stack: Stack, dispatch_id: str) -> list[dict[str, Any]]:

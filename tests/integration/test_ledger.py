@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -451,16 +450,19 @@ def test_migrate_is_idempotent_and_matches_metadata(ledger: Ledger) -> None:
         assert ledger.ledger_id(conn) == first_id
 
 
+def empty_database(request: pytest.FixtureRequest, tmp_path: Path, dialect: str) -> str:
+    """The URL of a fresh database of the test's own, with no tables, on `dialect`."""
+    if dialect == "sqlite":
+        return f"sqlite:///{tmp_path / 'empty.sqlite3'}"
+    url: str = request.getfixturevalue("pg_db")
+    return url
+
+
 @pytest.mark.parametrize("dialect", ["sqlite", "postgresql"])
 def test_missing_tables_give_a_schema_error(
     request: pytest.FixtureRequest, tmp_path: Path, dialect: str
 ) -> None:
-    url = (
-        f"sqlite:///{tmp_path / 'empty.sqlite3'}"
-        if dialect == "sqlite"
-        else request.getfixturevalue("pg_db")
-    )
-    ledger = open_ledger(url)
+    ledger = open_ledger(empty_database(request, tmp_path, dialect))
     try:
         with pytest.raises(LedgerSchemaError, match="migrate"):
             ledger.insert(_new())
@@ -476,12 +478,7 @@ def test_a_missing_column_gives_a_schema_error(
 ) -> None:
     """A schema older than the package (`migrate` not run since the upgrade) reads as one
     to migrate, which the fence and the publisher wait out or report, not as a failure."""
-    url = (
-        f"sqlite:///{tmp_path / 'old.sqlite3'}"
-        if dialect == "sqlite"
-        else request.getfixturevalue("pg_db")
-    )
-    ledger = open_ledger(url)
+    ledger = open_ledger(empty_database(request, tmp_path, dialect))
     try:
         ledger.migrate()
         with ledger.engine.begin() as conn:
@@ -620,14 +617,6 @@ def test_wake_relays_notifies_listeners_at_commit_only(ledger: Ledger) -> None:
 
 
 # --- a connection the server dropped (PostgreSQL) -------------------------------------------
-
-
-@pytest.fixture
-def pg_ledger(pg_db: str) -> Iterator[Ledger]:
-    made = open_ledger(pg_db)
-    made.migrate()
-    yield made
-    made.close()
 
 
 def _drop_connections(postgres: PostgresServer, ledger: Ledger) -> None:

@@ -16,46 +16,47 @@ from celery.result import AsyncResult
 from questpie_celery.delivery_wait import CLAIM_PATIENCE_SECONDS
 from tests.integration.conftest import StackFactory
 from tests.support import jobapp
-from tests.support.brokers import capture, deliver
+from tests.support.brokers import deliver
 from tests.support.faultproxy import FaultProxy
 from tests.support.faults import (
     BROKERS,
-    idle_queue,
+    held_dispatch,
     lease_lapsed,
     log_times,
     logged,
     renewal_failures,
-    via_proxy,
     wait_ended,
 )
-from tests.support.services import PostgresServer, RedisServer
-from tests.support.stack import tag
+from tests.support.services import RedisServer
+from tests.support.stack import Gate, Stack, tag
 from tests.unit.helpers import wait_until
+
+
+def gated_run(stack: Stack, t: str, gate: Gate) -> tuple[str, str | None]:
+    """A keyed `record` run held open by `gate`, once it is active: its id and token."""
+    dispatch_id = stack.questpie.queue.record.publish(
+        {"tag": t, "gate": str(gate)}, idempotency_key=t
+    )
+    assert dispatch_id is not None
+    return dispatch_id, stack.wait_status(dispatch_id, "active").claim_token
 
 
 @pytest.mark.parametrize("broker", BROKERS)
 def test_a_ledger_outage_longer_than_the_lease_does_not_run_a_live_handler_twice(
-    proxy: FaultProxy, make_stack: StackFactory, postgres: PostgresServer, broker: str
+    proxy: FaultProxy, via_proxy: StackFactory, broker: str
 ) -> None:
     """The worker and its relay lose the ledger while a handler runs, for longer than the
     lease. When the ledger is back, the holder renews its claim before the relay ends
     it. Before the fix the relay (every 0.2 s) ended the lapsed lease before the renewer
     (every lease/3 s) tried again, and a second run started beside the live one."""
     stack = via_proxy(
-        make_stack,
-        postgres,
-        proxy,
         broker,
         env={"QP_TEST_LEASE": "6", "QP_TEST_RELAY": "0.2"},
         loglevel="debug",  # every failed renewal is logged (after the first, at DEBUG)
     )
     t = tag()
     gate = stack.gate()
-    dispatch_id = stack.questpie.queue.record.publish(
-        {"tag": t, "gate": str(gate)}, idempotency_key=t
-    )
-    assert dispatch_id is not None
-    token = stack.wait_status(dispatch_id, "active").claim_token
+    dispatch_id, token = gated_run(stack, t, gate)
     proxy.cut()
     try:
         wait_until(lambda: lease_lapsed(stack, dispatch_id), "the lease to lapse", timeout=20)
@@ -82,17 +83,14 @@ def test_a_ledger_outage_longer_than_the_lease_does_not_run_a_live_handler_twice
 
 
 def test_a_delivery_the_broker_will_not_take_back_waits_for_the_ledger(
-    proxy: FaultProxy,
-    make_stack: StackFactory,
-    postgres: PostgresServer,
-    redis_server: RedisServer,
+    proxy: FaultProxy, via_proxy: StackFactory, redis_server: RedisServer
 ) -> None:
     """A plain call of a singleton job meets a ledger that stays unreachable past the
     fence's patience, and the broker refuses the delivery back too: the worker keeps
     trying both, and runs it once the ledger is back. Before the fix the refused
     requeue failed the task: the message was acknowledged, no row existed, and the
     run was lost. Redis only: `maxmemory 1` makes it refuse writes on cue."""
-    stack = via_proxy(make_stack, postgres, proxy, "redis")
+    stack = via_proxy("redis")
     broker = redis.Redis(port=redis_server.port)
     t = tag()
     proxy.cut()
@@ -114,12 +112,12 @@ def test_a_delivery_the_broker_will_not_take_back_waits_for_the_ledger(
 
 @pytest.mark.parametrize("broker", BROKERS)
 def test_a_hand_on_that_meets_the_ledger_down_does_not_break_a_chain(
-    proxy: FaultProxy, make_stack: StackFactory, postgres: PostgresServer, broker: str
+    proxy: FaultProxy, via_proxy: StackFactory, broker: str
 ) -> None:
     """Step 1 of a chain of a singleton job completes; the slot hand-on that follows
     meets the ledger down. The completion stands, Celery sees success and sends step 2.
     Before the fix the hand-on's error failed the Celery task and the chain stopped."""
-    stack = via_proxy(make_stack, postgres, proxy, broker)
+    stack = via_proxy(broker)
     t1, t2 = tag(), tag()
     gate = stack.gate()
     task = stack.celery_app.tasks["policy.singleton"]
@@ -140,21 +138,16 @@ def test_a_hand_on_that_meets_the_ledger_down_does_not_break_a_chain(
 
 @pytest.mark.parametrize("broker", BROKERS)
 def test_delivery_sent_back_while_the_ledger_is_down_keeps_its_claim(
-    proxy: FaultProxy, make_stack: StackFactory, postgres: PostgresServer, broker: str
+    proxy: FaultProxy, via_proxy: StackFactory, broker: str
 ) -> None:
     """The claim commits, its reply is lost, and the ledger stays unreachable past the
     fence's patience: the delivery goes back to the broker carrying its fencing token,
     and its next delivery finds its own claim and runs. Before the fix the delivery went
     back without its token, the next one read the landed claim as "busy" and was
     ignored, and the orphaned claim lapsed into a failed attempt that never ran."""
-    stack = via_proxy(make_stack, postgres, proxy, broker)
-    t, idle = tag(), idle_queue()
-    dispatch_id = stack.questpie.queue.record.publish(
-        {"tag": t}, idempotency_key=t, retry_limit=0, queue=idle
-    )
-    assert dispatch_id is not None
-    stack.wait_status(dispatch_id, "queued")
-    message = capture(stack, idle)
+    stack = via_proxy(broker)
+    t = tag()
+    dispatch_id, message = held_dispatch(stack, t, retry_limit=0)
     proxy.arm(dispatch_id.encode(), refuse_for=5.0)
     deliver(stack, message)
     assert proxy.fired.wait(20), "the worker never sent its claim"
@@ -172,21 +165,17 @@ def test_delivery_sent_back_while_the_ledger_is_down_keeps_its_claim(
 
 @pytest.mark.parametrize("broker", BROKERS)
 def test_an_outcome_write_pauses_between_tries_while_the_ledger_is_down(
-    proxy: FaultProxy, make_stack: StackFactory, postgres: PostgresServer, broker: str
+    proxy: FaultProxy, via_proxy: StackFactory, broker: str
 ) -> None:
     """While the ledger is down, recording an outcome is tried again after growing
     pauses (0.1 s, 0.2 s, 0.4 s ... up to 2 s), not in a busy loop that floods the log
     and the database with connection attempts. (B's fix moved the pause under the new
     `except SoftTimeLimitExceeded`: the tries after an outage error no longer pause.)"""
     # Every try is logged (after the first, at DEBUG).
-    stack = via_proxy(make_stack, postgres, proxy, broker, loglevel="debug")
+    stack = via_proxy(broker, loglevel="debug")
     t = tag()
     gate = stack.gate()
-    dispatch_id = stack.questpie.queue.record.publish(
-        {"tag": t, "gate": str(gate)}, idempotency_key=t
-    )
-    assert dispatch_id is not None
-    stack.wait_status(dispatch_id, "active")
+    dispatch_id, _ = gated_run(stack, t, gate)
 
     def tries() -> list[str]:
         return [
@@ -211,21 +200,17 @@ def test_an_outcome_write_pauses_between_tries_while_the_ledger_is_down(
 
 @pytest.mark.parametrize("broker", BROKERS)
 def test_a_one_shot_relay_leaves_a_lapsed_lease_of_a_live_run_alone(
-    proxy: FaultProxy, make_stack: StackFactory, postgres: PostgresServer, broker: str
+    proxy: FaultProxy, via_proxy: StackFactory, broker: str
 ) -> None:
     """A run's holder is cut off from the ledger until its lease lapses; an operator's
     `questpie-celery relay --once` (run_relay(once=True)) reaches the ledger meanwhile.
     It cannot tell a dead holder from a cut-off one, so it leaves the lease alone; the
     holder renews once it is back, and the run completes once. Before the fix the
     one-shot pass ended the claim at once and a retry ran beside the live run."""
-    stack = via_proxy(make_stack, postgres, proxy, broker)
+    stack = via_proxy(broker)
     t = tag()
     gate = stack.gate()
-    dispatch_id = stack.questpie.queue.record.publish(
-        {"tag": t, "gate": str(gate)}, idempotency_key=t
-    )
-    assert dispatch_id is not None
-    token = stack.wait_status(dispatch_id, "active").claim_token
+    dispatch_id, token = gated_run(stack, t, gate)
     direct = stack.ledger.engine.url.render_as_string(hide_password=False)
     _, operator = jobapp.build(broker=stack.env["QP_TEST_BROKER"], ledger=direct)
     proxy.cut()
@@ -247,14 +232,14 @@ def test_a_one_shot_relay_leaves_a_lapsed_lease_of_a_live_run_alone(
 
 @pytest.mark.parametrize("broker", BROKERS)
 def test_a_worker_knows_the_recorded_policy_before_the_ledger_goes_down(
-    proxy: FaultProxy, make_stack: StackFactory, postgres: PostgresServer, broker: str
+    proxy: FaultProxy, via_proxy: StackFactory, broker: str
 ) -> None:
     """`record` is declared standard but recorded `exclusive` (`policy set`) before the
     worker starts; then the ledger goes down. Two plain calls of it wait for the ledger;
     then one runs and the other is suppressed, as the policy says. Before the fix the
     pool's children were forked before any policy was read, could not read it now, and
     fell back to the declaration: both calls ran at once, unfenced."""
-    stack = via_proxy(make_stack, postgres, proxy, broker, start_worker=False)
+    stack = via_proxy(broker, start_worker=False)
     stack.questpie.set_policy("record", "exclusive")
     stack.worker.start()
     t = tag()
@@ -294,13 +279,13 @@ def test_a_worker_knows_the_recorded_policy_before_the_ledger_goes_down(
 
 @pytest.mark.parametrize("broker", BROKERS)
 def test_a_worker_that_could_not_read_a_policy_waits_for_the_ledger(
-    proxy: FaultProxy, make_stack: StackFactory, postgres: PostgresServer, broker: str
+    proxy: FaultProxy, via_proxy: StackFactory, broker: str
 ) -> None:
     """A worker starts while the ledger is down, so it has read no job's policy; a plain
     call of `record` (recorded `exclusive`, declared standard) waits for the ledger and
     then runs fenced, under a ledger row. Before the fix the worker guessed the
     declaration and ran the call at once, without a row."""
-    stack = via_proxy(make_stack, postgres, proxy, broker, start_worker=False)
+    stack = via_proxy(broker, start_worker=False)
     stack.questpie.set_policy("record", "exclusive")
     t = tag()
     proxy.cut()

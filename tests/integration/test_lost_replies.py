@@ -16,32 +16,24 @@ from tests.support.brokers import capture, deliver
 from tests.support.faultproxy import FaultProxy
 from tests.support.faults import (
     BROKERS,
-    idle_queue,
-    via_proxy,
+    held_dispatch,
     wait_ended,
 )
-from tests.support.services import PostgresServer
 from tests.support.stack import tag
 from tests.unit.helpers import wait_until
 
 
 @pytest.mark.parametrize("broker", BROKERS)
 def test_a_claim_whose_reply_is_lost_still_runs_the_attempt(
-    proxy: FaultProxy, make_stack: StackFactory, postgres: PostgresServer, broker: str
+    proxy: FaultProxy, via_proxy: StackFactory, broker: str
 ) -> None:
     """The claim commits, its reply is lost and the server refuses connections for a
     moment; the delivery's next try finds its own token and runs. Before the fix each
     try minted a new token, read the landed claim back as "busy", and the orphaned
     claim lapsed into a failed attempt that never ran."""
-    stack = via_proxy(make_stack, postgres, proxy, broker)
-    t, idle = tag(), idle_queue()
-    dispatch_id = stack.questpie.queue.record.publish(
-        {"tag": t}, idempotency_key=t, retry_limit=0, queue=idle
-    )
-    assert dispatch_id is not None
-    # The acceptance mark written, nothing but the worker's claim names the id any more.
-    stack.wait_status(dispatch_id, "queued")
-    message = capture(stack, idle)
+    stack = via_proxy(broker)
+    t = tag()
+    dispatch_id, message = held_dispatch(stack, t, retry_limit=0)
     proxy.arm(dispatch_id.encode(), refuse_for=1.5)
     deliver(stack, message)
     assert proxy.fired.wait(20), "the worker never sent its claim"
@@ -53,13 +45,13 @@ def test_a_claim_whose_reply_is_lost_still_runs_the_attempt(
 
 @pytest.mark.parametrize("broker", BROKERS)
 def test_an_unpark_whose_reply_is_lost_still_sends_the_parked_run(
-    proxy: FaultProxy, make_stack: StackFactory, postgres: PostgresServer, broker: str
+    proxy: FaultProxy, via_proxy: StackFactory, broker: str
 ) -> None:
     """The unpark (parked -> queued) commits and its reply is lost; the retried update
     matches nothing, the row is read back and the run is sent. Before the fix it was
     taken for another process's win: the row stayed `queued` with no message, for an
     hour, holding the stately slot's waiting place."""
-    stack = via_proxy(make_stack, postgres, proxy, broker)
+    stack = via_proxy(broker)
     t = tag()
     gate = stack.gate()
     jobs = stack.questpie.queue["policy.stately"]
@@ -85,12 +77,12 @@ def test_an_unpark_whose_reply_is_lost_still_sends_the_parked_run(
 
 @pytest.mark.parametrize("broker", BROKERS)
 def test_a_publish_whose_insert_reply_is_lost_returns_its_id_and_sends(
-    proxy: FaultProxy, make_stack: StackFactory, postgres: PostgresServer, broker: str
+    proxy: FaultProxy, via_proxy: StackFactory, broker: str
 ) -> None:
     """An unkeyed publish of a singleton job whose INSERT commits and loses its reply:
     the retried insert conflicts with its own row, and publish returns the row's id and
     sends it. Before the fix it returned None ("suppressed, nothing written")."""
-    stack = via_proxy(make_stack, postgres, proxy, broker, start_worker=False)
+    stack = via_proxy(broker, start_worker=False)
     proxy.arm(b"INSERT INTO questpie_queue_dispatch")
     dispatch_id = stack.questpie.queue["policy.singleton"].publish({"tag": tag()})
     assert proxy.fired.is_set(), "the publish sent no insert"

@@ -40,7 +40,7 @@ from questpie_celery.ledger.schema import schedule_table
 from questpie_celery.options import RunOptions, StoredOptions
 from tests.integration.conftest import POOLED_SECRET, StackFactory
 from tests.support import jobapp
-from tests.support.brokers import capture, deliver
+from tests.support.brokers import capture, deliver, idle_queue
 from tests.support.services import PgBouncerServer, PostgresServer, free_port
 from tests.support.stack import Stack, tag
 
@@ -336,10 +336,6 @@ def test_the_command_line_takes_pooled(database: tuple[str, str]) -> None:
 
 
 # --- a worker, its relay and publishers through the pooler ----------------------------------
-
-
-def idle_queue() -> str:
-    return f"idle-{uuid.uuid4().hex[:8]}"
 
 
 def other_questpie(stack: Stack, broker: str | None = None) -> Questpie:

@@ -34,10 +34,9 @@ from questpie_celery.outbox import MAX_RELAY_SENDS, REFUSED_SEND_RETRY_SECONDS, 
 from questpie_celery.outcomes import Unrun
 from tests.integration.conftest import StackFactory
 from tests.support import jobapp
-from tests.support.brokers import capture, queue_depth
+from tests.support.brokers import capture, idle_queue, queue_depth
 from tests.support.faults import (
     closed_broker,
-    idle_queue,
 )
 from tests.support.services import ROOT
 from tests.support.stack import Stack, tag

@@ -7,18 +7,19 @@ lost and none completes twice.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 from sqlalchemy import select
 
 from questpie_celery import BrokerError, LedgerUnavailableError, QuestpieError
 from tests.support import jobapp
+from tests.support.background import Background
 from tests.support.services import PostgresServer, RedisServer
 from tests.support.stack import Stack, build_stack, tag
 from tests.unit.helpers import wait_until
@@ -28,8 +29,10 @@ OUTAGE_SECONDS = 4.0
 
 
 @dataclass
-class PublishLoop:
+class PublishLoop(Background):
     """Publishes keyed dispatches back to back in a thread, noting each outcome."""
+
+    JOIN_SECONDS: ClassVar[float] = 30
 
     stack: Stack
     tag: str
@@ -37,13 +40,6 @@ class PublishLoop:
     refused: list[tuple[float, str]] = field(default_factory=list)  # (when, error class)
     unexpected: list[BaseException] = field(default_factory=list)
     last_success: float = 0.0
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _thread: threading.Thread | None = None
-
-    def start(self) -> PublishLoop:
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
 
     def _run(self) -> None:
         n = 0
@@ -67,11 +63,6 @@ class PublishLoop:
 
     def successes_after(self, moment: float) -> bool:
         return self.last_success > moment
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(30)
 
 
 def completions(stack: Stack, t: str) -> Counter[str]:

@@ -11,11 +11,11 @@ import pytest
 import redis
 
 from tests.integration.conftest import StackFactory
-from tests.support.brokers import capture, deliver
+from tests.support.brokers import deliver
 from tests.support.faults import (
     BROKERS,
     SHORT_LEASE,
-    idle_queue,
+    held_dispatch,
     wait_ended,
 )
 from tests.support.services import RedisServer
@@ -76,12 +76,9 @@ def test_a_result_backend_stalling_at_started_does_not_lapse_the_claim(
         broker,
         env={"QP_TEST_BACKEND": stalling_backend.url(1), "QP_TEST_EXTENDED": "1", **SHORT_LEASE},
     )
-    t, idle = tag(), idle_queue()
+    t = tag()
     # Published (which subscribes to the result on this backend) before it stalls.
-    dispatch_id = stack.questpie.queue.record.publish({"tag": t}, idempotency_key=t, queue=idle)
-    assert dispatch_id is not None
-    stack.wait_status(dispatch_id, "queued")
-    message = capture(stack, idle)
+    dispatch_id, message = held_dispatch(stack, t)
     stalling_backend.pause()
     try:
         deliver(stack, message)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -26,7 +25,7 @@ from sqlalchemy.orm import Session
 from questpie_celery import ConfigurationError, LedgerSchemaError, PublishOptionsError, Questpie
 from questpie_celery.cli import main
 from questpie_celery.ids import derive_dispatch_id, random_dispatch_id
-from questpie_celery.ledger import DispatchRow, Ledger, NewDispatch, dispatch_table, open_ledger
+from questpie_celery.ledger import DispatchRow, Ledger, NewDispatch, dispatch_table
 from questpie_celery.ledger.schema import SCHEMA_VERSION, schema_version_table
 from questpie_celery.ledger.statements import db_time
 from questpie_celery.operations import Operator
@@ -335,14 +334,6 @@ def _make_version_3(ledger: Ledger) -> None:
         conn.execute(text(sql.replace("options JSON,", "options JSON NOT NULL,")))
         conn.execute(text(f"INSERT INTO {name} SELECT * FROM old_dispatch"))
         conn.execute(text("DROP TABLE old_dispatch"))
-
-
-@pytest.fixture
-def pg_ledger(pg_db: str) -> Iterator[Ledger]:
-    made = open_ledger(pg_db)
-    made.migrate()
-    yield made
-    made.close()
 
 
 def test_retention_skips_a_row_another_transaction_holds_instead_of_waiting(

@@ -32,7 +32,7 @@ from questpie_celery.crypto import fingerprint
 from questpie_celery.ledger import dispatch_table
 from tests.integration.conftest import new_stack
 from tests.support import jobapp
-from tests.support.brokers import capture, deliver, queue_depth
+from tests.support.brokers import capture, deliver, idle_queue, queue_depth
 from tests.support.stack import Stack, tag
 from tests.unit.helpers import wait_until
 
@@ -175,10 +175,6 @@ def canary() -> str:
 
 def digest(value: str) -> str:
     return hashlib.sha256(value.encode()).hexdigest()
-
-
-def idle_queue() -> str:
-    return f"idle-{uuid.uuid4().hex[:8]}"
 
 
 def publisher(stack: Stack, secret: str) -> Questpie:

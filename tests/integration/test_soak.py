@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import pytest
 from kombu import Connection, Exchange, Queue
@@ -46,6 +46,7 @@ from sqlalchemy.exc import OperationalError
 from questpie_celery import QuestpieError
 from questpie_celery.ledger import dispatch_table
 from tests.support import jobapp
+from tests.support.background import Background
 from tests.support.services import (
     PostgresServer,
     RabbitServer,
@@ -149,7 +150,7 @@ def _queue(name: str, quorum: bool) -> Queue:
 
 
 @dataclass
-class Replayer:
+class Replayer(Background):
     """Takes each message published to the tap queue and hands two or three
     byte-identical copies of it to the workers' queue: a broker delivering one message
     several times. Reconnects across broker restarts; a message is acknowledged only
@@ -161,18 +162,6 @@ class Replayer:
     figures: Figures
     copies: random.Random = field(default_factory=lambda: random.Random(SEED))
     errors: Counter[str] = field(default_factory=Counter)
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _thread: threading.Thread | None = None
-
-    def start(self) -> Replayer:
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(60)
 
     def _run(self) -> None:
         # The app's own: on Redis its priority steps name the queues a priority goes to.
@@ -513,24 +502,14 @@ def completed_count(stack: Stack) -> int | None:
 
 
 @dataclass
-class Timeline:
+class Timeline(Background):
     """The ledger's counts every few seconds, printed at the end: how the stream went."""
+
+    JOIN_SECONDS: ClassVar[float] = 30
 
     stack: Stack
     stream: Stream
     samples: list[str] = field(default_factory=list)
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _thread: threading.Thread | None = None
-
-    def start(self) -> Timeline:
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(30)
 
     def _run(self) -> None:
         started = time.monotonic()

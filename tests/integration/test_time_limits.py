@@ -5,35 +5,35 @@ back to the broker before the limit.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from tests.integration.conftest import StackFactory
-from tests.support.brokers import capture, deliver
+from tests.support.brokers import deliver
 from tests.support.faultproxy import FaultProxy
 from tests.support.faults import (
     BROKERS,
     SOFT_LIMIT,
     SOFT_LIMITS,
-    idle_queue,
+    held_dispatch,
     logged,
-    via_proxy,
     wait_ended,
     wait_logged,
 )
-from tests.support.services import PostgresServer
-from tests.support.stack import tag
+from tests.support.stack import Stack, tag
 
 
 @pytest.mark.parametrize("broker", BROKERS)
 def test_a_soft_time_limit_while_recording_the_outcome_does_not_run_the_handler_again(
-    proxy: FaultProxy, make_stack: StackFactory, postgres: PostgresServer, broker: str
+    proxy: FaultProxy, via_proxy: StackFactory, broker: str
 ) -> None:
     """The handler returned; recording `completed` meets the ledger down, and the run's
     soft time limit falls while the write waits. The write goes on and lands once the
     ledger is back. Before the fix SoftTimeLimitExceeded escaped the wait, nobody
     recorded the outcome, and the relay ran the handler a second time. (The limit may
     fall anywhere in the wait: in a try, or in the pause between two tries.)"""
-    stack = via_proxy(make_stack, postgres, proxy, broker)
+    stack = via_proxy(broker)
     t = tag()
     gate = stack.gate()
     dispatch_id = stack.questpie.queue.record.publish(
@@ -64,62 +64,51 @@ def test_a_soft_time_limit_while_recording_the_outcome_does_not_run_the_handler_
     assert len(stack.runs(t, "end")) == 1
 
 
-@pytest.mark.parametrize("broker", BROKERS)
-@pytest.mark.parametrize("soft_limit", SOFT_LIMITS)
-def test_a_plain_call_waiting_for_the_ledger_goes_back_before_its_soft_time_limit(
-    proxy: FaultProxy,
-    make_stack: StackFactory,
-    postgres: PostgresServer,
-    broker: str,
-    soft_limit: int,
-) -> None:
-    """A plain call of a singleton job, with a soft time limit shorter than the fence's
-    patience, meets the ledger down: it goes back to the broker before the limit falls,
-    and runs once the ledger is back. Before the fix SoftTimeLimitExceeded escaped the
-    wait with the message acknowledged: no row, no run, the call was lost."""
-    stack = via_proxy(make_stack, postgres, proxy, broker)
-    t = tag()
-    proxy.cut()
-    try:
-        sent = stack.celery_app.tasks["policy.singleton"].apply_async(
-            args=[{"tag": t}], soft_time_limit=soft_limit
-        )
-        wait_logged(
-            stack, sent.id, "went back to the broker", "Soft time limit", timeout=soft_limit + 20
-        )
-    finally:
-        proxy.heal()
-    assert not logged(stack, sent.id, "Soft time limit"), "the limit fell while it waited"
-    row = stack.wait_status(sent.id, "completed", timeout=30)
-    assert row.attempt == 1
-    assert [r["dispatch_id"] for r in stack.runs(t)] == [sent.id]
+#: How a run reaches the worker: given the stack, a tag and a soft time limit, and while
+#: the ledger is still up, a function that sends it (the ledger down by then) and
+#: returns its id.
+Arrival = Callable[[Stack, str, int], Callable[[], str]]
 
 
-@pytest.mark.parametrize("broker", BROKERS)
-@pytest.mark.parametrize("soft_limit", SOFT_LIMITS)
-def test_a_dispatch_waiting_to_claim_goes_back_before_its_soft_time_limit(
-    proxy: FaultProxy,
-    make_stack: StackFactory,
-    postgres: PostgresServer,
-    broker: str,
-    soft_limit: int,
-) -> None:
-    """A published dispatch whose expire_in_seconds (its soft time limit) is shorter than
-    the fence's patience is delivered while the ledger is down: it goes back to the
-    broker before the limit falls and runs once the ledger is back. Before the fix
-    SoftTimeLimitExceeded escaped the wait with the message acknowledged, and the row
-    waited for the relay's redeliver_after (an hour)."""
-    stack = via_proxy(make_stack, postgres, proxy, broker)
-    t, idle = tag(), idle_queue()
-    dispatch_id = stack.questpie.queue.record.publish(
-        {"tag": t}, idempotency_key=t, queue=idle, expire_in_seconds=soft_limit
-    )
-    assert dispatch_id is not None
-    stack.wait_status(dispatch_id, "queued")
-    message = capture(stack, idle)
-    proxy.cut()
-    try:
+def plain_call(stack: Stack, t: str, soft_limit: int) -> Callable[[], str]:
+    """A plain call of a singleton job, the limit Celery's `soft_time_limit` option."""
+
+    def send() -> str:
+        task = stack.celery_app.tasks["policy.singleton"]
+        return str(task.apply_async(args=[{"tag": t}], soft_time_limit=soft_limit).id)
+
+    return send
+
+
+def published_dispatch(stack: Stack, t: str, soft_limit: int) -> Callable[[], str]:
+    """A published dispatch, the limit its expire_in_seconds, its message held back."""
+    dispatch_id, message = held_dispatch(stack, t, expire_in_seconds=soft_limit)
+
+    def send() -> str:
         deliver(stack, message)
+        return dispatch_id
+
+    return send
+
+
+@pytest.mark.parametrize("broker", BROKERS)
+@pytest.mark.parametrize("soft_limit", SOFT_LIMITS)
+@pytest.mark.parametrize("arrival", [plain_call, published_dispatch], ids=lambda a: a.__name__)
+def test_a_delivery_waiting_for_the_ledger_goes_back_before_its_soft_time_limit(
+    proxy: FaultProxy, via_proxy: StackFactory, broker: str, soft_limit: int, arrival: Arrival
+) -> None:
+    """A plain call of a singleton job, or a published dispatch, with a soft time limit
+    shorter than the fence's patience, is delivered while the ledger is down: it goes
+    back to the broker before the limit falls, and runs once the ledger is back. Before
+    the fix SoftTimeLimitExceeded escaped the wait with the message acknowledged: the
+    plain call was lost (no row, no run), the dispatch's row waited for the relay's
+    redeliver_after (an hour)."""
+    stack = via_proxy(broker)
+    t = tag()
+    send = arrival(stack, t, soft_limit)
+    proxy.cut()
+    try:
+        dispatch_id = send()
         wait_logged(
             stack,
             dispatch_id,
@@ -132,4 +121,4 @@ def test_a_dispatch_waiting_to_claim_goes_back_before_its_soft_time_limit(
     assert not logged(stack, dispatch_id, "Soft time limit"), "the limit fell while it waited"
     row = stack.wait_status(dispatch_id, "completed", timeout=30)
     assert row.attempt == 1
-    assert [r["attempt"] for r in stack.runs(t)] == [1]
+    assert [(r["dispatch_id"], r["attempt"]) for r in stack.runs(t)] == [(dispatch_id, 1)]

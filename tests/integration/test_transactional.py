@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from questpie_celery import (
 )
 from questpie_celery.ledger import dispatch_table, open_ledger
 from questpie_celery.outbox import PENDING_GRACE_SECONDS
-from tests.support.brokers import capture, deliver, queue_depth
+from tests.support.brokers import capture, deliver, idle_queue, queue_depth
 from tests.support.services import PostgresServer
 from tests.support.stack import Stack, tag
 
@@ -41,10 +40,6 @@ def caller_engine(pg_redis: Stack) -> Iterator[Engine]:
     engine = create_engine(pg_redis.env["QP_TEST_LEDGER"])
     yield engine
     engine.dispose()
-
-
-def idle_queue() -> str:
-    return f"idle-{uuid.uuid4().hex[:8]}"
 
 
 def dispatch_rows(url: str) -> int:

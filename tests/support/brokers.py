@@ -7,12 +7,18 @@ message several times, without relying on either broker's redelivery timing.
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 from kombu import Connection, Exchange, Queue
 from kombu.message import Message
 
 from tests.support.stack import Stack
+
+
+def idle_queue() -> str:
+    """A fresh name of a queue no worker reads."""
+    return f"idle-{uuid.uuid4().hex[:8]}"
 
 
 def _queue(name: str) -> Queue:

@@ -1,22 +1,25 @@
-"""What the fault tests share: stacks whose ledger traffic goes through a fault proxy,
-and waits for the rows and log lines a fault leaves."""
+"""What the fault tests share: a dispatch held back for the test to deliver, and waits
+for the rows and log lines a fault leaves. (Stacks whose ledger traffic goes through a
+fault proxy come from the `via_proxy` fixture, tests/integration/conftest.py.)"""
 
 from __future__ import annotations
 
 import re
-import uuid
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from kombu.message import Message
 from sqlalchemy import func, select
 
-from questpie_celery.ledger import DispatchRow, dispatch_table, open_ledger
+from questpie_celery.ledger import DispatchRow, dispatch_table
 from questpie_celery.ledger.schema import TERMINAL
-from tests.integration.conftest import StackFactory
-from tests.support.faultproxy import FaultProxy
+from tests.support.brokers import capture, idle_queue
 from tests.support.services import PostgresServer, free_port
 from tests.support.stack import Stack
 from tests.unit.helpers import wait_until
+
+if TYPE_CHECKING:  # conftest imports this module: only the type is wanted from it
+    from tests.integration.conftest import StackFactory
 
 BROKERS = ["redis", "rabbitmq"]
 
@@ -25,8 +28,17 @@ BROKERS = ["redis", "rabbitmq"]
 SHORT_LEASE = {"QP_TEST_LEASE": "3", "QP_TEST_RELAY": "0.5"}
 
 
-def idle_queue() -> str:
-    return f"idle-{uuid.uuid4().hex[:8]}"
+def held_dispatch(stack: Stack, t: str, **options: Any) -> tuple[str, Message]:
+    """A keyed `record` dispatch published to a queue no worker reads, its acceptance
+    mark written (nothing but its claim names the id any more), and its message taken
+    out of the broker: the test delivers it when it wants."""
+    idle = idle_queue()
+    dispatch_id = stack.questpie.queue.record.publish(
+        {"tag": t}, idempotency_key=t, queue=idle, **options
+    )
+    assert dispatch_id is not None
+    stack.wait_status(dispatch_id, "queued")
+    return dispatch_id, capture(stack, idle)
 
 
 def wait_ended(stack: Stack, dispatch_id: str, timeout: float = 40.0) -> DispatchRow:
@@ -37,29 +49,6 @@ def wait_ended(stack: Stack, dispatch_id: str, timeout: float = 40.0) -> Dispatc
         return row if row is not None and row.status in TERMINAL else None
 
     return wait_until(ended, f"dispatch {dispatch_id} to end", timeout)
-
-
-def via_proxy(
-    make_stack: StackFactory,
-    postgres: PostgresServer,
-    proxy: FaultProxy,
-    broker: str,
-    env: dict[str, str] | None = None,
-    **worker: Any,
-) -> Stack:
-    """A stack whose worker and publisher reach the ledger through `proxy`; the test's
-    own `stack.ledger` and the `test_runs` table are reached directly."""
-    direct = postgres.create_database("faults")
-    settings = {
-        "QP_TEST_LEDGER": proxy.url(direct, postgres.port),
-        "QP_TEST_RUNS": postgres.create_database("runs"),
-        **SHORT_LEASE,
-        **(env or {}),
-    }
-    stack = make_stack(broker, env=settings, **worker)
-    stack.ledger.close()
-    stack.ledger = open_ledger(direct)
-    return stack
 
 
 def lease_lapsed(stack: Stack, dispatch_id: str) -> bool:

@@ -9,25 +9,15 @@ and a time with microseconds could not have come from SQLite's clock at all.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 
 import pytest
 
-from questpie_celery.ledger import Ledger, open_ledger
-from tests.unit.helpers import new_dispatch, sqlite_now, sqlite_url
+from questpie_celery.ledger import Ledger
+from tests.unit.helpers import new_dispatch, sqlite_now
 
 TICK = timedelta(milliseconds=2)  # SQLite keeps milliseconds; allow rounding
 HOST_SKEW = timedelta(seconds=2)
-
-
-@pytest.fixture
-def ledger(tmp_path: Path) -> Iterator[Ledger]:
-    made = open_ledger(sqlite_url(tmp_path))
-    made.migrate()
-    yield made
-    made.close()
 
 
 def _between(value: datetime | None, low: datetime, high: datetime) -> None:

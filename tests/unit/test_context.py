@@ -245,14 +245,16 @@ def test_a_contextmanager_generator_works_and_the_unfenced_path_gets_it(make: Ma
     ]
 
 
-def test_an_async_context_manager_and_an_async_handler_share_one_loop(make: Make) -> None:
-    @asynccontextmanager
-    async def services() -> AsyncIterator[Services]:
-        journal.events.append(("enter-loop", id(asyncio.get_running_loop())))
-        yield journal.services()
-        journal.events.append(("exit-loop", id(asyncio.get_running_loop())))
+@asynccontextmanager
+async def services_noting_their_loop() -> AsyncIterator[Services]:
+    """An async context manager that notes the loop it is entered and exited in."""
+    journal.events.append(("enter-loop", id(asyncio.get_running_loop())))
+    yield journal.services()
+    journal.events.append(("exit-loop", id(asyncio.get_running_loop())))
 
-    questpie = make(context=services)
+
+def test_an_async_context_manager_and_an_async_handler_share_one_loop(make: Make) -> None:
+    questpie = make(context=services_noting_their_loop)
     dispatch_id = questpie.queue.ctx_async.publish({}, idempotency_key="async")
     assert status(questpie, dispatch_id).status == "completed"
     assert [name for name, _ in journal.events] == ["enter-loop", "handler-loop", "exit-loop"]
@@ -263,13 +265,7 @@ def test_an_async_context_manager_and_an_async_handler_share_one_loop(make: Make
 def test_an_async_context_manager_and_a_sync_handler_use_a_loop_of_their_own(
     make: Make,
 ) -> None:
-    @asynccontextmanager
-    async def services() -> AsyncIterator[Services]:
-        journal.events.append(("enter-loop", id(asyncio.get_running_loop())))
-        yield journal.services()
-        journal.events.append(("exit-loop", id(asyncio.get_running_loop())))
-
-    questpie = make(context=services)
+    questpie = make(context=services_noting_their_loop)
     dispatch_id = questpie.queue.ctx_sync.publish({}, idempotency_key="sync")
     assert status(questpie, dispatch_id).status == "completed"
     (_, entered), (_, in_handler), (_, exited) = journal.events

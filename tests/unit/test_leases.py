@@ -12,7 +12,6 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 
@@ -21,18 +20,10 @@ import pytest
 from questpie_celery import leases, relay
 from questpie_celery.errors import LedgerUnavailableError
 from questpie_celery.leases import LeaseKeeper
-from questpie_celery.ledger import Ledger, open_ledger
-from tests.unit.helpers import IdleApp, new_dispatch, sqlite_url, wait_until
+from questpie_celery.ledger import Ledger
+from tests.unit.helpers import IdleApp, new_dispatch, wait_until
 
 LEASE = 0.3  # renewed every 0.1 s
-
-
-@pytest.fixture
-def ledger(tmp_path: Path) -> Iterator[Ledger]:
-    made = open_ledger(sqlite_url(tmp_path))
-    made.migrate()
-    yield made
-    made.close()
 
 
 def _claimed(ledger: Ledger) -> tuple[str, str]:

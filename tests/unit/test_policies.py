@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast, get_args
 
@@ -121,14 +120,6 @@ def test_slot_indexes_in_the_metadata_list_exactly_the_rules_policies(index_name
 def test_no_other_unique_index_limits_the_dispatch_table() -> None:
     unique = {index.name for index in dispatch_table.indexes if index.unique}
     assert unique == set(SLOT_INDEXES)
-
-
-@pytest.fixture
-def ledger(tmp_path: Path) -> Iterator[Ledger]:
-    made = open_ledger(sqlite_url(tmp_path))
-    made.migrate()
-    yield made
-    made.close()
 
 
 def test_slot_indexes_in_a_migrated_database_list_exactly_the_rules_policies(

@@ -31,13 +31,6 @@ from questpie_celery.web import (
 from tests.unit.helpers import IdleApp, new_dispatch, sqlite_url, wait_until
 
 
-@pytest.fixture
-def ledger(tmp_path: Path) -> Ledger:
-    made = open_ledger(sqlite_url(tmp_path))
-    made.migrate()
-    return made
-
-
 def due(ledger: Ledger, count: int, job_name: str = "record") -> list[str]:
     """Rows the relay should have sent an hour ago."""
     long_ago = datetime.now(UTC) - timedelta(hours=1)
