@@ -133,10 +133,20 @@ def _is_token(value: object) -> bool:
         return False
 
 
+def _schemes(url: object) -> list[str]:
+    """The transport schemes of a broker URL as Celery takes one (a string, failover URLs
+    joined by `;`, or a list of them), in the order they are tried."""
+    urls = url if isinstance(url, (list, tuple)) else [url]
+    return [
+        alternate.split("://", 1)[0].strip().lower()
+        for one in urls
+        for alternate in str(one).split(";")
+    ]
+
+
 def broker_kind(app: Celery) -> str:
     """`redis`, `amqp`, or the transport scheme of anything else."""
-    url = app.conf.broker_url or app.conf.broker_write_url or "amqp://"
-    scheme = str(url).split("://", 1)[0].lower()
+    scheme = _schemes(app.conf.broker_url or app.conf.broker_write_url or "amqp://")[0]
     if scheme in _REDIS_SCHEMES:
         return "redis"
     if scheme in _AMQP_SCHEMES:
@@ -161,9 +171,16 @@ REDIS_SOCKET_CONNECT_TIMEOUT_SECONDS = 5
 def configure_app(app: Celery) -> None:
     """Configure what questpie needs on a configured Celery app, keeping the user's choices."""
     kind = broker_kind(app)
-    if kind == "filesystem" and not app.conf.broker_transport:
-        # kombu's own loses a message a worker reads while it is written (see the module).
+    # kombu's own filesystem transport loses a message a worker reads while it is written
+    # (see the module). The setting applies to every URL the app connects to, so only an
+    # app that reaches nothing but the filesystem gets it; and it is taken back when the
+    # broker changes (tests swap it), since it is ours and not the app's choice.
+    urls = [app.conf.broker_url, app.conf.broker_read_url, app.conf.broker_write_url]
+    only_files = all(scheme == "filesystem" for url in urls if url for scheme in _schemes(url))
+    if kind == "filesystem" and only_files and not app.conf.broker_transport:
         app.conf.broker_transport = FILESYSTEM_TRANSPORT
+    elif app.conf.broker_transport == FILESYSTEM_TRANSPORT and not only_files:
+        app.conf.broker_transport = None
     if kind != "redis":
         return
     options = dict(app.conf.broker_transport_options or {})

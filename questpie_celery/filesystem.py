@@ -8,7 +8,10 @@ read). Here the file is written under a name no reader picks up and then renamed
 place, which on one filesystem is atomic: a reader sees the whole message or none.
 
 A `Questpie` on a Celery app whose broker is `filesystem://` uses this transport unless
-the app chose one (`broker_transport`); the folders and options are kombu's.
+the app chose one (`broker_transport`); the folders and options are kombu's, and the two
+transports can share a folder. A writer killed between the write and the rename leaves
+its hidden file behind, unread (a message it never finished sending); like kombu's, a
+write is not synced to disk before the rename.
 """
 
 from __future__ import annotations
@@ -35,9 +38,10 @@ class Channel(filesystem.Channel):
         final = os.path.join(self.data_folder_out, name)
         # A reader takes only names ending in ".<queue>.msg".
         partial = os.path.join(self.data_folder_out, f".{name}.partial")
+        body = dumps(payload).encode()  # type: ignore[no-untyped-call]  # before any file
         try:
             with open(partial, "wb") as file:
-                file.write(dumps(payload).encode())  # type: ignore[no-untyped-call]
+                file.write(body)
             os.replace(partial, final)
         except OSError as exc:
             with contextlib.suppress(OSError):

@@ -100,13 +100,15 @@ class Stack:
         """Wait until the worker has taken every message sent to this stack's queue so far.
 
         A control dispatch is published now and waited for: the queue is first in,
-        first out (the filesystem broker reads its files in the order of their names,
-        which start with the time of the send) and its one consumer logs each message's
-        receipt ("Task ...[id] received") as it takes it, so a message sent before the
-        control one is in the log before the control one runs. A test asserting that
-        something was never sent, or sent once, checks the log after this; with extra
-        workers the order would not hold."""
+        first out and its one consumer logs each message's receipt ("Task ...[id]
+        received") as it takes it, so a message sent before the control one is in the log
+        before the control one runs. A test asserting that something was never sent, or
+        sent once, checks the log after this; with extra workers the order would not hold.
+        The filesystem broker reads its files in the order of their names, which start
+        with the millisecond of the send and go on at random: the control is sent in a
+        later millisecond than anything before it."""
         assert not self.extra_workers, "wait_taken needs the stack's one worker alone"
+        time.sleep(0.002)  # an ordering, not a wait: see above
         name = f"control-{tag()}"  # keyed: a ledgered dispatch, with a state to wait for
         control = self.questpie.queue.record.publish({"tag": name}, idempotency_key=name)
         assert control is not None

@@ -15,6 +15,7 @@ from celery import Celery
 from kombu import Connection, Exchange, Queue
 
 from questpie_celery import Questpie
+from questpie_celery.broker import broker_kind
 from questpie_celery.filesystem import TRANSPORT, Transport
 
 
@@ -92,3 +93,36 @@ def test_a_questpie_on_a_filesystem_app_uses_it_unless_the_app_chose_a_transport
     redis = Celery("r", broker="redis://localhost:6379/0")
     Questpie(redis, ledger_url=f"sqlite:///{tmp_path / 'c.sqlite3'}")
     assert not redis.conf.broker_transport
+
+
+def test_the_transport_follows_the_broker_when_it_changes_and_only_when_it_is_all_files(
+    tmp_path: Path,
+) -> None:
+    app = Celery("fs", broker="filesystem://")
+    questpie = Questpie(app, ledger_url=f"sqlite:///{tmp_path / 'a.sqlite3'}")
+    assert app.conf.broker_transport == TRANSPORT
+    # What the pytest plugin does for a test: another broker, then the app's own back.
+    app.conf.broker_url = "memory://"
+    questpie.broker_changed()
+    with app.connection_for_write() as conn:
+        assert type(conn.transport).__module__ == "kombu.transport.memory"
+    app.conf.broker_url = "filesystem://"
+    questpie.broker_changed()
+    assert app.conf.broker_transport == TRANSPORT
+
+    # The setting reaches every URL the app connects to: not ours if one is not a folder.
+    mixed = Celery("fs", broker="filesystem://")
+    mixed.conf.broker_read_url = "memory://"
+    Questpie(mixed, ledger_url=f"sqlite:///{tmp_path / 'b.sqlite3'}")
+    with mixed.connection_for_read() as conn:
+        assert type(conn.transport).__module__ == "kombu.transport.memory"
+
+    # Failover lists, as a list or joined by ";", are read by their first URL.
+    listed = Celery("fs", broker=["filesystem://", "filesystem://"])
+    Questpie(listed, ledger_url=f"sqlite:///{tmp_path / 'c.sqlite3'}")
+    assert listed.conf.broker_transport == TRANSPORT
+    joined = Celery("fs", broker="filesystem://;memory://")
+    Questpie(joined, ledger_url=f"sqlite:///{tmp_path / 'd.sqlite3'}")
+    assert not joined.conf.broker_transport  # a failover to memory:// is not all files
+    # The same reading tells a Redis failover list for what it is (priorities, timeouts).
+    assert broker_kind(Celery("r", broker=["redis://a//", "redis://b//"])) == "redis"
