@@ -29,10 +29,30 @@ from sqlalchemy import create_engine, text
 ROOT = Path(__file__).resolve().parent.parent.parent
 
 
+#: Ports handed out so far by this process; see `free_port`.
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A port nothing listens on, from a band of this test process's own.
+
+    Below the kernel's ephemeral range (32768 and up), so no outgoing connection takes it
+    between now and the server's bind, and one band per pytest-xdist worker, so two
+    workers starting servers at the same moment never pick the same port.
+    """
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    band = 10000 + 2500 * (int(worker) % 8 if worker.isdigit() else 0)
+    for port in range(band, band + 2500):
+        if port in _handed_out:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port in {band}-{band + 2499}")
 
 
 def wait_for_port(port: int, timeout: float = 30.0) -> None:
