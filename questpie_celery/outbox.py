@@ -12,7 +12,8 @@ soon; once the broker accepted a first send, the row is marked `queued`
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
@@ -210,18 +211,13 @@ class Outbox:
         )
 
     def _due_soon(self, dispatch_ids: Sequence[str], attempt: int, send_in: float) -> None:
-        try:
+        with self._carrying_on(
+            "%d dispatch(es) (first %s): could not mark them due for the relay (%s); "
+            "the relay sends them at their fallback time",
+            len(dispatch_ids),
+            dispatch_ids[0],
+        ):
             self._ledger.send_soon(dispatch_ids, attempt - 1, send_in)
-            self._ledger.outage.reached()
-        except QuestpieError as exc:
-            log.log(
-                self._ledger_trouble(exc),
-                "%d dispatch(es) (first %s): could not mark them due for the relay (%s); "
-                "the relay sends them at their fallback time",
-                len(dispatch_ids),
-                dispatch_ids[0],
-                type(exc).__name__,
-            )
 
     def send_committed(self, dispatch_ids: Sequence[str]) -> None:
         """Send rows a caller's transaction committed; skip what its savepoints dropped."""
@@ -369,17 +365,12 @@ class Outbox:
         """Rows the relay took and did not send: uncounted, due again soon."""
         if not unsent:
             return
-        try:
+        with self._carrying_on(
+            "%d dispatch(es) the relay took but did not send could not be made due "
+            "again (%s); the relay sends them when their backoff ends",
+            len(unsent),
+        ):
             self._ledger.give_back(unsent, REFUSED_SEND_RETRY_SECONDS)
-            self._ledger.outage.reached()
-        except QuestpieError as exc:
-            log.log(
-                self._ledger_trouble(exc),
-                "%d dispatch(es) the relay took but did not send could not be made due "
-                "again (%s); the relay sends them when their backoff ends",
-                len(unsent),
-                type(exc).__name__,
-            )
 
     def _accepted(self, dispatch_ids: list[str]) -> None:
         """Record the broker's acceptance of first sends right after the batch, rather
@@ -387,22 +378,25 @@ class Outbox:
         long pass must not find it still pending and due again and send it twice."""
         if not dispatch_ids:
             return
-        try:
+        with self._carrying_on(
+            "could not record broker acceptance of %d dispatch(es) (%s); they stay "
+            "pending and the relay sends them again",
+            len(dispatch_ids),
+        ):
             self._ledger.mark_queued(dispatch_ids, self.redeliver_after)
+
+    @contextmanager
+    def _carrying_on(self, failed: str, *args: object) -> Iterator[None]:
+        """Around a ledger write the relay can do without: when it fails, say so in
+        `failed` (a format whose last `%s` is the error's type) and go on. An outage
+        goes to the ledger's outage line and this line to DEBUG; anything else is a
+        WARNING."""
+        try:
+            yield
             self._ledger.outage.reached()
         except QuestpieError as exc:
-            log.log(
-                self._ledger_trouble(exc),
-                "could not record broker acceptance of %d dispatch(es) (%s); they stay "
-                "pending and the relay sends them again",
-                len(dispatch_ids),
-                type(exc).__name__,
-            )
-
-    def _ledger_trouble(self, exc: QuestpieError) -> int:
-        """The level of a line about a ledger write the relay could not make: an outage
-        goes to the ledger's outage line (DEBUG here), anything else is a WARNING."""
-        if isinstance(exc, LedgerUnavailableError):
-            self._ledger.outage.failed(exc)
-            return logging.DEBUG
-        return logging.WARNING
+            level = logging.WARNING
+            if isinstance(exc, LedgerUnavailableError):
+                self._ledger.outage.failed(exc)
+                level = logging.DEBUG
+            log.log(level, failed, *args, type(exc).__name__)

@@ -23,13 +23,12 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from sqlalchemy import exc
 from sqlalchemy.sql import Executable
 
 from ..errors import ConfigurationError
 from . import inserts
 from .engine import create_async_ledger_engine, runs_in_autocommit
-from .errors import Reruns, SlotTaken, translate_errors
+from .errors import Reruns, translate_errors
 from .rows import DispatchRow, NewDispatch
 from .store import Ledger
 
@@ -149,17 +148,13 @@ class AsyncLedger:
         if its connection was found dead, again if the server undid it in a deadlock."""
         reruns = Reruns(after_rollback=rerun_if_rolled_back)
         with translate_errors():
-            while True:
-                try:
+            for attempt in reruns.attempts():
+                with attempt:
                     async with self._connected(durable) as conn:
                         result = await conn.execute(stmt, params)
                         rows = result.mappings().all() if result.returns_rows else result.rowcount
                         return rows, reruns.reconnected
-                except exc.IntegrityError:
-                    raise SlotTaken() from None
-                except exc.DBAPIError as error:
-                    if not reruns.again(error):
-                        raise
+        raise AssertionError("unreachable: every attempt returns or raises")
 
     @asynccontextmanager
     async def _connected(self, durable: bool) -> AsyncIterator[AsyncConnection]:

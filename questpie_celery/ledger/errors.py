@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 from sqlalchemy import exc
 
@@ -72,8 +72,36 @@ class Reruns:
         self._after_rollback = after_rollback
         self._log = log  # where a reconnect is told, if anywhere
         self._deadlocks = 0
+        self._done = False
         #: It ran on a second connection: its first run may have landed unseen.
         self.reconnected = False
+
+    def attempts(self) -> Iterator[AbstractContextManager[None]]:
+        """The runs of one statement, sync or asyncio alike::
+
+            for attempt in reruns.attempts():
+                with attempt:
+                    ...  # run it; return its result
+
+        A run that fails with an error `again` accepts is followed by another; one that
+        meets a queue-policy slot index raises `SlotTaken`; anything else propagates.
+        """
+        self._done = False
+        while not self._done:
+            yield self._attempt()
+
+    @contextmanager
+    def _attempt(self) -> Iterator[None]:
+        try:
+            yield
+        except exc.IntegrityError:
+            # Only the queue-policy slot indexes can refuse the ledger's statements.
+            raise SlotTaken() from None
+        except exc.DBAPIError as error:
+            if not self.again(error):
+                raise
+            return
+        self._done = True
 
     def again(self, error: exc.DBAPIError) -> bool:
         """Whether to run the statement again after `error`."""

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import ColumnElement, Connection, Engine, Select, exc, func, select, text
+from sqlalchemy import ColumnElement, Connection, Engine, Select, func, select, text
 from sqlalchemy.engine import RowMapping
 from sqlalchemy.sql import Executable
 from sqlalchemy.sql.elements import TextClause
@@ -35,7 +35,7 @@ from .engine import (
     runs_in_autocommit,
     statement_settings,
 )
-from .errors import MIGRATE_COMMAND, Reruns, SlotTaken, translate_errors
+from .errors import MIGRATE_COMMAND, Reruns, translate_errors
 from .rows import DispatchRow
 from .schema import dispatch_table, schema_version_table
 from .statements import by_id, db_time, in_own_transaction
@@ -183,18 +183,12 @@ class Executor:
         """
         reruns = Reruns(after_rollback=rerun_if_rolled_back, log=log)
         with translate_errors(self.migrate_command):
-            while True:
-                try:
-                    with self._connected(durable) as conn:
-                        result = conn.execute(stmt, params)
-                        rows = result.mappings().all() if result.returns_rows else result.rowcount
-                        return rows, reruns.reconnected
-                except exc.IntegrityError:
-                    # Only the queue-policy slot indexes can refuse these statements.
-                    raise SlotTaken() from None
-                except exc.DBAPIError as error:
-                    if not reruns.again(error):
-                        raise
+            for attempt in reruns.attempts():
+                with attempt, self._connected(durable) as conn:
+                    result = conn.execute(stmt, params)
+                    rows = result.mappings().all() if result.returns_rows else result.rowcount
+                    return rows, reruns.reconnected
+        raise AssertionError("unreachable: every attempt returns or raises")
 
     @contextmanager
     def _connected(self, durable: bool) -> Iterator[Connection]:
