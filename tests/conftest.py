@@ -24,6 +24,22 @@ pytest_plugins = ["pytester"]
 
 
 LONG = ("soak", "failover")
+#: The files that take longest, longest first (measured), so that pytest-xdist, which
+#: hands files out in collection order, starts them first and the short ones fill in
+#: at the end; the unit tests come last of all. Only the order depends on this list.
+HEAVIEST = (
+    "test_soak", "test_failover", "test_ledger_outages", "test_worker", "test_beat",
+    "test_policies", "test_time_limits", "test_faults", "test_django",
+)  # fmt: skip
+
+
+def _schedule(item: pytest.Item) -> tuple[int, int]:
+    path = Path(str(item.fspath))
+    if INTEGRATION not in path.parents:
+        return (2, 0)
+    if path.stem in HEAVIEST:
+        return (0, HEAVIEST.index(path.stem))
+    return (1, 0)
 
 
 def _asked_for(config: pytest.Config, item: pytest.Item) -> bool:
@@ -42,6 +58,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if skipped:
         config.hook.pytest_deselected(items=skipped)
         items[:] = [i for i in items if i not in skipped]
+    items.sort(key=_schedule)  # stable: within a file, tests keep their order
     for item in items:
         if INTEGRATION in Path(str(item.fspath)).parents:
             item.add_marker(pytest.mark.services)

@@ -9,6 +9,7 @@ restart tests do). PostgreSQL refuses to run as root, so as root it runs as the
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import signal
@@ -20,6 +21,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 import httpx
 from celery import Celery
@@ -29,30 +31,58 @@ from sqlalchemy import create_engine, text
 ROOT = Path(__file__).resolve().parent.parent.parent
 
 
-#: Ports handed out so far by this process; see `free_port`.
-_handed_out: set[int] = set()
+class _Ports:
+    """Ports for this process's servers, from a band of its own below the kernel's
+    ephemeral range (32768 and up): no outgoing connection takes one between its choice
+    and the server's bind. The band is held for the process's life by an flock on a file
+    under the temporary folder, so pytest-xdist's workers, and any other suite run on
+    the machine at the same time, never pick the same port."""
+
+    BANDS, SIZE, FIRST = 12, 1500, 10000
+
+    def __init__(self) -> None:
+        self._first: int | None = None
+        self._lock: IO[str] | None = None
+        self._handed_out: set[int] = set()
+
+    def _band(self) -> int:
+        if self._first is None:
+            folder = Path(tempfile.gettempdir()) / "questpie-test-ports"
+            folder.mkdir(exist_ok=True)
+            for index in range(self.BANDS):
+                lock = (folder / f"band-{index}").open("a")
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    lock.close()
+                    continue
+                self._first, self._lock = self.FIRST + index * self.SIZE, lock
+                break
+            else:
+                raise RuntimeError(f"all {self.BANDS} port bands are held by other test runs")
+        return self._first
+
+    def free(self) -> int:
+        band = self._band()
+        for port in range(band, band + self.SIZE):
+            if port in self._handed_out:
+                continue
+            with socket.socket() as sock:
+                try:
+                    sock.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            self._handed_out.add(port)
+            return port
+        raise RuntimeError(f"no free port left in {band}-{band + self.SIZE - 1}")
+
+
+_ports = _Ports()
 
 
 def free_port() -> int:
-    """A port nothing listens on, from a band of this test process's own.
-
-    Below the kernel's ephemeral range (32768 and up), so no outgoing connection takes it
-    between now and the server's bind, and one band per pytest-xdist worker, so two
-    workers starting servers at the same moment never pick the same port.
-    """
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
-    band = 10000 + 2500 * (int(worker) % 8 if worker.isdigit() else 0)
-    for port in range(band, band + 2500):
-        if port in _handed_out:
-            continue
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _handed_out.add(port)
-        return port
-    raise RuntimeError(f"no free port in {band}-{band + 2499}")
+    """A port nothing listens on, and that no other test process will pick."""
+    return _ports.free()
 
 
 def wait_for_port(port: int, timeout: float = 30.0) -> None:
