@@ -1,5 +1,6 @@
 """Every view of a dispatch row: what a program may learn about a dispatch (its status,
-and a secret one's receipt), and what an operator sees of it (`DispatchDetail`).
+and a secret one's receipt), what an operator sees of it (`DispatchDetail`), and what a
+test sees of it (`Dispatch`).
 
 None holds a ciphertext, key material or an error message; only the operator's detail
 holds a payload, and never a secret one's.
@@ -12,7 +13,7 @@ from datetime import datetime
 from typing import Any, Literal
 
 from .ledger import DispatchRow
-from .ledger.schema import RESENDABLE
+from .ledger.schema import RESENDABLE, TERMINAL
 
 ReceiptStatus = Literal["queued", "completed", "failed"]
 
@@ -166,3 +167,46 @@ class DispatchDetail:
 
     def to_json(self) -> dict[str, Any]:
         return {k: v.isoformat() if isinstance(v, datetime) else v for k, v in asdict(self).items()}
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """One dispatch as a test sees it (`questpie_celery.testing`): a ledgered one is
+    `Dispatch.of` its detail; the harness records an unledgered one from Celery's signals."""
+
+    id: str
+    job_name: str
+    #: The idempotency key, or None.
+    key: str | None
+    singleton_key: str | None
+    #: The ledger's word: pending, queued, parked, active, retry, completed or failed. An
+    #: unledgered dispatch is queued until it runs, then active, retry, completed or failed.
+    status: str
+    #: Runs started so far (the ledger's attempt counter for a ledgered dispatch).
+    attempts: int
+    #: The payload as published; always None for a secret dispatch.
+    payload: dict[str, Any] | None
+    secret: bool
+    #: The exception class name of the last failed attempt, or None.
+    last_error: str | None
+    #: False for a plain Celery message that has no ledger row.
+    ledgered: bool
+
+    @property
+    def ended(self) -> bool:
+        return self.status in TERMINAL
+
+    @classmethod
+    def of(cls, detail: DispatchDetail) -> Dispatch:
+        return cls(
+            id=detail.dispatch_id,
+            job_name=detail.job_name,
+            key=detail.idempotency_key,
+            singleton_key=detail.singleton_key,
+            status=detail.status,
+            attempts=detail.attempt,
+            payload=None if detail.secret else detail.payload,
+            secret=detail.secret,
+            last_error=detail.last_error,
+            ledgered=True,
+        )

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import pytest
 
-    from .harness import Dispatch, Harness
+    from ..receipts import Dispatch
+    from .harness import Harness
 
 FIXTURES = "questpie_celery.testing.fixtures"
 
@@ -59,6 +60,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def __getattr__(name: str) -> object:
-    if name in ("Dispatch", "Harness"):
-        return getattr(importlib.import_module(".harness", __name__), name)
+    if name == "Dispatch":
+        return importlib.import_module("..receipts", __name__).Dispatch
+    if name == "Harness":
+        return importlib.import_module(".harness", __name__).Harness
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

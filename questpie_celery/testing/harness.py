@@ -21,9 +21,8 @@ from celery import signals
 
 from ..client import JobClient
 from ..jobs import JobDefinition
-from ..ledger.schema import TERMINAL
 from ..operations import MAX_PAGE
-from ..receipts import DispatchDetail
+from ..receipts import Dispatch, DispatchDetail
 
 if TYPE_CHECKING:
     from ..app import Questpie
@@ -33,33 +32,6 @@ JobRef = JobDefinition[Any] | JobClient[Any] | str
 
 # Celery's end states of a run, in the ledger's words.
 _ENDED_AS = {"SUCCESS": "completed", "FAILURE": "failed", "RETRY": "retry"}
-
-
-@dataclass(frozen=True)
-class Dispatch:
-    """One dispatch as a test sees it."""
-
-    id: str
-    job_name: str
-    #: The idempotency key, or None.
-    key: str | None
-    singleton_key: str | None
-    #: The ledger's word: pending, queued, parked, active, retry, completed or failed. An
-    #: unledgered dispatch is queued until it runs, then active, retry, completed or failed.
-    status: str
-    #: Runs started so far (the ledger's attempt counter for a ledgered dispatch).
-    attempts: int
-    #: The payload as published; always None for a secret dispatch.
-    payload: dict[str, Any] | None
-    secret: bool
-    #: The exception class name of the last failed attempt, or None.
-    last_error: str | None
-    #: False for a plain Celery message that has no ledger row.
-    ledgered: bool
-
-    @property
-    def ended(self) -> bool:
-        return self.status in TERMINAL
 
 
 @dataclass
@@ -176,16 +148,16 @@ class Harness:
         found: list[Dispatch] = []
         for seen in self._watcher.seen(name):
             detail = operator.show(seen.id)
-            found.append(_of_row(detail) if detail is not None else _of_seen(seen))
+            found.append(Dispatch.of(detail) if detail is not None else _of_seen(seen))
         known = {d.id for d in found}
-        found.extend(_of_row(row) for row in self._rows(name) if row.dispatch_id not in known)
+        found.extend(Dispatch.of(row) for row in self._rows(name) if row.dispatch_id not in known)
         return found
 
     def dispatch(self, dispatch_id: str) -> Dispatch | None:
         """One dispatch by id, ledgered or seen in this process; None when neither."""
         detail = self.questpie.operator.show(dispatch_id)
         if detail is not None:
-            return _of_row(detail)
+            return Dispatch.of(detail)
         seen = self._watcher.get(dispatch_id)
         return _of_seen(seen) if seen is not None else None
 
@@ -226,21 +198,6 @@ def _job_name(job: JobRef) -> str:
     if isinstance(job, JobDefinition | JobClient):
         return job.name
     raise TypeError("name a job by its JobDefinition, its name, or its queue client")
-
-
-def _of_row(detail: DispatchDetail) -> Dispatch:
-    return Dispatch(
-        id=detail.dispatch_id,
-        job_name=detail.job_name,
-        key=detail.idempotency_key,
-        singleton_key=detail.singleton_key,
-        status=detail.status,
-        attempts=detail.attempt,
-        payload=None if detail.secret else detail.payload,
-        secret=detail.secret,
-        last_error=detail.last_error,
-        ledgered=True,
-    )
 
 
 def _of_seen(seen: _Seen) -> Dispatch:
