@@ -399,4 +399,5 @@ class Outbox:
             if isinstance(exc, LedgerUnavailableError):
                 self._ledger.outage.failed(exc)
                 level = logging.DEBUG
-            log.log(level, failed, *args, type(exc).__name__)
+            # stacklevel: the line names the write's method, not this helper.
+            log.log(level, failed, *args, type(exc).__name__, stacklevel=3)

@@ -3,7 +3,7 @@ and a secret one's receipt), what an operator sees of it (`DispatchDetail`), and
 test sees of it (`Dispatch`).
 
 None holds a ciphertext, key material or an error message; only the operator's detail
-holds a payload, and never a secret one's.
+and the test's view hold a payload, and never a secret one's.
 """
 
 from __future__ import annotations

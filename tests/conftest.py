@@ -25,8 +25,9 @@ pytest_plugins = ["pytester"]
 
 LONG = ("soak", "failover")
 #: The files that take longest, longest first (measured), so that pytest-xdist, which
-#: hands files out in collection order, starts them first and the short ones fill in
-#: at the end; the unit tests come last of all. Only the order depends on this list.
+#: hands files out in collection order (scripts/test turns its own reordering off),
+#: starts them first and the short ones fill in at the end; the unit tests come last of
+#: all. Only the order depends on this list.
 HEAVIEST = (
     "test_soak", "test_failover", "test_ledger_outages", "test_worker", "test_beat",
     "test_policies", "test_time_limits", "test_faults", "test_django",

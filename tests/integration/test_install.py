@@ -4,6 +4,7 @@ and a real worker started from it that runs a published job."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -58,9 +59,16 @@ def readme_install_line() -> str:
 def test_the_readme_install_line_gives_a_working_worker(
     postgres: PostgresServer, redis_server: RedisServer, tmp_path: Path
 ) -> None:
+    # Built from a copy: setuptools builds in the source tree (build/, *.egg-info), which
+    # the worker processes of tests running beside this one import from.
+    source = tmp_path / "source"
+    shutil.copytree(
+        ROOT, source,
+        ignore=shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__"),
+    )  # fmt: skip
     wheels = tmp_path / "wheels"
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheels), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheels), str(source)],
         check=True,
     )
     env_dir = tmp_path / "venv"

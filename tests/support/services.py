@@ -47,10 +47,16 @@ class _Ports:
 
     def _band(self) -> int:
         if self._first is None:
-            folder = Path(tempfile.gettempdir()) / "questpie-test-ports"
+            # /tmp whatever TMPDIR says: every suite on the machine must see the same locks.
+            folder = Path("/tmp") / "questpie-test-ports"
             folder.mkdir(exist_ok=True)
+            with contextlib.suppress(PermissionError):
+                folder.chmod(0o1777)  # any user's suite may take a free band
             for index in range(self.BANDS):
-                lock = (folder / f"band-{index}").open("a")
+                try:
+                    lock = (folder / f"band-{index}").open("a")
+                except PermissionError:
+                    continue  # another user's; theirs to hold
                 try:
                     fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except OSError:

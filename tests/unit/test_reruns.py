@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+
 import pytest
 from sqlalchemy import exc
 
@@ -58,3 +62,49 @@ def test_a_slot_index_refusal_is_slot_taken_and_not_run_again() -> None:
 def test_any_other_error_propagates_unchanged() -> None:
     with pytest.raises(KeyError):
         _run(Reruns(after_rollback=True), [KeyError("x")])
+
+
+def test_a_connection_dropped_at_commit_after_the_result_runs_it_again() -> None:
+    """A relaxed ledger's durable statement commits when its block exits, after the
+    result was taken: a connection dropped then reruns the statement all the same."""
+    commits = [_dropped()]
+
+    @contextmanager
+    def connected() -> Iterator[None]:
+        yield
+        if commits:
+            raise commits.pop(0)
+
+    reruns, runs = Reruns(after_rollback=False), 0
+
+    def run() -> str:
+        nonlocal runs
+        for attempt in reruns.attempts():
+            with attempt, connected():
+                runs += 1
+                return "done"
+        raise AssertionError("the loop ended without a result")
+
+    assert (run(), runs, reruns.reconnected) == ("done", 2, True)
+
+
+def test_the_asyncio_executor_reruns_by_the_same_loop() -> None:
+    failures = [_dropped()]
+
+    @asynccontextmanager
+    async def connected() -> AsyncIterator[None]:
+        await asyncio.sleep(0)
+        yield
+        if failures:
+            raise failures.pop(0)
+
+    async def run() -> int:
+        runs = 0
+        for attempt in Reruns(after_rollback=False).attempts():
+            with attempt:
+                async with connected():
+                    runs += 1
+                    return runs
+        raise AssertionError("the loop ended without a result")
+
+    assert asyncio.run(run()) == 2
