@@ -64,7 +64,9 @@ def test_the_readme_install_line_gives_a_working_worker(
     source = tmp_path / "source"
     shutil.copytree(
         ROOT, source,
-        ignore=shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__"),
+        ignore=shutil.ignore_patterns(
+            ".git", ".venv", "build", "*.egg-info", "__pycache__", ".*_cache", ".hypothesis"
+        ),
     )  # fmt: skip
     wheels = tmp_path / "wheels"
     subprocess.run(
