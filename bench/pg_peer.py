@@ -30,7 +30,7 @@ for Celery, procrastinate's `--concurrency` for procrastinate. 2 because the ben
 machine has 2 cores, so each prefork child has a core and neither system is measured
 oversubscribed; it is also bench/run.py's worker size, so the figures compare with its
 worker throughput. Both are mostly waiting on PostgreSQL's commits here, and both would
-go faster with more slots.
+go faster with more slots. Both workers log at info, a line or two per job.
 
 Before the timing, a short check that each guarantee holds through a real worker (one
 slot, so runs are in order): the same key published twice, then once more after the run,
