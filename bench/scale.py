@@ -25,16 +25,19 @@ Around each measurement it reads the server's own counters: transactions that wr
 one); from `pg_stat_database` for the ledger's database, `xact_commit` (every commit,
 read-only statements too) and rows inserted, updated and deleted; from `pg_stat_wal`,
 WAL fsyncs; and WAL bytes (`pg_current_wal_lsn()`). The statistics are read after 11 s
-idle, when every server process has reported its counters. What a raw measurement's window shows is the fleet's background (the workers'
-relays, the publishers' start-up round trip, this script's reads), since raw dispatches
-never reach the ledger; the ledgered window's figures minus that background rate over
-its length, divided by the dispatch count, are what one dispatch costs the ledger.
+idle, when every server process has reported its counters. What a raw measurement's
+window shows is the fleet's background (the workers' relays, the publishers' start-up
+round trip, this script's reads), since raw dispatches never reach the ledger; the
+ledgered window's figures less that background rate over its length, divided by the
+dispatch count, are what one dispatch costs the ledger.
 
 The floor, in the same rounds: N processes (1, 4, 8) each inserting BENCH_FLOOR / N new
 keyed rows through the bare driver (psycopg, autocommit, one `INSERT ... ON CONFLICT DO
 NOTHING RETURNING` each), into a copy of the dispatch table with the same indexes that
 nothing else reads: commits per second one PostgreSQL does here, and the WAL fsyncs
-each commit cost (below 1 when PostgreSQL flushed several commits at once).
+each commit cost (below 1 when PostgreSQL flushed several commits at once). And one
+process doing the same with `synchronous_commit=off` for its session: the cost of the
+statement and its commit without waiting for the disk.
 """
 
 from __future__ import annotations
@@ -71,6 +74,9 @@ COUNTER = {"questpie": "bench:noop", "raw": "bench:raw"}
 #: its last report, and then only after 10 s idle (PGSTAT_IDLE_INTERVAL).
 SETTLE_SECONDS = 11.0
 FLOOR_TABLE = "bench_floor_dispatch"
+#: The floor's row for one process committing without waiting for the WAL flush.
+RELAXED = 0
+NO_FLUSH = "?options=-c%20synchronous_commit%3Doff"
 FLOOR_INSERT = (
     f"INSERT INTO {FLOOR_TABLE} (id, job_name, idempotency_key, status, payload, options, "
     "attempt, send_count, created_at, run_after, next_send_at, secret) VALUES "
@@ -286,6 +292,10 @@ def main() -> None:
                 floors.setdefault(processes, []).append(
                     floor(ctx, processes, driver_url(ledger_url), counters)
                 )
+            # No WAL flush at commit: what the statement itself costs, CPU and all.
+            floors.setdefault(RELAXED, []).append(
+                floor(ctx, 1, driver_url(ledger_url) + NO_FLUSH, counters)
+            )
         counters.conn.close()
     finally:
         for worker in workers:
@@ -335,10 +345,11 @@ def report(
     print(f"\nfloor: {FLOOR_INSERTS:,} keyed INSERTs through the bare driver, one commit each")
     print("| processes | commits/s | WAL fsyncs per commit |")
     print("|---|---|---|")
-    for n in PUBLISHERS:
+    for n in (*PUBLISHERS, RELAXED):
         commits = [rate for rate, _ in floors[n]]
         per = [u.fsyncs / FLOOR_INSERTS for _, u in floors[n]]
-        print(f"| {n} | {spread(commits)} | {spread(per, 2)} |")
+        label = "1, `synchronous_commit=off`" if n == RELAXED else str(n)
+        print(f"| {label} | {spread(commits)} | {spread(per, 2)} |")
 
 
 if __name__ == "__main__":
