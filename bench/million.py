@@ -20,6 +20,9 @@ each, per call:
 Each figure is the median of the round medians, with their min-max, the WAL bytes
 written per call, and the ratio of the large ledger's time to the small one's.
 
+It prints the large ledger's size on disk as filled: the table (with its TOAST) and
+each index, in all and per row.
+
 Then it prints the plans (EXPLAIN ANALYZE, BUFFERS) of those statements, of retention's
 and of the beat's pruning on the large ledger; runs retention over it (what the first
 run after enabling it finds: about three quarters of the rows), timing each statement
@@ -100,6 +103,28 @@ def per_call(action: Callable[[int], object], count: int) -> float:
         action(i)
         times.append(time.perf_counter() - started)
     return statistics.median(times) * 1e6
+
+
+SIZES = """
+SELECT c.relname, pg_relation_size(c.oid)
+  + CASE WHEN c.relkind = 'r' THEN coalesce(pg_relation_size(c.reltoastrelid), 0) ELSE 0 END
+FROM pg_class c
+WHERE c.relname = 'questpie_queue_dispatch'
+   OR c.oid IN (SELECT indexrelid FROM pg_index
+                WHERE indrelid = 'questpie_queue_dispatch'::regclass)
+ORDER BY c.relkind DESC, c.relname
+"""
+
+
+def sizes(ledgered: Ledgered) -> None:
+    """The dispatch table and each of its indexes on disk, in all and per row."""
+    with ledgered.engine.connect() as conn:
+        found = conn.execute(text(SIZES)).all()
+    print(f"\non disk at {ledgered.rows:,} rows (bytes per row):")
+    for name, size in found:
+        print(f"   {name:<40} {size / 2**20:>8.1f} MiB {size / ledgered.rows:>7.0f}")
+    total = sum(size for _, size in found)
+    print(f"   {'in all':<40} {total / 2**20:>8.1f} MiB {total / ledgered.rows:>7.0f}")
 
 
 def wal_position(engine: Engine) -> int:
@@ -423,6 +448,7 @@ def main() -> None:
             postgres.create_database("large"),
             LARGE,
         )
+        sizes(large)
         # Both ledgers start from the same point of a checkpoint cycle, not wherever the
         # fills' WAL left it: after a checkpoint, a page's first change logs the whole page.
         with large.engine.connect() as conn:
