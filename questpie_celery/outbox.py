@@ -24,6 +24,7 @@ from .errors import BrokerError, LedgerUnavailableError, QuestpieError
 from .ledger import DispatchRow, Ledger
 from .options import StoredOptions
 from .outages import Outage
+from .send_behind import SendBehind
 
 log = logging.getLogger(__name__)
 
@@ -93,16 +94,31 @@ class Outbox:
         self._sender = sender
         self.redeliver_after = redeliver_after
         self._acceptance = AcceptanceRecorder(ledger, lambda: self.redeliver_after)
+        # Registered after the recorder, so its exit flush runs first (atexit runs in
+        # reverse) and the acceptances of its last sends are written after it.
+        self._behind = SendBehind(self.send_many)
         #: Whether the relay's sends reach the broker (see `outages.py`).
         self.broker_outage = Outage("the broker")
 
     def close(self) -> None:
-        """Write the acceptance marks still batched."""
+        """Send what waits to be sent, then write the acceptance marks still batched."""
+        self._behind.close()
         self._acceptance.close()
 
-    def flush(self) -> None:
-        """Write the acceptance marks batched so far, and go on batching."""
+    def flush(self, timeout: float | None = None) -> bool:
+        """Send what waits to be sent (for up to `timeout` seconds), then write the
+        acceptance marks batched so far; go on as before. False if the time ran out."""
+        sent = self._behind.flush(timeout)
         self._acceptance.flush()
+        return sent
+
+    def send_behind(self, rows: Sequence[Sendable]) -> None:
+        """Send the first attempts of new rows after the caller goes on (see
+        `send_behind.py`); in eager mode, at once, as Celery's eager mode does."""
+        if self._sender.eager:
+            self.send_many(rows)
+        else:
+            self._behind.submit(rows)
 
     # --- when ---------------------------------------------------------------------------
 
