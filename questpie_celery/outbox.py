@@ -112,6 +112,11 @@ class Outbox:
         self._acceptance.flush()
         return sent
 
+    def sent_behind(self, timeout: float | None = None) -> bool:
+        """Wait until the rows handed to `send_behind` so far are sent (or left to the
+        relay); False if `timeout` ran out first."""
+        return self._behind.flush(timeout)
+
     def send_behind(self, rows: Sequence[Sendable]) -> None:
         """Send the first attempts of new rows after the caller goes on (see
         `send_behind.py`); in eager mode, at once, as Celery's eager mode does."""
@@ -267,6 +272,7 @@ class Outbox:
             return []  # a batch of nothing (a savepoint dropped every row) sends nothing
         taken = [False] * len(rows)
         first_error: BaseException | None = None
+        refusal: BrokerError | None = None
         try:
             with self._sender.batch(len(rows)):
                 for index, row in enumerate(rows):
@@ -274,7 +280,8 @@ class Outbox:
                         trace = traces.get(row.id) if traces is not None else None
                         self._send(row, attempt=1, countdown=None, carry=None, trace=trace)
                         taken[index] = True
-                    except BrokerError:
+                    except BrokerError as exc:
+                        refusal = exc
                         break
                     except Exception as exc:
                         # Only eager mode raises here (a handler's error, with
@@ -282,18 +289,24 @@ class Outbox:
                         first_error = first_error or exc
                         taken[index] = True
         except BrokerError as exc:
-            log.warning(
-                "a batch of %d sends failed (%s); the relay sends its dispatches",
-                len(rows),
-                type(exc.__cause__).__name__,
-            )
+            refusal = exc
             taken = [False] * len(rows)
         for row, was_taken in zip(rows, taken, strict=True):
             if was_taken:
                 self._acceptance.record(row.id)
-        refused = [row.id for row, was_taken in zip(rows, taken, strict=True) if not was_taken]
+        refused = [row for row, was_taken in zip(rows, taken, strict=True) if not was_taken]
         if refused:
-            self._due_soon(refused, 1, REFUSED_SEND_RETRY_SECONDS)
+            first = refused[0]
+            log.warning(
+                "dispatch %s of job %s%s: the broker refused it (%s); it stays in the ledger "
+                "and the relay sends it",
+                first.id,
+                first.job_name,
+                f" and {len(refused) - 1} more" if len(refused) > 1 else "",
+                type(refusal.__cause__).__name__ if refusal is not None else "unknown",
+                extra={"dispatch_id": first.id, "job_name": first.job_name},
+            )
+            self._due_soon([row.id for row in refused], 1, REFUSED_SEND_RETRY_SECONDS)
         if first_error is not None:
             raise first_error
         return taken
