@@ -38,11 +38,13 @@ log = logging.getLogger(__name__)
 MAX_WAITING = 1000
 #: Rows sent in one pipelined batch, at most.
 BATCH = 1000
-#: A send thread that finds fewer rows waiting waits this long for more (unless a flush
-#: waits for it): one pipelined batch of many costs the broker's client far less CPU per
-#: message than a batch each, and the caller's thread and the send thread share one GIL.
+#: While publishes keep coming (the thread sent a batch less than `GATHER_SECONDS` ago),
+#: a send thread that finds fewer than `GATHER_ROWS` waiting waits that long for more,
+#: unless a flush waits for it: one pipelined batch of many costs the broker's client far
+#: less CPU per message than a batch each, and the caller's thread and the send thread
+#: share one GIL. A publish after a quiet moment is sent at once.
 GATHER_ROWS = 50
-GATHER_SECONDS = 0.005
+GATHER_SECONDS = 0.02
 #: How long the interpreter's exit waits for what is still waiting to be sent.
 EXIT_FLUSH_SECONDS = 10.0
 
@@ -136,14 +138,16 @@ class SendBehind:
         return flushed
 
     def _loop(self) -> None:
+        last_sent = 0.0  # when the last batch was sent (monotonic)
         while True:
             with self._changed:
                 while not self._waiting:
                     self._changed.wait()
-                self._changed.wait_for(
-                    lambda: len(self._waiting) >= GATHER_ROWS or self._flushes > 0,
-                    GATHER_SECONDS,
-                )
+                if time.monotonic() - last_sent < GATHER_SECONDS:
+                    self._changed.wait_for(
+                        lambda: len(self._waiting) >= GATHER_ROWS or self._flushes > 0,
+                        GATHER_SECONDS,
+                    )
                 batch = [self._waiting.popleft() for _ in range(min(BATCH, len(self._waiting)))]
                 self._changed.notify_all()  # room for a publisher waiting on the bound
             rows = [row for row, _ in batch]
@@ -160,6 +164,7 @@ class SendBehind:
                     rows[0].id,
                     type(exc).__name__,
                 )
+            last_sent = time.monotonic()
             with self._changed:
                 self._done += len(batch)
                 self._changed.notify_all()
