@@ -401,6 +401,18 @@ class Questpie:
     def relay_interval(self) -> float:
         return self._relay.interval
 
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every message this process's publishes handed over has been sent
+        (or, refused by the broker, left to the relay), and write the acceptance marks
+        batched so far; False if `timeout` seconds ran out first.
+
+        `publish()` returns once the dispatch is durable in the ledger, and its message
+        goes to the broker just after, from a thread of this process. A script that
+        exits needs nothing (the exit waits for those sends); a test or a program that
+        reads the broker itself right after publishing calls this first.
+        """
+        return self._outbox.flush(timeout)
+
     def close(self) -> None:
         """Write what is still batched and release the ledger's connections.
 

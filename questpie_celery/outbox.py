@@ -24,6 +24,7 @@ from .errors import BrokerError, LedgerUnavailableError, QuestpieError
 from .ledger import DispatchRow, Ledger
 from .options import StoredOptions
 from .outages import Outage
+from .send_behind import SendBehind
 
 log = logging.getLogger(__name__)
 
@@ -93,16 +94,36 @@ class Outbox:
         self._sender = sender
         self.redeliver_after = redeliver_after
         self._acceptance = AcceptanceRecorder(ledger, lambda: self.redeliver_after)
+        # Registered after the recorder, so its exit flush runs first (atexit runs in
+        # reverse) and the acceptances of its last sends are written after it.
+        self._behind = SendBehind(self.send_many)
         #: Whether the relay's sends reach the broker (see `outages.py`).
         self.broker_outage = Outage("the broker")
 
     def close(self) -> None:
-        """Write the acceptance marks still batched."""
+        """Send what waits to be sent, then write the acceptance marks still batched."""
+        self._behind.close()
         self._acceptance.close()
 
-    def flush(self) -> None:
-        """Write the acceptance marks batched so far, and go on batching."""
+    def flush(self, timeout: float | None = None) -> bool:
+        """Send what waits to be sent (for up to `timeout` seconds), then write the
+        acceptance marks batched so far; go on as before. False if the time ran out."""
+        sent = self._behind.flush(timeout)
         self._acceptance.flush()
+        return sent
+
+    def sent_behind(self, timeout: float | None = None) -> bool:
+        """Wait until the rows handed to `send_behind` so far are sent (or left to the
+        relay); False if `timeout` ran out first."""
+        return self._behind.flush(timeout)
+
+    def send_behind(self, rows: Sequence[Sendable]) -> None:
+        """Send the first attempts of new rows after the caller goes on (see
+        `send_behind.py`); in eager mode, at once, as Celery's eager mode does."""
+        if self._sender.eager:
+            self.send_many(rows)
+        else:
+            self._behind.submit(rows)
 
     # --- when ---------------------------------------------------------------------------
 
@@ -251,6 +272,7 @@ class Outbox:
             return []  # a batch of nothing (a savepoint dropped every row) sends nothing
         taken = [False] * len(rows)
         first_error: BaseException | None = None
+        refusal: BrokerError | None = None
         try:
             with self._sender.batch(len(rows)):
                 for index, row in enumerate(rows):
@@ -258,7 +280,8 @@ class Outbox:
                         trace = traces.get(row.id) if traces is not None else None
                         self._send(row, attempt=1, countdown=None, carry=None, trace=trace)
                         taken[index] = True
-                    except BrokerError:
+                    except BrokerError as exc:
+                        refusal = exc
                         break
                     except Exception as exc:
                         # Only eager mode raises here (a handler's error, with
@@ -266,18 +289,24 @@ class Outbox:
                         first_error = first_error or exc
                         taken[index] = True
         except BrokerError as exc:
-            log.warning(
-                "a batch of %d sends failed (%s); the relay sends its dispatches",
-                len(rows),
-                type(exc.__cause__).__name__,
-            )
+            refusal = exc
             taken = [False] * len(rows)
         for row, was_taken in zip(rows, taken, strict=True):
             if was_taken:
                 self._acceptance.record(row.id)
-        refused = [row.id for row, was_taken in zip(rows, taken, strict=True) if not was_taken]
+        refused = [row for row, was_taken in zip(rows, taken, strict=True) if not was_taken]
         if refused:
-            self._due_soon(refused, 1, REFUSED_SEND_RETRY_SECONDS)
+            first = refused[0]
+            log.warning(
+                "dispatch %s of job %s%s: the broker refused it (%s); it stays in the ledger "
+                "and the relay sends it",
+                first.id,
+                first.job_name,
+                f" and {len(refused) - 1} more" if len(refused) > 1 else "",
+                type(refusal.__cause__).__name__ if refusal is not None else "unknown",
+                extra={"dispatch_id": first.id, "job_name": first.job_name},
+            )
+            self._due_soon([row.id for row in refused], 1, REFUSED_SEND_RETRY_SECONDS)
         if first_error is not None:
             raise first_error
         return taken

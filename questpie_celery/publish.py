@@ -264,10 +264,8 @@ class Publisher:
         relay (woken by the commit where the database can say so)."""
         rows = settled.send
         if rows and caller is None:
-            if len(rows) == 1:
-                self._outbox.send(rows[0], attempt=1)
-            else:
-                self._outbox.send_many(rows)
+            # The rows are durable: the broker's part goes on after this call returns.
+            self._outbox.send_behind(rows)
         elif rows:
             assert caller is not None and caller.after_commit is not None  # it has a hook
             caller.after_commit([row.id for row in rows])

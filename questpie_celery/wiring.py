@@ -100,7 +100,9 @@ def wire(settings: Settings, discover: Callable[[], None]) -> Parts:
     )
     relay = Relay(ledger, outbox, outcomes, slots, settings.relay_interval, retention)
     # A delivery the worker's main process saw end unrun goes to the relay running there.
-    runner = Runner(fence, admission, waits, policies, context, relay.hear_unrun)
+    runner = Runner(
+        fence, admission, waits, policies, context, relay.hear_unrun, outbox.sent_behind
+    )
     registry = JobRegistry()
 
     def registered_definition(job_name: str) -> JobDefinition[Any] | None:

@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 #: Ended without running, as the worker's main process sees it: the pool process was lost
 #: (killed, out of memory, its hard time limit) or the message rejected. Any other end
 #: came from the handler's process, which recorded it in the ledger itself.
+#: How long a finished delivery waits for the sends of what its handler published.
+HANDLER_SENDS_FLUSH_SECONDS = 30.0
+
 _LOST = (WorkerLostError, TimeLimitExceeded, Reject, SystemExit, KeyboardInterrupt)
 
 
@@ -90,7 +93,9 @@ class Runner:
         policies: PolicyBook,
         context: AppContext,
         unrun: Callable[[Unrun], None],
+        sent: Callable[[float], object],
     ) -> None:
+        self._sent = sent
         self._fence = fence
         self._admission = admission
         self._waits = waits
@@ -154,7 +159,13 @@ class Runner:
                 "questpie.deliver", consumer=True, job=definition.name, dispatch_id=task.request.id
             ),
         ):
-            return self._execute(task, definition, payload)
+            try:
+                return self._execute(task, definition, payload)
+            finally:
+                # What the handler published is sent before the delivery is done: a pool
+                # process may be recycled or stopped next, and its exit runs no atexit
+                # (whatever the time leaves over is the relay's, as after a kill).
+                self._sent(HANDLER_SENDS_FLUSH_SECONDS)
 
     def _execute(self, task: JobTask, definition: JobDefinition[Any], payload: Any) -> Any:
         header = self._fence.header_of(task, definition)

@@ -223,6 +223,7 @@ def test_with_the_broker_down_keyed_items_wait_for_the_relay_and_plain_ones_rais
     record = down.questpie.queue.record
     ids = record.publish_many([{"tag": t}] * 10, idempotency_keys=[f"{t}-{i}" for i in range(10)])
     assert None not in ids
+    assert down.questpie.flush(30)  # the sends (refused) are made after publish returns
     for dispatch_id in ids:
         assert dispatch_id is not None
         row = down.row(dispatch_id)

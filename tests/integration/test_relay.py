@@ -306,6 +306,7 @@ def test_a_refused_send_leaves_the_row_due_for_the_relay_soon(
         # A publisher's first send, refused.
         first = offline.queue.record.publish({"tag": tag()}, idempotency_key=uuid.uuid4().hex)
         assert first is not None
+        assert offline.flush(30)  # the send (refused) is made after publish returns
         row = stack.row(first)
         assert row.status == "pending" and row.next_send_at is not None
         assert row.next_send_at - datetime.now(UTC) <= soon, "the relay waits too long"

@@ -8,6 +8,7 @@ restart tests do). PostgreSQL refuses to run as root, so as root it runs as the
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import os
@@ -63,6 +64,7 @@ class _Ports:
                     lock.close()
                     continue
                 self._first, self._lock = self.FIRST + index * self.SIZE, lock
+                atexit.register(lock.close)  # held to the end, closed before teardown
                 break
             else:
                 raise RuntimeError(f"all {self.BANDS} port bands are held by other test runs")

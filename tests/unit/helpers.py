@@ -87,7 +87,8 @@ class IdleApp:
             return int(conn.default_channel.queue_declare(self.queue).message_count)
 
     def written(self) -> tuple[int, int]:
-        """(ledger rows, broker messages) so far."""
+        """(ledger rows, broker messages) so far, once the sends handed over are made."""
+        assert self.questpie.flush(timeout=10)
         return row_count(self.ledger), self.messages()
 
     def close(self) -> None:

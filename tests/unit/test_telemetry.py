@@ -262,6 +262,7 @@ def test_a_publish_made_while_a_batch_is_open_carries_its_own_trace(
             questpie.queue.traced.publish_many(
                 [{"tag": "a"}, {"tag": "b"}], idempotency_keys=["a", "b"]
             )
+        assert questpie.flush(timeout=10)  # the sends, and the handler's, are made
     finally:
         signals.before_task_publish.disconnect(audit)
     parents = {dispatch_id: span_id for dispatch_id, (_, span_id) in carried(queue, 3).items()}

@@ -1,0 +1,175 @@
+"""A ledgered publish's broker send, made after `publish()` returned, on real brokers.
+
+`publish()` returns once the row is durable; one thread of the process then sends it.
+These tests hold what a caller is promised: the messages reach the broker in publish
+order, a script that simply ends has sent everything, a broker lost while sends wait
+leaves them to the relay (each still runs once), and threads publishing the same keys
+at once decide them exactly as one thread would.
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import textwrap
+import threading
+import uuid
+from typing import Any
+
+import pytest
+from celery.signals import before_task_publish
+from kombu import Connection, Exchange, Queue
+
+from tests.integration.conftest import StackFactory
+from tests.support import jobapp
+from tests.support.brokers import idle_queue, queue_depth
+from tests.support.faultproxy import FaultProxy
+from tests.support.services import ROOT
+from tests.support.stack import Stack, tag
+
+BROKERS = ["redis", "rabbitmq"]
+
+
+def message_ids(stack: Stack, queue: str, count: int) -> list[str]:
+    """The task ids of the first `count` messages waiting in `queue`, in queue order."""
+    with Connection(stack.env["QP_TEST_BROKER"]) as conn:
+        simple = conn.SimpleQueue(Queue(queue, Exchange(queue), routing_key=queue))
+        ids = []
+        for _ in range(count):
+            message = simple.get(block=True, timeout=10)
+            ids.append(str(message.headers["id"]))
+            message.ack()
+        simple.close()
+    return ids
+
+
+@pytest.mark.parametrize("broker", BROKERS)
+def test_messages_reach_the_broker_in_publish_order(make_stack: StackFactory, broker: str) -> None:
+    stack = make_stack(broker, start_worker=False)
+    queue = idle_queue()
+    client = stack.questpie.queue.record
+    published = [
+        client.publish({"tag": tag()}, idempotency_key=uuid.uuid4().hex, queue=queue)
+        for _ in range(80)
+    ]
+    assert stack.questpie.flush(30)
+    assert message_ids(stack, queue, len(published)) == published
+    # The broker's acceptance of each is in the ledger once flushed.
+    assert {stack.row(str(i)).status for i in published} == {"queued"}
+
+
+@pytest.mark.parametrize("broker", BROKERS)
+def test_a_script_that_just_ends_has_sent_every_publish(
+    make_stack: StackFactory, broker: str
+) -> None:
+    stack = make_stack(broker, start_worker=False)
+    queue = idle_queue()
+    script = textwrap.dedent(
+        f"""
+        import sys, uuid
+        from tests.support import jobapp
+        _, questpie = jobapp.build(broker={stack.env["QP_TEST_BROKER"]!r},
+                                   ledger={stack.env["QP_TEST_LEDGER"]!r})
+        for n in range(150):
+            print(questpie.queue.record.publish(
+                {{"tag": str(n)}}, idempotency_key=uuid.uuid4().hex, queue={queue!r}))
+        # No flush, no close: the interpreter's exit waits for the sends.
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    ids = done.stdout.split()
+    assert len(ids) == 150
+    assert queue_depth(stack, queue) == 150
+    # ... and their acceptance was written after the last send, before the exit.
+    assert {stack.row(i).status for i in ids} == {"queued"}
+
+
+@pytest.mark.parametrize("broker", BROKERS)
+def test_a_broker_lost_while_sends_wait_leaves_them_to_the_relay_and_each_runs_once(
+    make_stack: StackFactory, broker: str
+) -> None:
+    stack = make_stack(broker, start_worker=False)
+    direct = stack.env["QP_TEST_BROKER"]
+    port = int(direct.rsplit(":", 1)[1].split("/")[0])
+    proxy = FaultProxy(port)
+    _, publisher = jobapp.build(
+        broker=direct.replace(f":{port}/", f":{proxy.port}/"),
+        ledger=stack.env["QP_TEST_LEDGER"],
+        queue=stack.queue_name,
+    )
+    first_send, go_on = threading.Event(), threading.Event()
+
+    def hold_the_first_send(**_: Any) -> None:
+        if not first_send.is_set():
+            first_send.set()
+            go_on.wait(30)
+
+    before_task_publish.connect(hold_the_first_send, weak=False)
+    try:
+        tags = [tag() for _ in range(30)]
+        ids = [
+            publisher.queue.record.publish({"tag": t}, idempotency_key=uuid.uuid4().hex)
+            for t in tags
+        ]
+        assert first_send.wait(10)  # the send thread holds the first; the rest wait
+        proxy.cut()  # the broker is gone with the sends still to be made
+        go_on.set()
+        assert publisher.flush(60)
+    finally:
+        before_task_publish.disconnect(hold_the_first_send)
+        go_on.set()
+    # Every row is durable and left for the relay; none was lost with the thread's queue.
+    rows = [stack.row(str(i)) for i in ids]
+    assert {(row.status, row.attempt) for row in rows} == {("pending", 0)}
+    assert all(row.next_send_at is not None for row in rows)
+    # A worker (and its relay) on the broker sends and runs each of them once.
+    stack.start_worker()
+    for dispatch_id in ids:
+        stack.wait_status(str(dispatch_id), "completed", timeout=60)
+    assert [len(stack.runs(t)) for t in tags] == [1] * len(tags)
+    publisher.close()
+    proxy.close()
+
+
+def test_threads_publishing_the_same_keys_decide_them_as_one_thread_would(
+    make_stack: StackFactory,
+) -> None:
+    stack = make_stack("redis")
+    keys = [f"k-{uuid.uuid4().hex[:8]}-{n}" for n in range(40)]
+    tags = {key: tag() for key in keys}
+    answers: list[dict[str, str | None]] = []
+    barrier = threading.Barrier(8)
+
+    def publish() -> None:
+        mine = list(keys)
+        random.shuffle(mine)
+        barrier.wait()
+        answers.append(
+            {
+                key: stack.questpie.queue.record.publish({"tag": tags[key]}, idempotency_key=key)
+                for key in mine
+            }
+        )
+
+    threads = [threading.Thread(target=publish) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(answers) == 8
+    # Every thread got the same dispatch for a key, and a key has one dispatch.
+    for key in keys:
+        assert len({answer[key] for answer in answers}) == 1, key
+    assert len({answers[0][key] for key in keys}) == len(keys)
+    for key in keys:
+        stack.wait_status(str(answers[0][key]), "completed")
+    assert [len(stack.runs(tags[key])) for key in keys] == [1] * len(keys)

@@ -1,0 +1,195 @@
+"""The send thread's own rules: order, its bound, flush, close, fork and a failing send.
+
+Its sends are a recording function here: what the outbox sends through it, on a real
+broker, is tested in tests/integration/test_send_behind.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from questpie_celery.send_behind import SendBehind
+
+
+@dataclass(frozen=True)
+class Row:
+    id: str
+
+
+class Recorder:
+    """A `send_many` that records each batch, and can be held before sending."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[str]] = []
+        self.hold = threading.Event()
+        self.hold.set()
+        self.entered = threading.Event()
+        self.fail_with: Exception | None = None
+        self.nested: SendBehind | None = None
+        self.threads: list[str] = []  # the thread each batch was sent in
+
+    def __call__(self, rows: Sequence[Any], traces: Mapping[str, Mapping[str, str]] | None) -> None:
+        del traces
+        self.entered.set()
+        self.hold.wait()
+        if self.fail_with is not None:
+            raise self.fail_with
+        self.batches.append([row.id for row in rows])
+        self.threads.append(threading.current_thread().name)
+        if self.nested is not None and rows[0].id == "outer":
+            # A send that publishes (a before_task_publish handler that does).
+            self.nested.submit([Row("inner")])
+
+    @property
+    def sent(self) -> list[str]:
+        return [row for batch in self.batches for row in batch]
+
+
+def rows(*ids: str) -> list[Row]:
+    return [Row(i) for i in ids]
+
+
+def test_rows_are_sent_in_the_order_handed_over_by_every_thread() -> None:
+    recorder = Recorder()
+    behind = SendBehind(recorder)
+    handed: list[str] = []
+    lock = threading.Lock()
+
+    def publish(prefix: str) -> None:
+        for n in range(200):
+            with lock:  # the order they were handed over in, across the threads
+                row = f"{prefix}-{n}"
+                behind.submit(rows(row))
+                handed.append(row)
+
+    threads = [threading.Thread(target=publish, args=(p,)) for p in "abcd"]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert behind.flush(10)
+    assert recorder.sent == handed
+    assert len(recorder.sent) == 800
+
+
+def test_rows_waiting_together_go_in_one_batch() -> None:
+    recorder = Recorder()
+    recorder.hold.clear()
+    behind = SendBehind(recorder)
+    behind.submit(rows("first"))
+    assert recorder.entered.wait(5)  # the thread is inside the first send
+    behind.submit(rows("a", "b"))
+    behind.submit(rows("c"))
+    recorder.hold.set()
+    assert behind.flush(10)
+    assert recorder.batches == [["first"], ["a", "b", "c"]]
+
+
+def test_a_full_queue_makes_the_next_publish_wait_for_room() -> None:
+    recorder = Recorder()
+    recorder.hold.clear()
+    behind = SendBehind(recorder, limit=2)
+    behind.submit(rows("taken"))  # the thread takes it and is held inside the send
+    assert recorder.entered.wait(5)
+    behind.submit(rows("w1", "w2"))  # fills the queue
+    returned = threading.Event()
+
+    def publish() -> None:
+        behind.submit(rows("w3"))
+        returned.set()
+
+    threading.Thread(target=publish, daemon=True).start()
+    assert not returned.wait(0.3), "a publish went past the bound"
+    recorder.hold.set()  # the broker answers: room is made
+    assert returned.wait(5)
+    assert behind.flush(10)
+    assert recorder.sent == ["taken", "w1", "w2", "w3"]
+
+
+def test_flush_says_when_its_time_ran_out() -> None:
+    recorder = Recorder()
+    recorder.hold.clear()
+    behind = SendBehind(recorder)
+    behind.submit(rows("slow"))
+    assert behind.flush(0.1) is False
+    recorder.hold.set()
+    assert behind.flush(10) is True
+
+
+def test_a_send_that_publishes_never_waits_on_its_own_bound() -> None:
+    recorder = Recorder()
+    behind = SendBehind(recorder, limit=1)
+    recorder.nested = behind
+    recorder.hold.clear()
+    behind.submit(rows("outer"))
+    assert recorder.entered.wait(5)
+    behind.submit(rows("filler"))  # the queue is full while the outer send publishes
+    recorder.hold.set()
+    assert behind.flush(10)
+    assert sorted(recorder.sent) == ["filler", "inner", "outer"]
+
+
+def test_after_close_rows_are_sent_in_the_callers_thread() -> None:
+    recorder = Recorder()
+    behind = SendBehind(recorder)
+    behind.submit(rows("before"))
+    assert behind.close(10)
+    behind.submit(rows("after"))
+    assert recorder.sent == ["before", "after"]
+    assert recorder.threads == ["questpie-send-behind", threading.current_thread().name]
+
+
+def test_a_failing_send_is_logged_by_its_type_and_the_thread_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    recorder = Recorder()
+    recorder.fail_with = RuntimeError("the payload says canary-7f3a")
+    behind = SendBehind(recorder)
+    with caplog.at_level(logging.ERROR, logger="questpie_celery"):
+        behind.submit(rows("doomed"))
+        assert behind.flush(10)
+    recorder.fail_with = None
+    behind.submit(rows("next"))
+    assert behind.flush(10)
+    assert recorder.sent == ["next"]
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "RuntimeError" in text and "doomed" in text and "relay" in text
+    assert "canary" not in text
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
+def test_a_forked_child_starts_with_nothing_waiting_and_sends_its_own() -> None:
+    recorder = Recorder()
+    recorder.hold.clear()
+    behind = SendBehind(recorder)
+    behind.submit(rows("parent-1"))
+    assert recorder.entered.wait(5)
+    behind.submit(rows("parent-2"))  # waiting in the parent when it forks
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report what it sees, as one line, and leave at once
+        try:
+            recorder.batches.clear()
+            recorder.hold.set()  # the child's copy of the event (the parent's stays held)
+            empty = behind.flush(1)  # nothing of the parent's is waiting here
+            behind.submit(rows("child"))
+            flushed = behind.flush(5)
+            os.write(write, f"{empty} {flushed} {recorder.sent}".encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    _, status = os.waitpid(pid, 0)
+    with os.fdopen(read) as pipe:
+        seen = pipe.read()
+    assert status == 0
+    assert seen == "True True ['child']"
+    recorder.hold.set()
+    assert behind.flush(10)
+    assert recorder.sent == ["parent-1", "parent-2"]
