@@ -78,6 +78,7 @@ def fill(bench_app: Any, kind: str, queue: str) -> None:
         # Rows for the floor's writes to update, their messages left on a queue nobody reads.
         idle = f"bench-idle-{uuid.uuid4().hex[:6]}"
         ids = client.publish_many(payloads, idempotency_keys=keys, queue=idle)
+        bench_app.questpie.flush(120)  # their sends made before the queue is dropped
         producer_app.connection_for_write().default_channel.client.delete(idle)
         with producer_app.producer_or_acquire() as producer, producer.batch(max_size=DRAIN):
             for dispatch_id in ids:
@@ -96,7 +97,9 @@ def drain(bench_app: Any, kind: str, redis_url: str, pg_url: str) -> float:
     counter.delete(key)
     queue = f"bench-drain-{uuid.uuid4().hex[:6]}"
     fill(bench_app, kind, queue)
-    time.sleep(1.0)  # the publisher's batched acceptance marks land before the drain starts
+    # Every message sent and the publisher's batched acceptance marks written before the
+    # drain starts.
+    bench_app.questpie.flush(120)
     env = {"BENCH_BROKER": redis_url, "BENCH_LEDGER": pg_url}
     if kind == "fenced, relaxed":
         env["BENCH_DURABILITY"] = "relaxed"
