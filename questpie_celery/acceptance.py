@@ -1,10 +1,10 @@
 """Records, off the publish path, that the broker accepted a ledgered dispatch.
 
-`publish()` returns once the row is durable and the broker took the message; the
-`pending -> queued` update that follows is batched by a background thread instead
-of costing each publish another round trip. Losing a batch (the process dies, the
-ledger is briefly down) only leaves rows `pending`: the relay sends them again and
-the worker's fence drops the duplicate delivery.
+A ledgered dispatch's message goes to the broker after its row is durable; the
+`pending -> queued` update that follows a send the broker took is batched by a
+background thread instead of costing each send another round trip. Losing a batch
+(the process dies, the ledger is briefly down) only leaves rows `pending`: the relay
+sends them again and the worker's fence drops the duplicate delivery.
 """
 
 from __future__ import annotations
