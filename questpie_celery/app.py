@@ -11,6 +11,7 @@ import asyncio
 import logging
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -409,9 +410,13 @@ class Questpie:
         `publish()` returns once the dispatch is durable in the ledger, and its message
         goes to the broker just after, from a thread of this process. A script that
         exits needs nothing (the exit waits for those sends); a test or a program that
-        reads the broker itself right after publishing calls this first.
+        reads the broker itself right after publishing calls this first. That includes
+        the sends an `AsyncSession`'s commit handed to the send threads.
         """
-        return self._outbox.flush(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        drained = self._sends.drain(timeout)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        return self._outbox.flush(left) and drained
 
     def close(self) -> None:
         """Write what is still batched and release the ledger's connections.

@@ -99,15 +99,20 @@ class SendBehind:
         with self._changed:
             for row in rows:
                 while len(self._waiting) >= self._limit and not ours:
+                    self._start()  # only it makes room (after one that ended, say)
                     self._changed.wait()
                 self._waiting.append((row, trace))
                 self._handed += 1
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._loop, name="questpie-send-behind", daemon=True
-                )
-                self._thread.start()
+            self._start()
             self._changed.notify_all()
+
+    def _start(self) -> None:
+        """Start the send thread if none runs (holding `_changed`). It is recorded only
+        once started: a start that fails is tried again by the next submit."""
+        if self._thread is None:
+            thread = threading.Thread(target=self._loop, name="questpie-send-behind", daemon=True)
+            thread.start()
+            self._thread = thread
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every row handed over before this call is sent or left to the
@@ -115,6 +120,10 @@ class SendBehind:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._changed:
             target = self._handed
+            if threading.current_thread() is self._thread:
+                # Called inside a send (a handler run inline by it, a signal receiver):
+                # the rows it would wait for include the batch this very call sends.
+                return self._done >= target
             self._flushes += 1
             self._changed.notify_all()
             try:
@@ -151,13 +160,17 @@ class SendBehind:
                 batch = [self._waiting.popleft() for _ in range(min(BATCH, len(self._waiting)))]
                 self._changed.notify_all()  # room for a publisher waiting on the bound
             rows = [row for row, _ in batch]
+            ended = False
             try:
                 self._send_many(rows, {row.id: trace for row, trace in batch if trace})
-            except Exception as exc:
+            except BaseException as exc:
                 # Not meant to happen (the outbox leaves refused rows to the relay and
                 # says so); if it does, the rows are still pending and the relay sends
-                # them after their grace. The thread must go on for the next ones. The
-                # error's type only: its text could quote a payload.
+                # them after their grace. The error's type only: its text could quote a
+                # payload. An Exception leaves the thread going on for the next rows; what
+                # ends a thread (a SystemExit, a greenlet killed) ends this one, and
+                # another takes over what waits, so no flush or publish waits for ever.
+                ended = not isinstance(exc, Exception)
                 log.error(  # noqa: TRY400 (the type only, as said above)
                     "sending %d dispatch(es) (first %s) failed (%s); the relay sends them",
                     len(rows),
@@ -167,4 +180,10 @@ class SendBehind:
             last_sent = time.monotonic()
             with self._changed:
                 self._done += len(batch)
+                if ended:
+                    self._thread = None
+                    if self._waiting:
+                        self._start()
                 self._changed.notify_all()
+            if ended:
+                return

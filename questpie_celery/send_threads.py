@@ -32,6 +32,8 @@ class SendThreads:
         self._pool: ThreadPoolExecutor | None = None
         self._pid = 0
         self._lock = threading.Lock()
+        self._pending = 0  # calls `submit` handed over that have not ended yet
+        self._ended = threading.Condition(self._lock)
 
     async def run(self, call: Callable[..., T], *args: Any) -> T:
         """Run `call(*args)` on a send thread, in the caller's context (its trace goes
@@ -42,8 +44,26 @@ class SendThreads:
         )
 
     def submit(self, call: Callable[..., None], *args: Any) -> None:
-        """Run `call(*args)` on a send thread without waiting for it (a commit hook)."""
-        self._executor().submit(call, *args).add_done_callback(_log_failure)
+        """Run `call(*args)` on a send thread without waiting for it (a commit hook);
+        `drain` waits for it."""
+        executor = self._executor()
+        with self._lock:
+            self._pending += 1
+        executor.submit(call, *args).add_done_callback(self._one_ended)
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every call `submit` handed over so far has ended; False if
+        `timeout` (seconds) ran out first."""
+        with self._ended:
+            if self._pid != os.getpid():
+                return True  # a forked child: its parent's calls are its parent's
+            return self._ended.wait_for(lambda: self._pending == 0, timeout)
+
+    def _one_ended(self, done: Future[None]) -> None:
+        _log_failure(done)
+        with self._ended:
+            self._pending -= 1
+            self._ended.notify_all()
 
     def close(self) -> None:
         with self._lock:
@@ -56,6 +76,7 @@ class SendThreads:
             if self._pool is None or self._pid != os.getpid():
                 self._pool = ThreadPoolExecutor(self._size, thread_name_prefix="questpie-send")
                 self._pid = os.getpid()
+                self._pending = 0  # a forked child waits for none of its parent's calls
             return self._pool
 
 

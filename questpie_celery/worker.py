@@ -36,12 +36,12 @@ from .recorded_policy import PolicyBook
 log = logging.getLogger(__name__)
 
 
-#: Ended without running, as the worker's main process sees it: the pool process was lost
-#: (killed, out of memory, its hard time limit) or the message rejected. Any other end
-#: came from the handler's process, which recorded it in the ledger itself.
 #: How long a finished delivery waits for the sends of what its handler published.
 HANDLER_SENDS_FLUSH_SECONDS = 30.0
 
+#: Ended without running, as the worker's main process sees it: the pool process was lost
+#: (killed, out of memory, its hard time limit) or the message rejected. Any other end
+#: came from the handler's process, which recorded it in the ledger itself.
 _LOST = (WorkerLostError, TimeLimitExceeded, Reject, SystemExit, KeyboardInterrupt)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import threading
 import time
 import traceback
 import warnings
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+from celery.signals import before_task_publish
 from sqlalchemy import create_engine, func, select, text
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
 
@@ -226,6 +228,43 @@ def test_session_savepoint_rollback_drops_only_its_rows(
     assert message.headers["id"] == kept
     assert queue_depth(pg_redis, idle) == 0  # and only it
     assert pg_redis.ledger.get(dropped or "") is None
+
+
+def test_flush_waits_for_the_sends_of_a_committed_session(
+    pg_redis: Stack, caller_engine: Callable[[], AsyncEngine]
+) -> None:
+    t, idle = tag(), f"idle-{tag()}"
+    questpie = pg_redis.questpie
+    go = threading.Event()
+
+    def hold(**_: Any) -> None:
+        go.wait(30)  # the broker's part of the commit, held until the test lets it go
+
+    async def body() -> tuple[str | None, bool, bool]:
+        engine = caller_engine()
+        try:
+            async with AsyncSession(engine) as session, session.begin():
+                kept = await questpie.queue.record.apublish(
+                    {"tag": t}, session=session, queue=idle, idempotency_key=f"f:{t}"
+                )
+        finally:
+            await engine.dispose()
+        # The commit handed the send to a send thread, where it is held: not flushed.
+        # (Before `aclose()`, which ends the send threads, waiting for them.)
+        held = await asyncio.to_thread(questpie.flush, 1)
+        go.set()
+        return kept, held, await asyncio.to_thread(questpie.flush, 30)
+
+    before_task_publish.connect(hold, weak=False)
+    try:
+        kept, held, flushed = run(questpie, body)
+    finally:
+        before_task_publish.disconnect(hold)
+        go.set()
+    assert (held, flushed) == (False, True)
+    # Flushed means sent: the broker has it.
+    assert queue_depth(pg_redis, idle) == 1
+    assert capture(pg_redis, idle, timeout=5).headers["id"] == kept
 
 
 def test_connection_publish_is_sent_by_the_relay_once_committed(

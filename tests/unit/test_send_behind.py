@@ -31,8 +31,9 @@ class Recorder:
         self.hold = threading.Event()
         self.hold.set()
         self.entered = threading.Event()
-        self.fail_with: Exception | None = None
+        self.fail_with: BaseException | None = None
         self.nested: SendBehind | None = None
+        self.nested_flush: list[bool] = []  # what a flush made inside a send answered
         self.threads: list[str] = []  # the thread each batch was sent in
 
     def __call__(self, rows: Sequence[Any], traces: Mapping[str, Mapping[str, str]] | None) -> None:
@@ -46,6 +47,10 @@ class Recorder:
         if self.nested is not None and rows[0].id == "outer":
             # A send that publishes (a before_task_publish handler that does).
             self.nested.submit([Row("inner")])
+        if self.nested is not None and rows[0].id == "flusher":
+            # A send that flushes (a handler run inline in it, whose delivery then waits
+            # for the sends of what it published): it must not wait for itself.
+            self.nested_flush.append(self.nested.flush())
 
     @property
     def sent(self) -> list[str]:
@@ -161,6 +166,43 @@ def test_a_failing_send_is_logged_by_its_type_and_the_thread_goes_on(
     assert recorder.sent == ["next"]
     text = "\n".join(r.getMessage() for r in caplog.records)
     assert "RuntimeError" in text and "doomed" in text and "relay" in text
+    assert "canary" not in text
+
+
+def test_a_flush_made_inside_a_send_answers_at_once_instead_of_waiting_for_itself() -> None:
+    recorder = Recorder()
+    behind = SendBehind(recorder)
+    recorder.nested = behind
+    behind.submit(rows("flusher"))
+    # The flush inside the send has no timeout: waiting for its own batch, it never ends.
+    assert behind.flush(10)
+    assert recorder.nested_flush == [False]  # its own batch was not sent yet when it asked
+    behind.submit(rows("next"))
+    assert behind.flush(10)
+    assert recorder.sent == ["flusher", "next"]
+
+
+class Killed(BaseException):
+    """What ends a thread rather than fails a call: a greenlet killed, a SystemExit."""
+
+
+def test_a_send_that_ends_its_thread_leaves_neither_flush_nor_publish_waiting_forever(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    recorder = Recorder()
+    recorder.fail_with = Killed("the payload says canary-7f3a")
+    behind = SendBehind(recorder, limit=2)
+    with caplog.at_level(logging.ERROR, logger="questpie_celery"):
+        behind.submit(rows("doomed"))
+        assert behind.flush(10)  # the batch is the relay's, and said so
+    recorder.fail_with = None
+    # A queue's worth and more: with no thread left to make room, the third would wait
+    # for ever.
+    behind.submit(rows("a", "b", "c"))
+    assert behind.flush(10)
+    assert recorder.sent == ["a", "b", "c"]
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "Killed" in text and "doomed" in text and "relay" in text
     assert "canary" not in text
 
 
