@@ -103,6 +103,8 @@ def test_publish_returns_an_id_or_raises_clearly_and_writes_nothing_when_it_rais
     app: tuple[Questpie, Ledger, Celery], payload: Any, chosen: dict[str, Any]
 ) -> None:
     questpie, ledger, celery_app = app
+    # An earlier example's message may still be on its way (sent after publish returned).
+    assert questpie.flush(30)
     rows_before, sent_before = row_count(ledger), messages(celery_app)
     try:
         result = questpie.queue.record.publish(payload, **chosen)
@@ -117,6 +119,7 @@ def test_publish_returns_an_id_or_raises_clearly_and_writes_nothing_when_it_rais
         return
     outcomes["refused"] += 1
     assert row_count(ledger) == rows_before, "a refused publish wrote a ledger row"
+    assert questpie.flush(30)
     assert messages(celery_app) == sent_before, "a refused publish sent a message"
 
 
