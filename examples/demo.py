@@ -115,6 +115,9 @@ def main() -> None:
         held = queue.send_welcome_email.publish(
             {"user_id": "usr_777"}, idempotency_key="welcome:usr_777", queue="held"
         )
+        # publish() returns once the row is durable; its message follows from a thread of
+        # this process. We read the broker's files ourselves, so wait for it first.
+        shop.questpie.flush(timeout=10)
         [message] = (DEMO_DIR / "broker").glob("*.held.msg")  # no worker reads "held"
         for copy in range(3):
             target = f"{copy}-{message.name}".replace(".held.", ".celery.")
@@ -131,6 +134,7 @@ def main() -> None:
             queue="held",
         )
         assert secret_id is not None
+        shop.questpie.flush(timeout=10)
         [message] = (DEMO_DIR / "broker").glob("*.held.msg")
         stored = stored_secret(secret_id)
         print(f"   dispatch id {secret_id}")

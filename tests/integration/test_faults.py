@@ -380,6 +380,7 @@ def test_a_relay_whose_broker_goes_away_says_so_once_reminds_and_says_when_it_is
         waiting = [
             relay.queue.record.publish({"tag": t}, idempotency_key=f"{t}:{n}") for n in range(3)
         ]
+        assert relay.flush(30)  # the refused sends (made after publish returned) are done
         caplog.set_level(logging.INFO, logger="questpie_celery")
         caplog.clear()
         running.start()

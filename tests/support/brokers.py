@@ -37,7 +37,9 @@ def capture(stack: Stack, queue: str, timeout: float = 10.0) -> Message:
 
 
 def queue_depth(stack: Stack, queue: str) -> int:
-    """How many messages wait in `queue` (declaring it, empty, if it does not exist)."""
+    """How many messages wait in `queue` (declaring it, empty, if it does not exist),
+    once the stack's publishes have been sent (a ledgered one's send follows its return)."""
+    assert stack.questpie.flush(30), "the stack's sends did not finish in 30 s"
     with Connection(stack.env["QP_TEST_BROKER"]) as conn:
         declared = _queue(queue)(conn.default_channel)
         declared.declare()
