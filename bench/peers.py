@@ -179,9 +179,10 @@ def publish_costs(app: Any, pg_url: str, redis_url: str) -> dict[str, list[float
     # The same job on a relaxed ledger: commits that do not wait for the disk.
     relaxed_celery = Celery("bench-relaxed", broker=redis_url)
     relaxed_celery.conf.update(task_ignore_result=True)
-    relaxed = Questpie(
+    relaxed_questpie = Questpie(
         relaxed_celery, ledger_url=pg_url, durability="relaxed", jobs=[app.noop_job]
-    ).queue.bench_noop
+    )
+    relaxed = relaxed_questpie.queue.bench_noop
 
     modes: dict[str, Callable[[int], object]] = {
         RAW: lambda i: raw_task.apply_async(args=[{"n": i}], queue=queue),
@@ -214,13 +215,13 @@ def publish_costs(app: Any, pg_url: str, redis_url: str) -> dict[str, list[float
         LOCK_REPEAT_FLOOR: lambda i: locks.set(f"bench-lock-{run}-held", "x", nx=True, ex=3600),
     }
     for mode in modes.values():  # warm up connections and caches
-        timed(mode, 20, app.questpie, relaxed)
+        timed(mode, 20, app.questpie, relaxed_questpie)
     names = list(modes)
     samples: dict[str, list[float]] = {name: [] for name in names}
     for round_ in range(ROUNDS):
         start = round_ % len(names)
         for name in names[start:] + names[:start]:
-            samples[name].append(timed(modes[name], PUBLISHES, app.questpie, relaxed))
+            samples[name].append(timed(modes[name], PUBLISHES, app.questpie, relaxed_questpie))
     app.celery_app.connection_for_write().default_channel.client.delete(queue)
     driver.close()
     return samples
