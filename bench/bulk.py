@@ -29,6 +29,7 @@ import psycopg
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.run import until_sent  # noqa: E402
 from questpie_celery.ids import random_dispatch_id  # noqa: E402
 from tests.support.services import PostgresServer, RedisServer  # noqa: E402
 
@@ -113,7 +114,7 @@ def bulk_costs(bench_app: Any, pg_url: str) -> dict[str, list[float]]:
             started = time.perf_counter()
             mode()
             # Until the broker has every message: a ledgered publish sends after it returns.
-            bench_app.questpie.flush(120)
+            until_sent(bench_app.questpie)
             samples[name].append(time.perf_counter() - started)
     celery_app.connection_for_write().default_channel.client.delete(queue)
     driver.close()

@@ -39,7 +39,7 @@ from celery import Celery
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.run import BARE_INSERT  # noqa: E402
+from bench.run import BARE_INSERT, until_sent  # noqa: E402
 from questpie_celery import Questpie  # noqa: E402
 from questpie_celery.ids import random_dispatch_id  # noqa: E402
 from tests.support.services import PostgresServer, RedisServer  # noqa: E402
@@ -109,7 +109,7 @@ def bursts(app: Any, relaxed: Questpie, pg_url: str) -> dict[str, list[float]]:
     def flushed(burst: Callable[[], object], questpie: Questpie) -> Callable[[], None]:
         def run() -> None:
             burst()
-            if not questpie.flush(120):
+            if not until_sent(questpie):
                 raise RuntimeError("the sends did not finish in 120 s")
 
         return run
