@@ -9,15 +9,13 @@ sends them again and the worker's fence drops the duplicate delivery.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import threading
 import time
-import weakref
 from collections.abc import Callable
 
 from .errors import LedgerUnavailableError, QuestpieError
-from .forking import reset_in_child
+from .forking import finish_at_exit, reset_in_child
 from .ledger import Ledger
 
 log = logging.getLogger(__name__)
@@ -39,14 +37,7 @@ class AcceptanceRecorder:
         self._closed = False
         self._forked()
         reset_in_child(self._forked)
-        ref = weakref.ref(self)
-
-        def at_exit() -> None:
-            recorder = ref()
-            if recorder is not None:
-                recorder.flush()
-
-        atexit.register(at_exit)
+        finish_at_exit(self.flush)
 
     def close(self) -> None:
         """Flush, and stop recording in the background (later records flush at once)."""

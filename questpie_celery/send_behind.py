@@ -20,17 +20,15 @@ What a caller can rely on:
 
 from __future__ import annotations
 
-import atexit
 import logging
 import threading
 import time
-import weakref
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from . import telemetry
-from .forking import reset_in_child
+from .forking import finish_at_exit, reset_in_child
 
 log = logging.getLogger(__name__)
 
@@ -70,14 +68,10 @@ class SendBehind:
         self._closed = False
         self._forked()
         reset_in_child(self._forked)
-        ref = weakref.ref(self)
+        finish_at_exit(self._flush_at_exit)
 
-        def at_exit() -> None:
-            behind = ref()
-            if behind is not None:
-                behind.flush(EXIT_FLUSH_SECONDS)
-
-        atexit.register(at_exit)
+    def _flush_at_exit(self) -> None:
+        self.flush(EXIT_FLUSH_SECONDS)
 
     def _forked(self) -> None:
         self._waiting = deque()
