@@ -7,11 +7,12 @@ import asyncio
 import contextvars
 import functools
 import logging
-import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
+
+from .forking import reset_in_child
 
 log = logging.getLogger(__name__)
 
@@ -27,12 +28,20 @@ class SendThreads:
     """A small pool of threads for kombu's blocking sends, made on first use (and made
     again in a forked child, where the parent's threads do not exist)."""
 
+    _pool: ThreadPoolExecutor | None
+    _pending: int  # calls `submit` handed over that have not ended yet
+
     def __init__(self, size: int = SEND_THREADS) -> None:
         self._size = size
-        self._pool: ThreadPoolExecutor | None = None
-        self._pid = 0
+        self._forked()
+        reset_in_child(self._forked)
+
+    def _forked(self) -> None:
+        # A forked child has none of its parent's threads, waits for none of its parent's
+        # calls, and may have been forked while a parent's thread held the lock: all anew.
+        self._pool = None
+        self._pending = 0
         self._lock = threading.Lock()
-        self._pending = 0  # calls `submit` handed over that have not ended yet
         self._ended = threading.Condition(self._lock)
 
     async def run(self, call: Callable[..., T], *args: Any) -> T:
@@ -55,8 +64,6 @@ class SendThreads:
         """Wait until every call `submit` handed over so far has ended; False if
         `timeout` (seconds) ran out first."""
         with self._ended:
-            if self._pid != os.getpid():
-                return True  # a forked child: its parent's calls are its parent's
             return self._ended.wait_for(lambda: self._pending == 0, timeout)
 
     def _one_ended(self, done: Future[None]) -> None:
@@ -73,10 +80,8 @@ class SendThreads:
 
     def _executor(self) -> ThreadPoolExecutor:
         with self._lock:
-            if self._pool is None or self._pid != os.getpid():
+            if self._pool is None:
                 self._pool = ThreadPoolExecutor(self._size, thread_name_prefix="questpie-send")
-                self._pid = os.getpid()
-                self._pending = 0  # a forked child waits for none of its parent's calls
             return self._pool
 
 

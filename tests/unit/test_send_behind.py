@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from typing import Any
 import pytest
 
 from questpie_celery.send_behind import SendBehind
+from questpie_celery.send_threads import SendThreads
 
 
 @dataclass(frozen=True)
@@ -235,3 +237,36 @@ def test_a_forked_child_starts_with_nothing_waiting_and_sends_its_own() -> None:
     recorder.hold.set()
     assert behind.flush(10)
     assert recorder.sent == ["parent-1", "parent-2"]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
+def test_the_event_loops_send_threads_start_anew_in_a_child_forked_mid_call() -> None:
+    # The asyncio commit sends' pool: a child forked while a parent's call is running and
+    # another thread holds the pool's lock must neither wait for the parent's call nor
+    # find the lock held for ever.
+    threads = SendThreads(size=1)
+    release = threading.Event()
+    threads.submit(release.wait, 10)  # a parent's call, still running at the fork
+    threads._lock.acquire()  # as a parent's thread inside submit() would at the fork
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            signal.alarm(10)  # a child stuck on the parent's lock dies, and the test fails
+            done: list[str] = []
+            threads.submit(done.append, "child")
+            drained = threads.drain(5)
+            os.write(write, f"{drained} {done}".encode())
+        finally:
+            os._exit(0)
+    threads._lock.release()
+    os.close(write)
+    _, status = os.waitpid(pid, 0)
+    with os.fdopen(read) as pipe:
+        seen = pipe.read()
+    assert status == 0
+    assert seen == "True ['child']"
+    assert not threads.drain(0.05)  # the parent still waits for its own call
+    release.set()
+    assert threads.drain(10)
+    threads.close()
