@@ -14,7 +14,10 @@ it, for each kind in turn (interleaved, so a slow moment of the machine hits the
 - `fenced, relaxed`: the same with `durability="relaxed"` on the worker.
 
 Rates count from the first finished run to the last (worker start-up excluded); each is
-reported as the median over the rounds with its min-max, and as a ratio to `raw`.
+reported as the median over the rounds with its min-max, and as a ratio to `raw`. Over the
+same span it reads the CPU time of the worker's main process, of its two pool processes,
+of PostgreSQL's and of Redis's, and reports each per run: with both cores busy, the CPU a
+run costs in all is what sets the rate.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ import redis
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.support.services import PostgresServer, RedisServer, Worker  # noqa: E402
+from bench.cpu import CpuMeter  # noqa: E402
+from tests.support.services import PostgresServer, RedisServer, Worker, child_pids  # noqa: E402
 
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "3"))
 DRAIN = int(os.environ.get("BENCH_DRAIN", "2000"))
@@ -56,14 +60,18 @@ def main() -> None:
         app = importlib.import_module("bench.app")
         app.questpie.migrate()
         rates: dict[str, list[float]] = {kind: [] for kind in KINDS}
+        cpu: dict[str, list[dict[str, float]]] = {kind: [] for kind in KINDS}
         for _ in range(ROUNDS):
             for kind in KINDS:
-                rates[kind].append(drain(app, kind, redis_url, pg_url))
+                rate, used = drain(app, kind, redis_url, pg_url, postgres, redis_server)
+                rates[kind].append(rate)
+                cpu[kind].append(used)
         app.questpie.close()
     finally:
         redis_server.close()
         postgres.close()
     print_table(rates)
+    print_cpu(cpu)
 
 
 def fill(bench_app: Any, kind: str, queue: str) -> None:
@@ -91,7 +99,15 @@ def fill(bench_app: Any, kind: str, queue: str) -> None:
             bench_app.raw.apply_async(args=[payload], queue=queue, producer=producer)
 
 
-def drain(bench_app: Any, kind: str, redis_url: str, pg_url: str) -> float:
+def drain(
+    bench_app: Any,
+    kind: str,
+    redis_url: str,
+    pg_url: str,
+    postgres: PostgresServer,
+    redis_server: RedisServer,
+) -> tuple[float, dict[str, float]]:
+    """Runs per second, and CPU µs per run by group of processes."""
     counter = redis.Redis.from_url(redis_url)
     key = COUNTERS[kind]
     counter.delete(key)
@@ -105,14 +121,30 @@ def drain(bench_app: Any, kind: str, redis_url: str, pg_url: str) -> float:
         env["BENCH_DURABILITY"] = "relaxed"
     worker = Worker(env, concurrency=2, queues=queue, app="bench.app:celery_app")
     worker.start()
+    assert worker.proc is not None and redis_server.proc is not None
+    main_pid, redis_pid = worker.proc.pid, redis_server.proc.pid
+    postmaster = int((postgres.data / "postmaster.pid").read_text().split()[0])
+    meter = CpuMeter(
+        {
+            "worker main": lambda: [main_pid],
+            "pool processes": lambda: child_pids(main_pid),
+            "PostgreSQL": lambda: [postmaster, *child_pids(postmaster)],
+            "Redis": lambda: [redis_pid],
+        }
+    )
     first_seen = None
-    while int(counter.get(key) or 0) < DRAIN:
-        if first_seen is None and int(counter.get(key) or 0) > 0:
-            first_seen = time.perf_counter()
+    done_at_start = 0
+    while (done := int(counter.get(key) or 0)) < DRAIN:
+        if first_seen is None and done > 0:
+            first_seen, done_at_start = time.perf_counter(), done
+            meter.start()
         time.sleep(0.005)
     finished = time.perf_counter()
+    used = meter.stop() if first_seen is not None else {}
     worker.stop()
-    return DRAIN / max(finished - (first_seen or finished), 1e-9)
+    runs = max(DRAIN - done_at_start, 1)
+    per_run = {name: seconds * 1e6 / runs for name, seconds in used.items()}
+    return DRAIN / max(finished - (first_seen or finished), 1e-9), per_run
 
 
 def print_table(rates: dict[str, list[float]]) -> None:
@@ -128,6 +160,19 @@ def print_table(rates: dict[str, list[float]]) -> None:
         print(
             f"| {kind} | {median:.0f} ({min(values):.0f}-{max(values):.0f}) | {median / raw:.2f}x |"
         )
+
+
+def print_cpu(cpu: dict[str, list[dict[str, float]]]) -> None:
+    groups = [name for name in next(iter(cpu.values()))[0] if name != "machine"]
+    print("\nCPU per run, µs (median over the rounds)")
+    print("| kind | " + " | ".join(groups) + " | all listed | machine |")
+    print("|---|" + "---|" * (len(groups) + 2))
+    for kind, rounds in cpu.items():
+        medians = [statistics.median(r[name] for r in rounds) for name in groups]
+        listed = statistics.median(sum(r[name] for name in groups) for r in rounds)
+        machine = statistics.median(r["machine"] for r in rounds)
+        cells = " | ".join(f"{m:.0f}" for m in medians)
+        print(f"| {kind} | {cells} | {listed:.0f} | {machine:.0f} |")
 
 
 if __name__ == "__main__":

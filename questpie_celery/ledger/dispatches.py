@@ -225,6 +225,8 @@ class Dispatches(Executor):
     def _prepare(self, dialect: str, preamble: ColumnElement[bool] | None) -> None:
         super()._prepare(dialect, preamble)
         self._sql = DispatchStatements(dialect, preamble)
+        # A keyed publish's insert, and the existence check of a key seen before.
+        self._run_on_driver(self._sql.insert, self._sql.exists)
         #: The statements run in a caller's transaction, which must not keep our settings.
         self._in_caller = DispatchStatements(dialect) if preamble is not None else self._sql
         self._wide_ids_ready = False  # the schema was seen at WIDE_IDS_SCHEMA_VERSION

@@ -24,10 +24,11 @@ from typing import Any
 
 from sqlalchemy import ColumnElement, Connection, Engine, Select, func, select, text
 from sqlalchemy.engine import RowMapping
-from sqlalchemy.sql import Executable
+from sqlalchemy.sql import ClauseElement, Executable
 from sqlalchemy.sql.elements import TextClause
 
 from ..outages import Outage
+from .direct import DriverStatement, runs_direct
 from .engine import (
     Ambient,
     borrowed_by,
@@ -122,6 +123,14 @@ class Executor:
         each concept adds its own (calling this first). `preamble`: the pooled ledger's
         settings, for the writes that carry them (see `statements.in_own_transaction`)."""
         self._run_sql = RunStatements(dialect, preamble)
+        self._direct: dict[int, DriverStatement] = {}
+
+    def _run_on_driver(self, *stmts: ClauseElement) -> None:
+        """Run these statements (the hottest ones) on the driver's cursor where the
+        engine allows it (see `direct.py`): the ledger's own PostgreSQL engines."""
+        if self._borrowed is None and runs_direct(self._autocommit):
+            for stmt in stmts:
+                self._direct[id(stmt)] = DriverStatement(stmt, self._autocommit)
 
     @property
     def dialect(self) -> str:
@@ -182,9 +191,17 @@ class Executor:
         deadlock: a multi-row insert meeting another in the opposite order can.
         """
         reruns = Reruns(after_rollback=rerun_if_rolled_back, log=log)
+        direct = None if durable and self.relaxed else self._direct.get(id(stmt))
         with translate_errors(self.migrate_command):
             for attempt in reruns.attempts():
                 with attempt, self._connected(durable) as conn:
+                    if direct is not None and not direct.observed():
+                        try:
+                            return direct.run(conn, params), reruns.reconnected
+                        except direct.driver_error:
+                            # Found out by SQLAlchemy's execution below, as for any
+                            # statement (a statement that failed wrote nothing).
+                            pass
                     result = conn.execute(stmt, params)
                     rows = result.mappings().all() if result.returns_rows else result.rowcount
                     return rows, reruns.reconnected

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
-from sqlalchemy import create_engine, delete, insert, inspect, text, update
+from sqlalchemy import create_engine, delete, event, insert, inspect, text, update
 
 from questpie_celery import LedgerSchemaError, LedgerUnavailableError, metadata
 from questpie_celery.ids import MAX_DISPATCH_ID_BYTES, random_dispatch_id, unstorable_id
@@ -27,6 +28,7 @@ from questpie_celery.ledger import (
     open_ledger,
 )
 from questpie_celery.ledger.aio import AsyncLedger
+from questpie_celery.ledger.direct import DriverStatement
 from questpie_celery.ledger.schema import schema_version_table
 from questpie_celery.ledger.statements import db_time
 from questpie_celery.options import RunOptions, StoredOptions
@@ -126,6 +128,9 @@ def test_an_acceptance_mark_that_lands_after_the_run_keeps_the_times_in_order(
     # when the broker took the message, not when the batch was written.
     waiting = _new()
     assert ledger.insert(waiting)
+    # Past the 0.2 s the mark dates back, or it would date from the row's creation, in
+    # the same millisecond as `before` on a fast machine.
+    time.sleep(0.3)
     before = ledger.now()
     ledger.mark_queued([waiting.id], 3600, accepted_ago=0.2)
     marked = _row(ledger, waiting.id)
@@ -665,6 +670,80 @@ def test_each_operation_survives_a_dropped_connection(
         _drop_connections(postgres, pg_ledger)
         pg_ledger.mark_queued([queued.id], 60)
         assert _row(pg_ledger, queued.id).status == "queued"
+
+
+def test_the_fences_statements_on_the_drivers_cursor_are_sqlalchemys_own(
+    pg_ledger: Ledger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A publish's insert, the claim, the renewal and the outcome run on psycopg's cursor
+    (see ledger/direct.py): the same SQL SQLAlchemy runs, rows of the same values and
+    types; and while something listens to SQLAlchemy's cursor events, they go through it."""
+    direct_runs: list[str] = []  # the SQL of each statement run on the driver's cursor
+    real_run = DriverStatement.run
+
+    def counted(self: DriverStatement, conn: Any, params: Any) -> Any:
+        direct_runs.append(self.sql)
+        return real_run(self, conn, params)
+
+    def kinds() -> list[str]:
+        return [sql.split()[0] for sql in direct_runs]
+
+    monkeypatch.setattr(DriverStatement, "run", counted)
+    shortcut, token = _claimed(pg_ledger)
+    assert pg_ledger.renew(shortcut, token, 60) is True
+    assert kinds() == ["INSERT", "UPDATE", "UPDATE"]
+    # Our own claim again (a try whose reply was lost): nothing matches, the row is read.
+    claimed_direct = pg_ledger.claim(shortcut, JOB, 1, 60, token)
+    assert claimed_direct.outcome == "claimed" and len(direct_runs) == 4
+    assert claimed_direct.row == _row(pg_ledger, shortcut)
+
+    seen: list[str] = []
+
+    def listener(conn: Any, cursor: Any, statement: str, *_: Any) -> None:
+        seen.append(statement)
+
+    event.listen(pg_ledger.engine, "before_cursor_execute", listener)
+    try:
+        traced, traced_token = _claimed(pg_ledger)
+        assert pg_ledger.finish(traced, traced_token, "completed", None) is True
+    finally:
+        event.remove(pg_ledger.engine, "before_cursor_execute", listener)
+    assert len(direct_runs) == 4, "a listened-to engine's statement skipped SQLAlchemy"
+    assert direct_runs[0] in seen and direct_runs[1] in seen, (
+        "the driver's SQL is not the one SQLAlchemy runs"
+    )
+    # The claim's row, as each path returns it: the same values, of the same types.
+    fresh = _new(idempotency_key=None)
+    assert pg_ledger.insert(fresh)
+    through_driver = pg_ledger.claim(fresh.id, JOB, 1, 60)
+    assert kinds()[4:] == ["INSERT", "UPDATE"]
+    assert through_driver.row is not None
+    by_sqlalchemy = _row(pg_ledger, fresh.id)
+    assert through_driver.row == by_sqlalchemy
+    for name in DispatchRow.__dataclass_fields__:
+        ours, theirs = getattr(through_driver.row, name), getattr(by_sqlalchemy, name)
+        assert type(ours) is type(theirs), name
+    assert pg_ledger.finish(fresh.id, through_driver.token or "", "completed", None) is True
+    assert len(direct_runs) == 7
+    assert _row(pg_ledger, fresh.id).status == "completed"
+
+
+def test_a_failure_on_the_drivers_cursor_is_sqlalchemys_to_handle(
+    postgres: PostgresServer, pg_ledger: Ledger, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A statement that fails on the driver's cursor runs through SQLAlchemy, which finds
+    what went wrong as for any statement: here a slot index refusing a second run of a
+    singleton slot (SlotTaken, a blocked claim), and a dropped connection (reconnected)."""
+    first = _new(idempotency_key=None, policy=QueuePolicy.SINGLETON, singleton_key="s")
+    second = _new(idempotency_key=None, policy=QueuePolicy.SINGLETON, singleton_key="s")
+    assert pg_ledger.insert(first) and pg_ledger.insert(second)
+    assert pg_ledger.claim(first.id, JOB, 1, 60).outcome == "claimed"
+    assert pg_ledger.claim(second.id, JOB, 1, 60).outcome == "blocked"
+    assert _row(pg_ledger, second.id).status == "pending"
+    _drop_connections(postgres, pg_ledger)
+    with caplog.at_level(logging.INFO, logger="questpie_celery.ledger.store"):
+        assert pg_ledger.claim(second.id, JOB, 1, 60).outcome == "blocked"
+    assert any("reconnecting" in r.getMessage() for r in caplog.records)
 
 
 def test_finish_twice_across_a_dropped_connection(
