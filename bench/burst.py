@@ -17,7 +17,9 @@ PostgreSQL runs with its default durability (fsync and synchronous_commit on). T
 measures are interleaved round by round, each round starting at the next measure; each
 figure is the median over the rounds with its min-max, and the ratio to raw is the median
 of the per-round ratios. The floor is measured in the same run: the bare driver's INSERT
-of each row (psycopg, autocommit) and then a raw send, one after the other.
+of each row (psycopg, autocommit) and then a raw send, one after the other; and the bare
+INSERTs alone: the commits a durable publish waits for, one after another, whatever runs
+beside them.
 """
 
 from __future__ import annotations
@@ -106,6 +108,10 @@ def bursts(app: Any, relaxed: Questpie, pg_url: str) -> dict[str, list[float]]:
             driver.execute(BARE_INSERT, (random_dispatch_id(), f'{{"n": {i}}}')).fetchone()
             app.raw.apply_async(args=[{"n": i}], queue=queue)
 
+    def commits(count: int) -> None:
+        for i in range(count):
+            driver.execute(BARE_INSERT, (random_dispatch_id(), f'{{"n": {i}}}')).fetchone()
+
     def flushed(burst: Callable[[], object], questpie: Questpie) -> Callable[[], None]:
         def run() -> None:
             burst()
@@ -121,6 +127,7 @@ def bursts(app: Any, relaxed: Questpie, pg_url: str) -> dict[str, list[float]]:
             lambda: keyed(relaxed_client)(BURST), relaxed
         ),
         "floor: driver INSERT, then raw apply_async": lambda: floor(BURST),
+        "floor: driver INSERT alone": lambda: commits(BURST),
         f"raw apply_async, {THREADS} threads": in_threads(raw),
         f"publish, new key, {THREADS} threads, until sent": flushed(
             in_threads(keyed(durable_client)), app.questpie
@@ -151,6 +158,7 @@ def report(samples: dict[str, list[float]]) -> None:
         "publish, new key, until sent": "raw apply_async",
         "publish, new key, relaxed, until sent": "raw apply_async",
         "floor: driver INSERT, then raw apply_async": "raw apply_async",
+        "floor: driver INSERT alone": "raw apply_async",
         f"publish, new key, {THREADS} threads, until sent": f"raw apply_async, {THREADS} threads",
     }
     floor = samples["floor: driver INSERT, then raw apply_async"]
