@@ -37,6 +37,7 @@ from tests.support.aio import run
 from tests.support.brokers import capture, queue_depth
 from tests.support.services import RedisServer, free_port
 from tests.support.stack import Stack, tag
+from tests.unit.helpers import wait_until
 
 T = TypeVar("T")
 
@@ -557,8 +558,10 @@ def test_loops_closed_without_aclose_leave_no_connections(pg_db: str) -> None:
             for i in range(15):
                 asyncio.run(one(i))  # no aclose(): what a careless script does
             gc.collect()
-        opened = admin(pg_db, f"SELECT count(*) FROM pg_stat_activity WHERE datname = '{database}'")
-        assert opened <= 3, f"{opened} connections still open after 15 loops"
+        count = f"SELECT count(*) FROM pg_stat_activity WHERE datname = '{database}'"
+        # A backend leaves pg_stat_activity a moment after its client closed it: allow that
+        # moment, not a connection that stays open.
+        wait_until(lambda: admin(pg_db, count) <= 3, "the loops' connections to close", 5)
     finally:
         questpie.close()
 
