@@ -7,28 +7,40 @@ more CPU than the statement's round trip. These statements are compiled once by
 SQLAlchemy and run on the pooled connection's psycopg cursor, with the same SQL text,
 the same parameters (through the same type processors) and the same result types.
 
-Only the success path is short-cut. A statement that fails on the driver's cursor
-runs once more through SQLAlchemy's execution on the same connection, which finds
-what went wrong as it does for every statement: a dead connection invalidated and
-the statement rerun on a fresh one (`Reruns`), a stale plan, a slot index, a lock
-timeout. A failed statement in autocommit wrote nothing, so running it again is
-safe; a reply lost after a commit is the ambiguity every rerun already handles.
+What goes wrong is left to SQLAlchemy. A connection found dead (or a prepared plan a
+migration made stale) sends the statement through SQLAlchemy's execution on the same
+connection, which finds it as it finds it for every statement: the pool invalidated,
+the statement run again on a fresh connection (`Reruns`), whose first run may have
+landed. Any other error of the database (a slot index, a lock timeout, a deadlock) is
+raised as SQLAlchemy raises it, once: nothing is run twice. Parameters that do not
+convert are left to SQLAlchemy's execution before anything was sent.
 
-While anything listens to SQLAlchemy's cursor events on the engine (tracing
-instrumentation does), every statement goes through SQLAlchemy, so the listener
-sees them all.
+Only the ledger's own PostgreSQL engines take the short cut (an engine passed in may
+carry execution options, such as a schema map, that a statement compiled once would
+not know), and none does while SQLAlchemy logs its statements (`echo`) or anything
+listens to the engine's cursor events (tracing instrumentation does): they see every
+statement.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from sqlalchemy import Connection, Engine
+from sqlalchemy import Connection, Engine, Select, exc
 from sqlalchemy.sql import ClauseElement
 from sqlalchemy.sql.compiler import SQLCompiler
 
+from .errors import is_stale_plan
+
 _Processor = Callable[[Any], Any] | None
+_STATEMENT_LOG = logging.getLogger("sqlalchemy.engine.Engine")
+
+
+class LeftToSQLAlchemy(Exception):  # a signal inside the ledger, never raised out of it
+    """The statement was not run here, or met a connection SQLAlchemy must look at: run
+    it through SQLAlchemy's execution on the same connection."""
 
 
 class DriverStatement:
@@ -37,48 +49,84 @@ class DriverStatement:
     def __init__(self, stmt: ClauseElement, engine: Engine) -> None:
         dialect = engine.dialect
         self._engine = engine
+        self._dialect = dialect
         #: What the driver raises for a failed statement or a broken connection.
         self.driver_error: type[Exception] = dialect.loaded_dbapi.Error
         compiled = stmt.compile(dialect=dialect)
-        assert isinstance(compiled, SQLCompiler)  # a DML statement compiles to SQL
+        assert isinstance(compiled, SQLCompiler)  # a DML or SELECT statement compiles to SQL
         self._compiled = compiled
-        self.sql = self._compiled.string
-        self._binds: list[tuple[str, Callable[[Any], Any]]] = []
+        self.sql = compiled.string
+        # Keyed as `construct_params` keys its values: by escaped name, each name once.
+        escaped: Mapping[str, str] = compiled.escaped_bind_names or {}
+        processors: dict[str, Callable[[Any], Any]] = {}
         for bind, name in compiled.bind_names.items():
             process = bind.type.dialect_impl(dialect).bind_processor(dialect)
             if process is not None:
-                self._binds.append((name, process))
-        returning = getattr(stmt, "returning_column_descriptions", None) or []
-        self._names: list[str] = [column["name"] for column in returning]
+                processors.setdefault(escaped.get(name, name), process)
+        self._binds = list(processors.items())
+        columns: list[tuple[str, Any]]
+        if isinstance(stmt, Select):
+            columns = [(column.name, column.type) for column in stmt.selected_columns]
+        else:
+            returning = getattr(stmt, "returning_column_descriptions", None) or []
+            columns = [(column["name"], column["type"]) for column in returning]
+        self._names = [name for name, _ in columns]
         self._results: list[_Processor] = [
-            column["type"].dialect_impl(dialect).result_processor(dialect, None)
-            for column in returning
+            kind.dialect_impl(dialect).result_processor(dialect, None) for _, kind in columns
         ]
 
     def observed(self) -> bool:
-        """Whether something listens to the engine's cursor executions (then the
-        statement goes through SQLAlchemy, for the listener to see)."""
+        """Whether SQLAlchemy logs statements or something listens to the engine's cursor
+        executions: then the statement goes through SQLAlchemy, for them to see."""
         events = self._engine.dispatch
-        return bool(events.before_cursor_execute or events.after_cursor_execute)
+        return bool(
+            events.before_cursor_execute
+            or events.after_cursor_execute
+            or self._engine.echo
+            or _STATEMENT_LOG.isEnabledFor(logging.INFO)
+        )
 
     def run(self, conn: Connection, params: Mapping[str, Any]) -> Any:
-        """Its rows as mappings (for a statement with RETURNING) or its row count."""
-        values = dict(self._compiled.construct_params(dict(params)) or {})
-        for name, process in self._binds:
-            values[name] = process(values[name])
+        """Its rows as mappings (for a statement with columns) or its row count. Raises
+        `LeftToSQLAlchemy` for SQLAlchemy's execution to take over, or the database's
+        error as SQLAlchemy raises it (`DBAPIError` and its kinds)."""
+        try:
+            values = dict(self._compiled.construct_params(dict(params)) or {})
+            for name, process in self._binds:
+                values[name] = process(values[name])
+        except Exception:
+            raise LeftToSQLAlchemy() from None  # nothing sent: SQLAlchemy says what is wrong
         driver = conn.connection.driver_connection
         assert driver is not None  # a checked-out connection always has one
         with driver.cursor() as cursor:
-            cursor.execute(self.sql, values)
-            if not self._names:
+            try:
+                cursor.execute(self.sql, values)
+                rows = cursor.fetchall() if self._names else None
+            except self.driver_error as error:
+                if driver.closed or driver.broken or self._must_look(error, driver, cursor):
+                    raise LeftToSQLAlchemy() from None
+                raise exc.DBAPIError.instance(
+                    self.sql,
+                    None,
+                    error,
+                    self.driver_error,
+                    hide_parameters=True,
+                    dialect=self._dialect,
+                ) from error
+            if rows is None:
                 return cursor.rowcount
-            return [
-                {
-                    name: value if process is None else process(value)
-                    for name, process, value in zip(self._names, self._results, row, strict=True)
-                }
-                for row in cursor.fetchall()
-            ]
+        return [
+            {
+                name: value if process is None else process(value)
+                for name, process, value in zip(self._names, self._results, row, strict=True)
+            }
+            for row in rows
+        ]
+
+    def _must_look(self, error: Any, driver: Any, cursor: Any) -> bool:
+        """A dead connection by the dialect's reckoning, or a stale plan (which the
+        ledger's engine counts as one): SQLAlchemy invalidates the pool for it."""
+        return is_stale_plan(error) or bool(self._dialect.is_disconnect(error, driver, cursor))
 
 
 def runs_direct(engine: Engine) -> bool:

@@ -28,7 +28,7 @@ from sqlalchemy.sql import ClauseElement, Executable
 from sqlalchemy.sql.elements import TextClause
 
 from ..outages import Outage
-from .direct import DriverStatement, runs_direct
+from .direct import DriverStatement, LeftToSQLAlchemy, runs_direct
 from .engine import (
     Ambient,
     borrowed_by,
@@ -128,7 +128,7 @@ class Executor:
     def _run_on_driver(self, *stmts: ClauseElement) -> None:
         """Run these statements (the hottest ones) on the driver's cursor where the
         engine allows it (see `direct.py`): the ledger's own PostgreSQL engines."""
-        if self._borrowed is None and runs_direct(self._autocommit):
+        if self._borrowed is None and runs_in_autocommit(self.engine) and runs_direct(self.engine):
             for stmt in stmts:
                 self._direct[id(stmt)] = DriverStatement(stmt, self._autocommit)
 
@@ -198,10 +198,8 @@ class Executor:
                     if direct is not None and not direct.observed():
                         try:
                             return direct.run(conn, params), reruns.reconnected
-                        except direct.driver_error:
-                            # Found out by SQLAlchemy's execution below, as for any
-                            # statement (a statement that failed wrote nothing).
-                            pass
+                        except LeftToSQLAlchemy:
+                            pass  # its execution below finds what is wrong, as for any
                     result = conn.execute(stmt, params)
                     rows = result.mappings().all() if result.returns_rows else result.rowcount
                     return rows, reruns.reconnected

@@ -14,9 +14,19 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
-from sqlalchemy import create_engine, delete, event, insert, inspect, text, update
+from sqlalchemy import (
+    bindparam,
+    create_engine,
+    delete,
+    event,
+    insert,
+    inspect,
+    select,
+    text,
+    update,
+)
 
-from questpie_celery import LedgerSchemaError, LedgerUnavailableError, metadata
+from questpie_celery import LedgerBusyError, LedgerSchemaError, LedgerUnavailableError, metadata
 from questpie_celery.ids import MAX_DISPATCH_ID_BYTES, random_dispatch_id, unstorable_id
 from questpie_celery.ledger import (
     LEASE_EXPIRED,
@@ -29,8 +39,9 @@ from questpie_celery.ledger import (
 )
 from questpie_celery.ledger.aio import AsyncLedger
 from questpie_celery.ledger.direct import DriverStatement
-from questpie_celery.ledger.schema import schema_version_table
-from questpie_celery.ledger.statements import db_time
+from questpie_celery.ledger.engine import PG_LOCK_TIMEOUT_MS
+from questpie_celery.ledger.schema import UTCDateTime, schema_version_table
+from questpie_celery.ledger.statements import by_id, db_time
 from questpie_celery.options import RunOptions, StoredOptions
 from questpie_celery.policies import QueuePolicy
 from questpie_celery.receipts import DispatchDetail
@@ -744,6 +755,88 @@ def test_a_failure_on_the_drivers_cursor_is_sqlalchemys_to_handle(
     with caplog.at_level(logging.INFO, logger="questpie_celery.ledger.store"):
         assert pg_ledger.claim(second.id, JOB, 1, 60).outcome == "blocked"
     assert any("reconnecting" in r.getMessage() for r in caplog.records)
+
+
+def test_a_ledger_on_an_engine_of_ones_own_keeps_its_execution_options(
+    pg_ledger: Ledger,
+) -> None:
+    """An engine passed in may map the ledger's tables to another schema: a statement
+    compiled once would not know the map, so only the ledger's own engines take the
+    driver's cursor, and a tenant's rows stay in the tenant's tables."""
+    url = pg_ledger.engine.url.render_as_string(hide_password=False)
+    plain = create_engine(url)
+    with plain.begin() as conn:
+        conn.execute(text("CREATE SCHEMA tenant"))
+    tenant = Ledger(plain.execution_options(schema_translate_map={None: "tenant"}))
+    try:
+        tenant.migrate()
+        new = _new()
+        assert tenant.insert(new) is True
+        claim = tenant.claim(new.id, JOB, 1, 60)
+        assert claim.outcome == "claimed" and claim.token is not None
+        assert tenant.finish(new.id, claim.token, "completed", None) is True
+        assert pg_ledger.get(new.id) is None, "the tenant's row went into the other ledger"
+        assert _row(tenant, new.id).status == "completed"
+    finally:
+        tenant.close()
+        plain.dispose()
+
+
+def test_sqlalchemys_statement_log_shows_the_hottest_statements_too(
+    pg_ledger: Ledger, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With SQLAlchemy's statement log on (`echo`, or its logger at INFO), the insert, the
+    claim and the outcome are logged like every other statement."""
+    with caplog.at_level(logging.INFO, logger="sqlalchemy.engine"):
+        dispatch_id, token = _claimed(pg_ledger)
+        assert pg_ledger.finish(dispatch_id, token, "completed", None) is True
+    logged = [
+        r.getMessage().split()[0] for r in caplog.records if r.name.startswith("sqlalchemy.engine")
+    ]
+    assert logged.count("INSERT") == 1 and logged.count("UPDATE") == 2, logged
+
+
+def test_a_select_on_the_drivers_cursor_returns_rows_and_escaped_names_bind(
+    pg_ledger: Ledger,
+) -> None:
+    """A SELECT returns its rows, as through SQLAlchemy, not a row count; and a bind whose
+    name SQLAlchemy escapes (a space) gets its value, through its type's processor."""
+    new = _new()
+    assert pg_ledger.insert(new) is True
+    exists = DriverStatement(select(dispatch_table.c.id).where(by_id()), pg_ledger.engine)
+    with pg_ledger.engine.connect() as conn:
+        assert exists.run(conn, {"dispatch_id": new.id}) == [{"id": new.id}]
+        t = dispatch_table.c
+        due = DriverStatement(
+            select(t.id).where(
+                t.id == new.id, t.run_after < bindparam("due by", type_=UTCDateTime)
+            ),
+            pg_ledger.engine,
+        )
+        assert due.run(conn, {"due by": datetime.now(UTC) + timedelta(hours=1)}) == [{"id": new.id}]
+
+
+def test_a_claim_meeting_a_held_row_waits_the_lock_timeout_once(pg_ledger: Ledger) -> None:
+    """A caller's transaction holds the row: the claim fails with LedgerBusyError after one
+    lock timeout; an error of the database on the driver's cursor is not run again."""
+    locked = _new()
+    assert pg_ledger.insert(locked)
+    caller = create_engine(pg_ledger.engine.url.render_as_string(hide_password=False))
+    try:
+        with caller.begin() as conn:
+            conn.execute(
+                select(dispatch_table.c.id)
+                .where(dispatch_table.c.id == locked.id)
+                .with_for_update()
+            )
+            started = time.monotonic()
+            with pytest.raises(LedgerBusyError):
+                pg_ledger.claim(locked.id, JOB, 1, 60)
+            waited = time.monotonic() - started
+    finally:
+        caller.dispose()
+    assert waited < 1.5 * PG_LOCK_TIMEOUT_MS / 1000, f"waited {waited:.1f} s"
+    assert _row(pg_ledger, locked.id).status == "pending"
 
 
 def test_finish_twice_across_a_dropped_connection(
