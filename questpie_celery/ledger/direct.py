@@ -18,7 +18,8 @@ convert are left to SQLAlchemy's execution before anything was sent.
 Only the ledger's own PostgreSQL engines take the short cut (an engine passed in may
 carry execution options, such as a schema map, that a statement compiled once would
 not know), and none does while SQLAlchemy logs its statements (`echo`) or anything
-listens to the engine's cursor events (tracing instrumentation does): they see every
+listens to the engine's execution, cursor or error events (tracing instrumentation
+does; a `handle_error` listener may count more errors as disconnects): they see every
 statement.
 """
 
@@ -36,6 +37,16 @@ from .errors import is_stale_plan
 
 _Processor = Callable[[Any], Any] | None
 _STATEMENT_LOG = logging.getLogger("sqlalchemy.engine.Engine")
+#: The engine's events a statement run through SQLAlchemy would fire.
+_EXECUTION_EVENTS = (
+    "before_execute",
+    "after_execute",
+    "before_cursor_execute",
+    "after_cursor_execute",
+    "begin",
+    "commit",
+    "rollback",
+)
 
 
 class LeftToSQLAlchemy(Exception):  # a signal inside the ledger, never raised out of it
@@ -76,14 +87,18 @@ class DriverStatement:
         ]
 
     def observed(self) -> bool:
-        """Whether SQLAlchemy logs statements or something listens to the engine's cursor
-        executions: then the statement goes through SQLAlchemy, for them to see."""
+        """Whether anything outside the ledger watches the engine's statements: SQLAlchemy's
+        statement log, or a listener of their execution, their errors or their (auto-)
+        transactions. Then the statement goes through SQLAlchemy, for them to see."""
         events = self._engine.dispatch
         return bool(
-            events.before_cursor_execute
-            or events.after_cursor_execute
-            or self._engine.echo
+            self._engine.echo
             or _STATEMENT_LOG.isEnabledFor(logging.INFO)
+            or any(getattr(events, name) for name in _EXECUTION_EVENTS)
+            or any(
+                not getattr(listener, "questpie_ledger_own", False)
+                for listener in self._dialect.dispatch.handle_error
+            )
         )
 
     def run(self, conn: Connection, params: Mapping[str, Any]) -> Any:
@@ -98,23 +113,24 @@ class DriverStatement:
             raise LeftToSQLAlchemy() from None  # nothing sent: SQLAlchemy says what is wrong
         driver = conn.connection.driver_connection
         assert driver is not None  # a checked-out connection always has one
-        with driver.cursor() as cursor:
-            try:
+        try:
+            with driver.cursor() as cursor:
                 cursor.execute(self.sql, values)
                 rows = cursor.fetchall() if self._names else None
-            except self.driver_error as error:
-                if driver.closed or driver.broken or self._must_look(error, driver, cursor):
-                    raise LeftToSQLAlchemy() from None
-                raise exc.DBAPIError.instance(
-                    self.sql,
-                    None,
-                    error,
-                    self.driver_error,
-                    hide_parameters=True,
-                    dialect=self._dialect,
-                ) from error
-            if rows is None:
-                return cursor.rowcount
+                count = cursor.rowcount
+        except self.driver_error as error:
+            if driver.closed or driver.broken or self._must_look(error, driver):
+                raise LeftToSQLAlchemy() from None
+            raise exc.DBAPIError.instance(
+                self.sql,
+                None,
+                error,
+                self.driver_error,
+                hide_parameters=True,
+                dialect=self._dialect,
+            ) from error
+        if rows is None:
+            return count
         return [
             {
                 name: value if process is None else process(value)
@@ -123,10 +139,10 @@ class DriverStatement:
             for row in rows
         ]
 
-    def _must_look(self, error: Any, driver: Any, cursor: Any) -> bool:
+    def _must_look(self, error: Any, driver: Any) -> bool:
         """A dead connection by the dialect's reckoning, or a stale plan (which the
         ledger's engine counts as one): SQLAlchemy invalidates the pool for it."""
-        return is_stale_plan(error) or bool(self._dialect.is_disconnect(error, driver, cursor))
+        return is_stale_plan(error) or bool(self._dialect.is_disconnect(error, driver, None))
 
 
 def runs_direct(engine: Engine) -> bool:

@@ -113,6 +113,9 @@ def _replan_on_fresh_connections(engine: Engine) -> None:
         if is_stale_plan(context.original_exception):
             context.is_disconnect = True
 
+    # The driver's cursor (direct.py) tells stale plans itself: this one needs no detour.
+    _on_error.questpie_ledger_own = True  # type: ignore[attr-defined]
+
 
 def statement_settings(*, relaxed: bool) -> dict[str, str]:
     """The server settings the ledger's own PostgreSQL connections run with: at startup

@@ -839,6 +839,63 @@ def test_a_claim_meeting_a_held_row_waits_the_lock_timeout_once(pg_ledger: Ledge
     assert _row(pg_ledger, locked.id).status == "pending"
 
 
+def test_listeners_of_the_engines_execution_and_errors_see_the_hottest_statements(
+    pg_ledger: Ledger,
+) -> None:
+    """A listener of statements (`before_execute`) or of their errors (`handle_error`)
+    sees the insert, the claim and the outcome as every other statement: none of them
+    takes the driver's cursor while one listens."""
+    seen: list[str] = []
+    heard: list[str] = []
+
+    def before(conn: Any, clauseelement: Any, *_: Any) -> None:
+        seen.append(type(clauseelement).__name__)
+
+    def on_error(context: Any) -> None:
+        heard.append(getattr(context.original_exception, "sqlstate", None) or "?")
+
+    event.listen(pg_ledger.engine, "before_execute", before)
+    try:
+        dispatch_id, token = _claimed(pg_ledger)
+        assert pg_ledger.finish(dispatch_id, token, "completed", None) is True
+    finally:
+        event.remove(pg_ledger.engine, "before_execute", before)
+    assert seen.count("Insert") == 1 and seen.count("Update") == 2, seen
+    event.listen(pg_ledger.engine, "handle_error", on_error)
+    try:
+        first = _new(idempotency_key=None, policy=QueuePolicy.SINGLETON, singleton_key="s")
+        second = _new(idempotency_key=None, policy=QueuePolicy.SINGLETON, singleton_key="s")
+        assert pg_ledger.insert(first) and pg_ledger.insert(second)
+        assert pg_ledger.claim(first.id, JOB, 1, 60).outcome == "claimed"
+        assert pg_ledger.claim(second.id, JOB, 1, 60).outcome == "blocked"
+    finally:
+        event.remove(pg_ledger.engine, "handle_error", on_error)
+    assert heard == ["23505"], heard  # the slot index's unique violation
+
+
+def test_a_handle_error_listener_that_counts_more_errors_as_disconnects_still_works(
+    pg_ledger: Ledger,
+) -> None:
+    """SQLAlchemy's way to treat another error as a dropped connection (a `handle_error`
+    listener setting `is_disconnect`; here a read-only server, as a primary demoted in a
+    failover) holds for the fence's statements: the pool drops the connection and the
+    outcome is written on a fresh one."""
+
+    def on_error(context: Any) -> None:
+        if getattr(context.original_exception, "sqlstate", None) == "25006":  # read only
+            context.is_disconnect = True
+
+    event.listen(pg_ledger.engine, "handle_error", on_error)
+    try:
+        dispatch_id, token = _claimed(pg_ledger)
+        with pg_ledger.engine.connect() as conn:  # the pool's one idle connection
+            conn.exec_driver_sql("SET default_transaction_read_only = on")
+        assert pg_ledger.finish(dispatch_id, token, "completed", None) is True
+    finally:
+        event.remove(pg_ledger.engine, "handle_error", on_error)
+    assert _row(pg_ledger, dispatch_id).status == "completed"
+
+
 def test_finish_twice_across_a_dropped_connection(
     postgres: PostgresServer, pg_ledger: Ledger
 ) -> None:
