@@ -121,9 +121,11 @@ class DriverStatement:
         except self.driver_error as error:
             if driver.closed or driver.broken or self._must_look(error, driver):
                 raise LeftToSQLAlchemy() from None
+            # As SQLAlchemy raises it: the statement, its values kept on the exception as
+            # SQLAlchemy keeps them, and hidden from its message (the engine's setting).
             raise exc.DBAPIError.instance(
                 self.sql,
-                None,
+                values,
                 error,
                 self.driver_error,
                 hide_parameters=True,
