@@ -6,6 +6,8 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -683,6 +685,16 @@ def test_each_operation_survives_a_dropped_connection(
         assert _row(pg_ledger, queued.id).status == "queued"
 
 
+@contextmanager
+def _listening(ledger: Ledger, name: str, listener: Callable[..., Any]) -> Iterator[None]:
+    """`listener` on the ledger's engine's event `name` for the block's length."""
+    event.listen(ledger.engine, name, listener)
+    try:
+        yield
+    finally:
+        event.remove(ledger.engine, name, listener)
+
+
 def test_the_fences_statements_on_the_drivers_cursor_are_sqlalchemys_own(
     pg_ledger: Ledger, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -713,12 +725,9 @@ def test_the_fences_statements_on_the_drivers_cursor_are_sqlalchemys_own(
     def listener(conn: Any, cursor: Any, statement: str, *_: Any) -> None:
         seen.append(statement)
 
-    event.listen(pg_ledger.engine, "before_cursor_execute", listener)
-    try:
+    with _listening(pg_ledger, "before_cursor_execute", listener):
         traced, traced_token = _claimed(pg_ledger)
         assert pg_ledger.finish(traced, traced_token, "completed", None) is True
-    finally:
-        event.remove(pg_ledger.engine, "before_cursor_execute", listener)
     assert len(direct_runs) == 4, "a listened-to engine's statement skipped SQLAlchemy"
     assert direct_runs[0] in seen and direct_runs[1] in seen, (
         "the driver's SQL is not the one SQLAlchemy runs"
@@ -854,22 +863,16 @@ def test_listeners_of_the_engines_execution_and_errors_see_the_hottest_statement
     def on_error(context: Any) -> None:
         heard.append(getattr(context.original_exception, "sqlstate", None) or "?")
 
-    event.listen(pg_ledger.engine, "before_execute", before)
-    try:
+    with _listening(pg_ledger, "before_execute", before):
         dispatch_id, token = _claimed(pg_ledger)
         assert pg_ledger.finish(dispatch_id, token, "completed", None) is True
-    finally:
-        event.remove(pg_ledger.engine, "before_execute", before)
     assert seen.count("Insert") == 1 and seen.count("Update") == 2, seen
-    event.listen(pg_ledger.engine, "handle_error", on_error)
-    try:
+    with _listening(pg_ledger, "handle_error", on_error):
         first = _new(idempotency_key=None, policy=QueuePolicy.SINGLETON, singleton_key="s")
         second = _new(idempotency_key=None, policy=QueuePolicy.SINGLETON, singleton_key="s")
         assert pg_ledger.insert(first) and pg_ledger.insert(second)
         assert pg_ledger.claim(first.id, JOB, 1, 60).outcome == "claimed"
         assert pg_ledger.claim(second.id, JOB, 1, 60).outcome == "blocked"
-    finally:
-        event.remove(pg_ledger.engine, "handle_error", on_error)
     assert heard == ["23505"], heard  # the slot index's unique violation
 
 
@@ -885,14 +888,11 @@ def test_a_handle_error_listener_that_counts_more_errors_as_disconnects_still_wo
         if getattr(context.original_exception, "sqlstate", None) == "25006":  # read only
             context.is_disconnect = True
 
-    event.listen(pg_ledger.engine, "handle_error", on_error)
-    try:
+    with _listening(pg_ledger, "handle_error", on_error):
         dispatch_id, token = _claimed(pg_ledger)
         with pg_ledger.engine.connect() as conn:  # the pool's one idle connection
             conn.exec_driver_sql("SET default_transaction_read_only = on")
         assert pg_ledger.finish(dispatch_id, token, "completed", None) is True
-    finally:
-        event.remove(pg_ledger.engine, "handle_error", on_error)
     assert _row(pg_ledger, dispatch_id).status == "completed"
 
 

@@ -10,7 +10,7 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -208,6 +208,27 @@ def test_a_send_that_ends_its_thread_leaves_neither_flush_nor_publish_waiting_fo
     assert "canary" not in text
 
 
+def in_a_child(
+    report: Callable[[], str], *, then: Callable[[], object] = lambda: None
+) -> tuple[int, str]:
+    """Fork: the child runs `report` and leaves at once (killed after 10 s if it is stuck,
+    so the test fails rather than hangs); the parent runs `then` meanwhile. Returns the
+    child's exit status and its report."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            signal.alarm(10)
+            os.write(write, report().encode())
+        finally:
+            os._exit(0)
+    then()
+    os.close(write)
+    _, status = os.waitpid(pid, 0)
+    with os.fdopen(read) as pipe:
+        return status, pipe.read()
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
 def test_a_forked_child_starts_with_nothing_waiting_and_sends_its_own() -> None:
     recorder = Recorder()
@@ -216,22 +237,16 @@ def test_a_forked_child_starts_with_nothing_waiting_and_sends_its_own() -> None:
     behind.submit(rows("parent-1"))
     assert recorder.entered.wait(5)
     behind.submit(rows("parent-2"))  # waiting in the parent when it forks
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: report what it sees, as one line, and leave at once
-        try:
-            recorder.batches.clear()
-            recorder.hold.set()  # the child's copy of the event (the parent's stays held)
-            empty = behind.flush(1)  # nothing of the parent's is waiting here
-            behind.submit(rows("child"))
-            flushed = behind.flush(5)
-            os.write(write, f"{empty} {flushed} {recorder.sent}".encode())
-        finally:
-            os._exit(0)
-    os.close(write)
-    _, status = os.waitpid(pid, 0)
-    with os.fdopen(read) as pipe:
-        seen = pipe.read()
+
+    def in_child() -> str:
+        recorder.batches.clear()
+        recorder.hold.set()  # the child's copy of the event (the parent's stays held)
+        empty = behind.flush(1)  # nothing of the parent's is waiting here
+        behind.submit(rows("child"))
+        flushed = behind.flush(5)
+        return f"{empty} {flushed} {recorder.sent}"
+
+    status, seen = in_a_child(in_child)
     assert status == 0
     assert seen == "True True ['child']"
     recorder.hold.set()
@@ -248,22 +263,14 @@ def test_the_event_loops_send_threads_start_anew_in_a_child_forked_mid_call() ->
     release = threading.Event()
     threads.submit(release.wait, 10)  # a parent's call, still running at the fork
     threads._lock.acquire()  # as a parent's thread inside submit() would at the fork
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            signal.alarm(10)  # a child stuck on the parent's lock dies, and the test fails
-            done: list[str] = []
-            threads.submit(done.append, "child")
-            drained = threads.drain(5)
-            os.write(write, f"{drained} {done}".encode())
-        finally:
-            os._exit(0)
-    threads._lock.release()
-    os.close(write)
-    _, status = os.waitpid(pid, 0)
-    with os.fdopen(read) as pipe:
-        seen = pipe.read()
+
+    def in_child() -> str:
+        done: list[str] = []
+        threads.submit(done.append, "child")
+        drained = threads.drain(5)
+        return f"{drained} {done}"
+
+    status, seen = in_a_child(in_child, then=threads._lock.release)
     assert status == 0
     assert seen == "True ['child']"
     assert not threads.drain(0.05)  # the parent still waits for its own call
