@@ -146,11 +146,12 @@ class Admission:
                 "its message may be older than rows the ledger has pruned (it may have run "
                 "and been deleted)",
             )
-        if payload is None or policy().ledgered:
+        if payload is None or definition.limits.active or policy().ledgered:
             return _not_taken_back(
                 dispatch_id,
                 definition.name,
-                "the message cannot rebuild it (a secret's payload, a policy job's slot)",
+                "the message cannot rebuild it (a secret's payload, a policy job's slot, "
+                "a limited job's group)",
             )
         try:
             body = definition.to_json(payload)

@@ -182,7 +182,15 @@ class AsyncPublisher:
             )
             await asyncio.sleep(0)
         policy = await self._policy(definition, options, span)
-        plan = planner.Plan(definition.name, bodies, options, policy, keyring, self._outbox)
+        plan = planner.Plan(
+            definition.name,
+            bodies,
+            options,
+            policy,
+            keyring,
+            self._outbox,
+            limited=definition.limits.active,
+        )
         ids: list[str | None] = []
         for chunk in plan.chunks(FLUSH_SIZE):
             settled, unknown = await self._insert(chunk)
@@ -227,7 +235,13 @@ class AsyncPublisher:
         body, wanted.payload = definition.to_json(wanted.payload), None
         policy = await self._policy(definition, [options], wanted.span)
         return planner.Plan(
-            definition.name, [body], [options], policy, keyring, self._outbox
+            definition.name,
+            [body],
+            [options],
+            policy,
+            keyring,
+            self._outbox,
+            limited=definition.limits.active,
         ).route(0)
 
     async def send_plain(self, wanted: _Wanted, route: Route) -> None:

@@ -280,6 +280,26 @@ def dispatches_requeue(
     _print([detail], as_json)
 
 
+@dispatches.command("groups")
+@_target
+@click.option("--limit", type=int, default=100, show_default=True)
+def dispatches_groups(app: str | None, ledger_url: str | None, as_json: bool, limit: int) -> None:
+    """The groups of jobs with a concurrency or rate limit: running, waiting, and why."""
+    with _clear_errors():
+        groups = _operator(app, ledger_url).groups(limit=limit)
+    if as_json:
+        click.echo(json.dumps([asdict(g) for g in groups], indent=2))
+        return
+    for g in groups:
+        click.echo(
+            f"{g.job_name:<28} {g.group_key or '(whole job)':<24} running={g.running} "
+            f"waiting: concurrency={g.waiting_for_concurrency} rate={g.waiting_for_rate} "
+            f"on their way={g.on_their_way}"
+        )
+    if not groups:
+        click.echo("(no group holds a seat or waits)")
+
+
 @dispatches.command("counts")
 @_target
 def dispatches_counts(app: str | None, ledger_url: str | None, as_json: bool) -> None:

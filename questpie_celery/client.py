@@ -127,6 +127,7 @@ class JobClient(Generic[P]):
         *,
         idempotency_keys: Sequence[str | None] | None = None,
         singleton_keys: Sequence[str | None] | None = None,
+        group_keys: Sequence[str | None] | None = None,
         session: Session | None = None,
         connection: Connection | None = None,
         **options: Unpack[ManyOptions],
@@ -134,14 +135,14 @@ class JobClient(Generic[P]):
         """Enqueue one run per payload, as that many `publish()` calls would; return
         their dispatch ids in order, None where the queue policy suppressed one.
 
-        `idempotency_keys` and `singleton_keys`, when given, hold one entry (or None) per
-        payload; every other option applies to all. Every payload and key is validated
+        `idempotency_keys`, `singleton_keys` and `group_keys`, when given, hold one entry
+        (or None) per payload; every other option applies to all. Every payload and key is validated
         before anything is written, and an error names the item's index. Items go to the
         ledger a chunk at a time, one statement each, and their messages leave in one
         pipelined batch per chunk.
         """
         items, resolved = self._many_options(
-            "publish_many", payloads, options, idempotency_keys, singleton_keys
+            "publish_many", payloads, options, idempotency_keys, singleton_keys, group_keys
         )
         return self._publisher.publish_many(
             self.definition, items, resolved, session=session, connection=connection
@@ -153,13 +154,14 @@ class JobClient(Generic[P]):
         *,
         idempotency_keys: Sequence[str | None] | None = None,
         singleton_keys: Sequence[str | None] | None = None,
+        group_keys: Sequence[str | None] | None = None,
         session: AsyncSession | None = None,
         connection: AsyncConnection | None = None,
         **options: Unpack[ManyOptions],
     ) -> list[str | None]:
         """`publish_many()` from an event loop, as `apublish` is `publish()`."""
         items, resolved = self._many_options(
-            "apublish_many", payloads, options, idempotency_keys, singleton_keys
+            "apublish_many", payloads, options, idempotency_keys, singleton_keys, group_keys
         )
         return await self._apublisher.publish_many(
             self.definition, items, resolved, session=session, connection=connection
@@ -172,8 +174,9 @@ class JobClient(Generic[P]):
         options: Mapping[str, object],
         idempotency_keys: Sequence[str | None] | None,
         singleton_keys: Sequence[str | None] | None,
+        group_keys: Sequence[str | None] | None,
     ) -> tuple[list[P | Mapping[str, Any]], list[DispatchOptions]]:
-        singular = {"idempotency_key", "singleton_key"} & set(options)
+        singular = {"idempotency_key", "singleton_key", "group_key"} & set(options)
         if singular:
             name = sorted(singular)[0]
             raise TypeError(f"{method}() takes {name}s=[...], one entry per payload, not {name}")
@@ -187,7 +190,12 @@ class JobClient(Generic[P]):
             )
         items = list(payloads)
         resolved = resolve_many_options(
-            self.definition.options, shared, idempotency_keys, singleton_keys, len(items)
+            self.definition.options,
+            shared,
+            idempotency_keys,
+            singleton_keys,
+            len(items),
+            group_keys,
         )
         return items, resolved
 
@@ -198,6 +206,7 @@ class JobClient(Generic[P]):
         *,
         tz: str | None = None,
         singleton_key: str | None = None,
+        group_key: str | None = None,
         priority: int | None = None,
         retry_limit: int | None = None,
         retry_delay: float | None = None,
@@ -226,6 +235,7 @@ class JobClient(Generic[P]):
             {
                 **refused,
                 "singleton_key": singleton_key,
+                "group_key": group_key,
                 "priority": priority,
                 "retry_limit": retry_limit,
                 "retry_delay": retry_delay,

@@ -45,6 +45,7 @@ def new_dispatch(
         job_name=job_name,
         idempotency_key=key,
         singleton_key=options.singleton_key,
+        group_key=options.group_key,
         # A secret dispatch stores only ciphertext, and its message carries no payload.
         payload=None if sealed else body,
         secret_ciphertext=sealed.ciphertext if sealed else None,

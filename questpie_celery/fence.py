@@ -48,6 +48,7 @@ from .ids import shown_id, unstorable_id
 from .jobs import JobContext, JobDefinition
 from .leases import LeaseKeeper, renewal_cap
 from .ledger import Claim, DispatchRow, Ledger
+from .limits import NO_LIMITS, Rate, group_of
 from .outcomes import Outcomes
 from .policies import QueuePolicy
 from .slots import Slots
@@ -178,6 +179,10 @@ class Fence:
         token = back.token or ""
         delivery = telemetry.current()
         delivery.set(attempt=attempt)
+        # Eager mode runs each call at once, in the caller, as Celery's does: no limit can
+        # make it wait.
+        eager = bool(task.request.is_eager)
+        limits = NO_LIMITS if eager else definition.limits
         with telemetry.span("questpie.claim", attempt=attempt) as claiming:
 
             def claim_it() -> Claim:
@@ -187,7 +192,8 @@ class Fence:
                     attempt,
                     self._leases.lease_seconds,
                     token,
-                    any_time=bool(task.request.is_eager),
+                    any_time=eager,
+                    concurrency=limits.concurrency,
                 )
 
             claim = self._when_due(task, self._waits.run(task, claim_it, back), claim_it, back)
@@ -207,12 +213,18 @@ class Fence:
                 claim = self._waits.run(task, claim_it, back)
             claiming.set(outcome=claim.outcome)
         if claim.outcome == "blocked":
-            # Another run holds the slot: set this one aside, acknowledged and uncounted.
+            # Another run holds the slot (or every seat): set this one aside, acknowledged
+            # and uncounted.
+            for_seat = claim.blocked_by == "concurrency"
             self._waits.run(
-                task, lambda: self._slots.park(dispatch_id, definition.name, attempt), back
+                task,
+                lambda: self._slots.park(dispatch_id, definition.name, attempt, for_seat=for_seat),
+                back,
             )
             delivery.set(outcome="parked")
             raise Ignore()
+        if claim.outcome == "claimed" and claim.row is not None and limits.rate is not None:
+            self._take_start(task, claim.row, token, limits.rate, back)
         if claim.outcome == "early":
             self._drop_early(task, definition, attempt, claim, back)
         if claim.outcome != "claimed" or claim.row is None:
@@ -261,6 +273,24 @@ class Fence:
             raise ending.visible or HandlerAbortedError()
         if result == "retrying":
             raise Retry(exc=ending.visible, when=row.options.run.delay_before_retry(row.attempt))
+        raise Ignore()
+
+    def _take_start(
+        self, task: Task, row: DispatchRow, token: str, rate: Rate, back: MessageHeader
+    ) -> None:
+        """Take a start of the job's rate limit for the claimed run, before anything of
+        its handler runs; with none free, set the run back to wait for its window
+        (acknowledged, not an attempt) and end the delivery."""
+        group = group_of(row.group_key)
+        wait = self._waits.run(
+            task,
+            lambda: self._ledger.take_permit(row.job_name, group, rate.count, rate.per_seconds),
+            back,
+        )
+        if wait is None:
+            return
+        self._waits.run(task, lambda: self._slots.wait_for_rate(row, token, rate), back)
+        telemetry.current().set(outcome="waiting: rate")
         raise Ignore()
 
     def _when_due(

@@ -18,6 +18,7 @@ from pydantic_core import to_jsonable_python
 from typing_extensions import TypeVar as DefaultedTypeVar
 
 from .errors import JobDefinitionError, PayloadValidationError, PublishOptionsError
+from .limits import Limits
 from .options import JobOptions, validate_job_options
 
 P = TypeVar("P", bound=BaseModel)
@@ -103,6 +104,8 @@ class JobDefinition(Generic[P]):
         self.schema: type[P] = schema
         self.handler = handler
         self.options: JobOptions = validated
+        #: Its `concurrency_limit` and `rate_limit`, enforced by the ledger's claim.
+        self.limits = Limits.of(validated)
         #: Also true for a callable object whose `__call__` is `async def`: its call
         #: returns a coroutine that must be run, not dropped.
         self.is_async = inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(

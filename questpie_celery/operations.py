@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from .errors import LedgerSchemaError, PublishOptionsError
-from .ledger import Ledger
+from .ledger import GroupCounts, Ledger
 from .outbox import DEFAULT_REDELIVER_AFTER_SECONDS, PENDING_GRACE_SECONDS
 from .receipts import DispatchDetail
 from .schedules import ScheduleInfo, schedule_infos
@@ -64,6 +64,8 @@ class Overview:
     taken_at: datetime
     #: What this ledger cannot show yet (its schema is older), in a person's words.
     missing: list[str] = field(default_factory=list)
+    #: The groups of limited jobs that hold seats or have runs waiting for a limit.
+    groups: list[GroupCounts] = field(default_factory=list)
 
 
 class Operator:
@@ -155,6 +157,12 @@ class Operator:
             for job, slot, count, oldest in self._ledger.parked_slots(limit)
         ]
 
+    def groups(self, limit: int = 500) -> list[GroupCounts]:
+        """Each group of a job with a concurrency or rate limit that holds seats or has
+        runs waiting: its running count, its runs waiting for a seat or for their rate
+        window, and those sent on to a seat not yet claimed."""
+        return self._ledger.group_counts(min(limit, MAX_PAGE))
+
     def backlog(self, seconds: float = 3600.0) -> list[tuple[datetime, int]]:
         """How many dispatches were due for the relay to send, as running relays sampled
         it (about twice a minute) over the last `seconds`, oldest first."""
@@ -196,6 +204,7 @@ class Operator:
             schedules=schedules,
             taken_at=self._ledger.now(),
             missing=missing,
+            groups=self.groups(limit=limit),
         )
 
     def requeue(self, dispatch_id: str) -> DispatchDetail:

@@ -16,6 +16,7 @@ from typing import Any, TypedDict, cast
 
 from .cron import Cron
 from .errors import PublishOptionsError
+from .limits import Rate, concurrency
 from .policies import QueuePolicy, QueuePolicyName
 
 DEFAULT_RETRY_LIMIT = 2
@@ -52,9 +53,13 @@ class JobOptions(TypedDict, total=False):
     expire_in_seconds: int
     queue: str
     cron: str  # a fixed schedule (read in UTC) that fires the job with the payload {}
+    concurrency_limit: int  # at most this many runs active at once, per group
+    rate_limit: str  # "N/s", "N/m" or "N/h": at most N runs started per window, per group
 
 
 JOB_OPTION_NAMES = frozenset(JobOptions.__annotations__)
+#: Job options that describe the job, not each dispatch: never merged into a publish's.
+_JOB_ONLY = frozenset({"cron", "concurrency_limit", "rate_limit"})
 
 
 @dataclass(frozen=True)
@@ -159,6 +164,7 @@ class DispatchOptions:
     run: RunOptions
     idempotency_key: str | None = None
     singleton_key: str | None = None
+    group_key: str | None = None
     queue_policy: QueuePolicy | None = None
     secret_payload: bool = False
     priority: int | None = None
@@ -209,6 +215,7 @@ class DispatchKeys(TypedDict, total=False):
 
     idempotency_key: str | None
     singleton_key: str | None
+    group_key: str | None
 
 
 class PublishOptions(DispatchKeys, ManyOptions, total=False):
@@ -249,6 +256,10 @@ def validate_job_options(options: Mapping[str, Any] | None) -> JobOptions:
     for name, value in options.items():
         if name == "cron":
             validated[name] = Cron.parse(value).expression
+        elif name == "concurrency_limit":
+            concurrency(value)
+        elif name == "rate_limit":
+            Rate.parse(value)
         else:
             _VALIDATORS[name](value, now)
     return cast(JobOptions, validated)
@@ -270,24 +281,27 @@ def resolve_many_options(
     idempotency_keys: Sequence[str | None] | None,
     singleton_keys: Sequence[str | None] | None,
     count: int,
+    group_keys: Sequence[str | None] | None = None,
 ) -> list[DispatchOptions]:
     """The options of each item of a bulk publish: the shared options merged once, then
     each item's keys, validated exactly as `resolve_options` validates one call's. An
     error names the item's index (never the key: a key may be sensitive)."""
     keys = _per_item(idempotency_keys, "idempotency_keys", count)
     singles = _per_item(singleton_keys, "singleton_keys", count)
+    groups = _per_item(group_keys, "group_keys", count)
     shared = _merge(job_options, call_options, ())
     resolved: list[DispatchOptions] = []
-    for index, (key, single) in enumerate(zip(keys, singles, strict=True)):
+    for index, (key, single, group) in enumerate(zip(keys, singles, groups, strict=True)):
         try:
             item = shared
-            if key is not None or single is not None:
+            if key is not None or single is not None or group is not None:
                 item = replace(
                     shared,
                     idempotency_key=None if key is None else _idempotency_key(key),
                     singleton_key=(
                         shared.singleton_key if single is None else _key(single, "singleton_key")
                     ),
+                    group_key=shared.group_key if group is None else _key(group, "group_key"),
                 )
             _check_keys(item)
         except PublishOptionsError as exc:
@@ -310,8 +324,8 @@ def _merge(
     job_options: JobOptions, call_options: Mapping[str, Any], ignore: tuple[str, ...]
 ) -> DispatchOptions:
     given = {k: v for k, v in call_options.items() if v is not None}
-    # A job's cron is its schedule, not an option of each dispatch.
-    inherited = {k: v for k, v in job_options.items() if k != "cron" and k not in ignore}
+    # A job's cron is its schedule, and its limits are its own: not options of a dispatch.
+    inherited = {k: v for k, v in job_options.items() if k not in _JOB_ONLY and k not in ignore}
     merged: dict[str, Any] = {**inherited, **given}
     now = datetime.now(UTC)
     values = {name: _VALIDATORS[name](value, now) for name, value in merged.items()}
@@ -325,6 +339,7 @@ def _merge(
         run=run,
         idempotency_key=values.get("idempotency_key"),
         singleton_key=values.get("singleton_key"),
+        group_key=values.get("group_key"),
         queue_policy=values.get("queue_policy"),
         secret_payload=values.get("secret_payload", False),
         priority=values.get("priority"),
@@ -449,6 +464,7 @@ def _queue(value: object) -> str:
 _VALIDATORS: dict[str, Any] = {
     "idempotency_key": lambda v, _now: _idempotency_key(v),
     "singleton_key": lambda v, _now: _key(v, "singleton_key"),
+    "group_key": lambda v, _now: _key(v, "group_key"),
     "queue_policy": lambda v, _now: _policy(v),
     "secret_payload": lambda v, _now: _bool(v, "secret_payload"),
     "priority": lambda v, _now: _int(v, "priority", 0, MAX_PRIORITY),

@@ -6,7 +6,7 @@ what a policy suppressed) is decided here. `publish.py` executes a plan on the l
 and the broker, `apublish.py` awaits the same plan from an event loop: the two differ
 only in how they run a statement and send.
 
-An unkeyed dispatch of a `standard` job, outside a transaction, not secret and not
+An unkeyed dispatch of a `standard` job without limits, outside a transaction, not secret and not
 delayed beyond the ETA horizon, is a plain Celery message under a fresh UUID, with no
 ledger row. Everything else becomes a ledger row first.
 
@@ -156,9 +156,11 @@ class Plan:
         *,
         in_transaction: bool = False,
         commit_hook: bool = True,
+        limited: bool = False,
     ) -> None:
         """`in_transaction`: written in a caller's transaction, which has an after-commit
-        hook unless it is a bare Connection."""
+        hook unless it is a bare Connection. `limited`: the job has a concurrency or rate
+        limit, which its runs' claims count in the ledger."""
         self.job_name = job_name
         self.bodies = bodies
         self.options = options
@@ -172,6 +174,7 @@ class Plan:
         self.plain_ok = (
             not in_transaction
             and not policy.ledgered
+            and not limited
             and not shared.secret_payload
             and not outbox.is_far_off(shared.start_after, self._now)
         )

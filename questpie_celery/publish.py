@@ -229,6 +229,7 @@ class Publisher:
             self._outbox,
             in_transaction=caller is not None,
             commit_hook=caller is None or caller.after_commit is not None,
+            limited=definition.limits.active,
         )
         conn = caller.connection if caller is not None else None
         ids: list[str | None] = []

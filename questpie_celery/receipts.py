@@ -65,6 +65,11 @@ class DispatchStatus:
     queued_at: datetime | None
     started_at: datetime | None
     finished_at: datetime | None
+    group_key: str | None = None
+    """The group it counts against for its job's concurrency and rate limits."""
+    waiting_for: str | None = None
+    """Why it waits, when a limit holds it: "concurrency" (every seat of its group is
+    taken; it is parked) or "rate" (no start of its group's window is left)."""
 
     @classmethod
     def of(cls, row: DispatchRow | None) -> DispatchStatus | None:
@@ -83,6 +88,8 @@ class DispatchStatus:
             queued_at=row.queued_at,
             started_at=row.started_at,
             finished_at=row.finished_at,
+            group_key=row.group_key,
+            waiting_for=row.waiting_for,
         )
 
 
@@ -131,6 +138,10 @@ class DispatchDetail:
     #: When the relay looks at it next; None when nothing is due for the relay.
     next_send_at: datetime | None
     lease_expires_at: datetime | None
+    #: The group it counts against for its job's limits, and what it waits for, if one
+    #: holds it ("concurrency" or "rate").
+    group_key: str | None = None
+    waiting_for: str | None = None
 
     @classmethod
     def of(cls, row: DispatchRow) -> DispatchDetail:
@@ -163,6 +174,8 @@ class DispatchDetail:
             run_after=row.run_after,
             next_send_at=row.next_send_at if waits_for_relay else None,
             lease_expires_at=row.lease_expires_at,
+            group_key=row.group_key,
+            waiting_for=row.waiting_for,
         )
 
     def to_json(self) -> dict[str, Any]:

@@ -201,7 +201,7 @@ class Relay:
         return moved + self._send_parked(), False
 
     def _send_parked(self) -> int:
-        return sum(
+        return self._slots.send_all_waiting() + sum(
             self._slots.send_next(job_name, slot)
             for job_name, slot in self._ledger.free_parked_slots()
         )

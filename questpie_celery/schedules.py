@@ -180,6 +180,7 @@ class Schedules:
                 tz=cron.tz,
                 payload=body,
                 singleton_key=options.singleton_key,
+                group_key=options.group_key,
                 options=options.stored(),
                 next_fire_at=cron.next_after(self._ledger.now()),
             )
@@ -255,6 +256,7 @@ class Schedules:
             run=row.options.run,
             idempotency_key=fire_key(row),
             singleton_key=row.singleton_key,
+            group_key=row.group_key,
             priority=row.options.priority,
             queue=row.options.queue,
         )
@@ -309,5 +311,6 @@ def _same(row: ScheduleRow, cron: Cron, body: dict[str, Any], options: DispatchO
         and row.tz == cron.tz
         and row.payload == body
         and row.singleton_key == options.singleton_key
+        and row.group_key == options.group_key
         and row.options == options.stored()
     )

@@ -27,6 +27,7 @@ from .jobs import JobDefinition
 from .leases import LeaseKeeper
 from .ledger import DispatchRow, Ledger, is_private_sqlite
 from .ledger.aio import AsyncLedger
+from .limits import Limits
 from .outbox import Outbox
 from .outcomes import Outcomes
 from .publish import Publisher
@@ -76,7 +77,13 @@ def wire(settings: Settings, discover: Callable[[], None]) -> Parts:
     sender = Sender(celery_app)
     outbox = Outbox(ledger, sender, settings.redeliver_after)
     policies = PolicyBook(ledger)
-    slots = Slots(ledger, outbox)
+    registry = JobRegistry()
+
+    def limits_of(job_name: str) -> Limits | None:
+        client = registry.by_name(job_name)
+        return client.definition.limits if client is not None else None
+
+    slots = Slots(ledger, outbox, limits_of)
     outcomes = Outcomes(ledger, outbox, slots)
     waits = DeliveryWait(ledger, sender)
     admission = Admission(ledger, waits, redeliver_after=lambda: outbox.redeliver_after)
@@ -103,7 +110,6 @@ def wire(settings: Settings, discover: Callable[[], None]) -> Parts:
     runner = Runner(
         fence, admission, waits, policies, context, relay.hear_unrun, outbox.sent_behind
     )
-    registry = JobRegistry()
 
     def registered_definition(job_name: str) -> JobDefinition[Any] | None:
         client = registry.by_name(job_name)

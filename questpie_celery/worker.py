@@ -178,7 +178,8 @@ class Runner:
         policy = self._waits.unledgered(
             task, lambda: self._policies.in_force(definition), header, definition
         )
-        if policy.ledgered:
+        if policy.ledgered or definition.limits.active:
+            # Its policy, or its limits, hold however it was sent: it goes through the fence.
             body, back = self._admission.plain(task, definition, policy, header, payload)
             return self._fence.run_admitted(task, definition, body, back)
         return self._run_plain(task, definition, header, payload)

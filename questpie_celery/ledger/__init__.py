@@ -5,8 +5,8 @@
 - `statements`: what every statement is built from, on the database's clock
 - `executor`: how every operation runs its statement (the one rerun, errors translated)
 - `store`: `Ledger`, the operations the rest of the package calls, assembled from one
-  module per concept (`migration`, `dispatches`, `claims`, `slots`, `policies`, `relay`,
-  `schedules`, `retention`, `views`), each with its statements
+  module per concept (`migration`, `dispatches`, `claims`, `slots`, `limits`, `policies`,
+  `relay`, `schedules`, `retention`, `views`), each with its statements
 - `inserts`: a publish's inserts as plans, which `dispatches` runs and `aio` awaits
 - `transactions`: rows written in a caller's Session or Connection
 - `wakeups`: relays listening for commits that wrote rows for them (PostgreSQL)
@@ -22,6 +22,7 @@ from .engine import (
     is_private_sqlite,
     mark_borrowed,
 )
+from .limits import GroupCounts
 from .rows import Claim, DispatchRow, NewDispatch, ScheduleRow
 from .schema import (
     EXPIRED,
@@ -49,6 +50,7 @@ __all__ = [
     "Borrowed",
     "Claim",
     "DispatchRow",
+    "GroupCounts",
     "Ledger",
     "NewDispatch",
     "ScheduleRow",

@@ -37,9 +37,14 @@ from .statements import (
     db_time,
     deliverable,
     delivered,
+    free_seat,
+    group_written,
     seconds,
     terminal_values,
 )
+
+#: How often one claim picks a seat again after another run took the one it picked.
+SEAT_TRIES = 5
 
 
 class ClaimStatements:
@@ -53,20 +58,34 @@ class ClaimStatements:
         # waits for its start or its retry (a forged one, a stale copy) runs nothing early.
         # Eager mode runs everything at once, as Celery's does (`any_time`).
         started = or_(bindparam("any_time", type_=Boolean), t.run_after <= now)
+        claimed: dict[str, Any] = {
+            "status": "active",
+            "attempt": t.attempt + 1,
+            "send_count": 0,  # the relay's budget counts sends per attempt
+            "claim_token": bindparam("new_token"),
+            "lease_expires_at": db_time(seconds("lease")),
+            "started_at": now,
+            "queued_at": delivered(),
+            # Nothing is due for the relay while a claim holds: it watches the lease.
+            "next_send_at": None,
+            "waiting_for": None,
+        }
         self.claim: Update = (
             update(dispatch_table)
             .where(deliverable(), started)
-            .values(
-                status="active",
-                attempt=t.attempt + 1,
-                send_count=0,  # the relay's budget counts sends per attempt
-                claim_token=bindparam("new_token"),
-                lease_expires_at=db_time(seconds("lease")),
-                started_at=now,
-                queued_at=delivered(),
-                # Nothing is due for the relay while a claim holds: it watches the lease.
-                next_send_at=None,
-            )
+            .values(**claimed)
+            .returning(*dispatch_table.c)
+        )
+        # A run of a job with a concurrency limit also takes a seat of its group: the one
+        # it kept while awaiting its retry, else the lowest free one below the limit. None
+        # free, and nothing is claimed; two claims that pick the same seat at once meet the
+        # seat index, and the loser picks again (`Claims.claim`).
+        free = free_seat()
+        keeps_seat = and_(t.status == "retry", t.seat.is_not(None))
+        self.claim_seated: Update = (
+            update(dispatch_table)
+            .where(deliverable(), started, or_(keeps_seat, free < bindparam("limit")))
+            .values(**claimed, **group_written(), seat=case((keeps_seat, t.seat), else_=free))
             .returning(*dispatch_table.c)
         )
         self.renew: Update = (
@@ -146,8 +165,8 @@ class ClaimStatements:
 
 #: The writes that carry a pooled ledger's settings (see `statements.add_preamble`).
 _CARRY_PREAMBLE = (
-    "claim", "renew", "finish", "retry", "lapse_retry", "lapse_fail", "send_when_due",
-    "send_unclaimed_now", "end_unclaimed",
+    "claim", "claim_seated", "renew", "finish", "retry", "lapse_retry", "lapse_fail",
+    "send_when_due", "send_unclaimed_now", "end_unclaimed",
 )  # fmt: skip
 
 
@@ -169,6 +188,7 @@ class Claims(Executor):
         token: str | None = None,
         *,
         any_time: bool = False,
+        concurrency: int | None = None,
     ) -> Claim:
         """Take the execution claim for delivery `attempt` of a dispatch of `job_name`.
 
@@ -182,7 +202,7 @@ class Claims(Executor):
         on every try of one delivery, so a try whose reply was lost is ours.
         """
         token = token or str(uuid.uuid4())
-        params = {
+        params: dict[str, Any] = {
             "dispatch_id": dispatch_id,
             "job": job_name,
             "previous": attempt - 1,
@@ -190,10 +210,19 @@ class Claims(Executor):
             "lease": lease_seconds,
             "any_time": any_time,
         }
-        try:
-            row = self._row(self._claims_sql.claim, params)
-        except SlotTaken:
-            return Claim("blocked")
+        stmt = self._claims_sql.claim
+        if concurrency is not None:
+            stmt, params["limit"] = self._claims_sql.claim_seated, concurrency
+        for _ in range(SEAT_TRIES):
+            try:
+                row = self._row(stmt, params)
+            except SlotTaken as taken:
+                if taken.seat:
+                    continue  # another run took the same seat this instant: pick again
+                return Claim("blocked")
+            break
+        else:
+            row = None
         if row is not None:
             return Claim("claimed", row, token)
         # Not claimed: read the row to say why (the answer may be a moment old).
@@ -208,8 +237,12 @@ class Claims(Executor):
         if found.status == "active" and found.attempt == attempt:
             return Claim("busy", found)
         due_in = (found.run_after - read["now"]).total_seconds()
-        if found.status in CLAIMABLE and found.attempt == attempt - 1 and due_in > 0:
-            return Claim("early", found, due_in=due_in)
+        if found.status in CLAIMABLE and found.attempt == attempt - 1:
+            if due_in > 0 and not any_time:
+                return Claim("early", found, due_in=due_in)
+            if concurrency is not None:
+                # Due, and this very attempt's: every seat of its group is held.
+                return Claim("blocked", found, blocked_by="concurrency")
         return Claim("stale", found)
 
     def send_when_due(self, dispatch_id: str, job_name: str, attempt: int) -> bool:

@@ -40,7 +40,17 @@ POOLED_HINT = "pass pooled=True (--pooled, QUESTPIE_POOLED)"
 
 
 class SlotTaken(Exception):
-    """A statement met a queue-policy slot index (internal to the ledger)."""
+    """A statement met a queue-policy slot index, or (`seat`) the concurrency limit's
+    seat index (internal to the ledger)."""
+
+    def __init__(self, *, seat: bool = False) -> None:
+        super().__init__()
+        self.seat = seat
+
+
+#: The index of the concurrency limit's seats (`schema.py`), as both dialects name it in
+#: the error of a statement that meets it.
+SEAT_INDEX = "questpie_limit_seat"
 
 
 def was_rolled_back(error: BaseException) -> bool:
@@ -106,8 +116,9 @@ class Reruns:
             self._done = True
             return False
         if isinstance(error, exc.IntegrityError):
-            # Only the queue-policy slot indexes can refuse the ledger's statements.
-            raise SlotTaken() from None
+            # Only the queue-policy slot indexes and the seat index can refuse the ledger's
+            # statements.
+            raise SlotTaken(seat=SEAT_INDEX in str(error.orig)) from None
         return isinstance(error, exc.DBAPIError) and self.again(error)
 
     def again(self, error: exc.DBAPIError) -> bool:

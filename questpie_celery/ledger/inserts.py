@@ -136,6 +136,7 @@ def row_params(new: NewDispatch) -> dict[str, Any]:
         "job_name": new.job_name,
         "idempotency_key": new.idempotency_key,
         "singleton_key": new.singleton_key,
+        "group_key": new.group_key,
         "status": new.status,
         "attempt": new.attempt,
         "policy": new.policy if new.slot is not None else None,
@@ -171,6 +172,6 @@ def batch_params(batch: Sequence[NewDispatch]) -> dict[str, Any]:
 
 _SHARED = ("job_name", "status", "secret", "options", "run_after", "next_send_at", "send_in")
 _PER_ROW = (
-    "id", "idempotency_key", "singleton_key", "slot", "payload",
+    "id", "idempotency_key", "singleton_key", "group_key", "slot", "payload",
     "secret_ciphertext", "secret_wrapped_key", "secret_key_id",
 )  # fmt: skip

@@ -47,6 +47,7 @@ class Migration(Executor):
             # too) then last a moment, not as long as the index builds below.
             _allow_pruned_options(conn)
             _widen_dispatch_ids(conn)
+            _add_limit_columns(conn)
         with translate_errors(self.migrate_command), self._begin() as conn:
             # create_all adds missing tables only; indexes added by a later version too.
             for table in metadata.sorted_tables:
@@ -109,11 +110,13 @@ def _allow_pruned_options(conn: Connection) -> None:
     if not conn.connection.driver_connection.in_transaction:  # type: ignore[union-attr]
         conn.exec_driver_sql("BEGIN IMMEDIATE")
     old = f"{name}_before_v4"
+    had = {c["name"] for c in inspect(conn).get_columns(name)}
     for index in dispatch_table.indexes:
         conn.exec_driver_sql(f"DROP INDEX IF EXISTS {index.name}")
     conn.exec_driver_sql(f"ALTER TABLE {name} RENAME TO {old}")
     dispatch_table.create(conn)
-    columns = ", ".join(column.name for column in dispatch_table.columns)
+    # The columns a later version added are new here: NULL in every copied row.
+    columns = ", ".join(column.name for column in dispatch_table.columns if column.name in had)
     conn.exec_driver_sql(f"INSERT INTO {name} ({columns}) SELECT {columns} FROM {old}")
     conn.exec_driver_sql(f"DROP TABLE {old}")
 
@@ -139,3 +142,22 @@ def _widen_dispatch_ids(conn: Connection) -> None:
         column = next(c for c in inspector.get_columns(table) if c["name"] == name)
         if getattr(column["type"], "length", None) is not None:
             conn.exec_driver_sql(f"ALTER TABLE {table} ALTER COLUMN {name} TYPE text")
+
+
+#: The columns schema version 6 added for the flow-control limits, with their types.
+_LIMIT_COLUMNS = (
+    (dispatch_table.name, "group_key", "TEXT"),
+    (dispatch_table.name, "seat", "INTEGER"),
+    (dispatch_table.name, "waiting_for", "VARCHAR(16)"),
+    (schedule_table.name, "group_key", "TEXT"),
+)
+
+
+def _add_limit_columns(conn: Connection) -> None:
+    """Schema version 6: the columns of the concurrency and rate limits. Nullable with no
+    default, so on both dialects adding one changes the catalog only: no row is
+    rewritten, and PostgreSQL's exclusive lock lasts a moment."""
+    inspector = inspect(conn)
+    for table, name, kind in _LIMIT_COLUMNS:
+        if name not in {c["name"] for c in inspector.get_columns(table)}:
+            conn.exec_driver_sql(f"ALTER TABLE {table} ADD COLUMN {name} {kind}")

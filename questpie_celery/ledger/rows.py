@@ -45,11 +45,18 @@ class DispatchRow:
     started_at: datetime | None
     finished_at: datetime | None
     last_error: str | None
+    group_key: str | None = None
+    #: The concurrency seat it holds while it runs (a limited job's run only).
+    seat: int | None = None
+    #: Why it waits for its job's limits: "concurrency" or "rate"; None otherwise.
+    waiting_for: str | None = None
     pruned: bool = False
 
     @classmethod
     def from_mapping(cls, row: Mapping[Any, Any]) -> DispatchRow:
         values = {name: row[name] for name in cls.__dataclass_fields__ if name != "pruned"}
+        # "" is how the limit indexes spell no group (see `statements.group_written`).
+        values["group_key"] = values["group_key"] or None
         if values["options"] is None:
             return cls(**{**values, "options": StoredOptions()}, pruned=True)
         return cls(**values)
@@ -72,6 +79,7 @@ class NewDispatch:
     options: StoredOptions
     idempotency_key: str | None = None
     singleton_key: str | None = None
+    group_key: str | None = None
     policy: QueuePolicy | None = None
     #: "queued" for a delivery the worker takes into the ledger: the broker already has it.
     status: Literal["pending", "queued"] = "pending"
@@ -95,6 +103,8 @@ class NewDispatch:
 
 
 ClaimOutcome = Literal["claimed", "done", "stale", "busy", "blocked", "unknown", "early"]
+#: What a `blocked` claim waits for: its policy slot, or one of its job's limits.
+BlockedBy = Literal["slot", "concurrency", "rate"]
 
 
 @dataclass(frozen=True)
@@ -108,8 +118,11 @@ class Claim:
     outcome: ClaimOutcome
     row: DispatchRow | None = None
     token: str | None = None
-    #: For `early`: seconds until the row is due, on the database's clock.
+    #: For `early`: seconds until the row is due, on the database's clock; for `blocked`
+    #: by the rate limit, seconds until a start is allowed.
     due_in: float = 0.0
+    #: For `blocked`: what it waits for.
+    blocked_by: BlockedBy = "slot"
 
 
 @dataclass(frozen=True)
@@ -126,6 +139,7 @@ class ScheduleRow:
     next_fire_at: datetime
     last_fire_at: datetime | None = None
     last_dispatch_id: str | None = None
+    group_key: str | None = None
 
     @classmethod
     def from_mapping(cls, row: Mapping[Any, Any]) -> ScheduleRow:

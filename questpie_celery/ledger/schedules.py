@@ -115,6 +115,7 @@ class Schedules(Executor):
             "tz": row.tz,
             "payload": row.payload,
             "singleton_key": row.singleton_key,
+            "group_key": row.group_key,
             "options": row.options,
             "next_fire_at": row.next_fire_at,
             "last_fire_at": None,

@@ -46,7 +46,7 @@ from sqlalchemy.types import DateTime, TypeDecorator
 from ..options import StoredOptions
 from ..policies import QueuePolicy
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 Status = Literal["pending", "queued", "parked", "active", "retry", "completed", "failed"]
 #: States from which a delivery may take the execution claim.
@@ -129,6 +129,9 @@ dispatch_table = Table(
     Column("job_name", String(200), nullable=False),
     Column("idempotency_key", Text, nullable=True),
     Column("singleton_key", Text, nullable=True),
+    # The group a run counts against for its job's concurrency and rate limits (NULL: the
+    # job as a whole); added in schema version 6, as `seat` and `waiting_for`.
+    Column("group_key", Text, nullable=True),
     Column("status", String(16), nullable=False),
     # The queue policy in force when the dispatch was accepted, and the slot it occupies
     # (its singleton key, or "" for the job as a whole); NULL for standard dispatches.
@@ -146,6 +149,11 @@ dispatch_table = Table(
     Column("options", StoredOptionsType, nullable=True),
     Column("attempt", Integer, nullable=False, default=0),
     Column("claim_token", String(36), nullable=True),
+    # The concurrency seat a run of a limited job holds while it runs (0 to limit - 1).
+    Column("seat", Integer, nullable=True),
+    # Why a waiting run waits for its job's limits ("concurrency", "rate"): set when it is
+    # parked for one, kept while it is on its way again, cleared by its claim.
+    Column("waiting_for", String(16), nullable=True),
     Column("lease_expires_at", UTCDateTime, nullable=True),
     Column("run_after", UTCDateTime, nullable=False),
     # Relay sends of the current attempt, and when the relay may (re)send the row next
@@ -181,6 +189,40 @@ _slot_index("questpie_slot_running", "one_running", RUNNING)
 _slot_index("questpie_slot_exclusive", "one_overall", WAITING + RUNNING)
 
 
+def _limit_indexes() -> None:
+    """The concurrency limit, enforced by the database: a run holds one of its group's
+    numbered seats while it runs, and a unique index allows each seat to one run, so of
+    two workers that pick the same seat one fails and picks again. A run that ends leaves
+    its seat by leaving the running states: no count to keep, nothing a dead worker holds
+    past its lease. And the waiting runs of each group, found in order to send on."""
+    t = dispatch_table.c
+    # A run without a group key has "" written there as it takes a seat or starts to
+    # wait (a plain column, not an expression: NULLs would never conflict).
+    group = t.group_key
+    seated = and_(t.seat.is_not(None), t.status.in_(RUNNING))
+    Index(
+        "questpie_limit_seat",
+        t.job_name,
+        group,
+        t.seat,
+        unique=True,
+        postgresql_where=seated,
+        sqlite_where=seated,
+    )
+    waiting = and_(t.waiting_for.is_not(None), t.status.in_(("parked", "queued")))
+    Index(
+        "questpie_limit_waiting",
+        t.job_name,
+        group,
+        t.created_at,
+        postgresql_where=waiting,
+        sqlite_where=waiting,
+    )
+
+
+_limit_indexes()
+
+
 def _retention_index() -> None:
     """Retention's scan: ended rows it has yet to delete or prune, oldest end first.
 
@@ -207,6 +249,19 @@ policy_table = Table(
     Column("job_name", String(200), primary_key=True),
     Column("policy", PolicyType, nullable=False),
     Column("updated_at", UTCDateTime, nullable=False),
+)
+
+#: The rate limit's permits: `count` numbered rows per (job, group), each holding when a
+#: run last started on it. A start takes a permit whose last start is at least the
+#: window ago, with a conditional update, so each permit starts at most one run per
+#: window and no window ever holds more than `count` starts. Added in schema version 6.
+rate_permit_table = Table(
+    "questpie_rate_permit",
+    metadata,
+    Column("job_name", String(200), primary_key=True),
+    Column("group_key", Text, primary_key=True),  # "" for the job as a whole
+    Column("seat", Integer, primary_key=True),
+    Column("started_at", UTCDateTime, nullable=False),
 )
 
 schema_version_table = Table(
@@ -254,6 +309,7 @@ schedule_table = Table(
     Column("tz", String(64), nullable=False),
     Column("payload", JSON, nullable=False),
     Column("singleton_key", Text, nullable=True),
+    Column("group_key", Text, nullable=True),  # added in version 6
     Column("options", StoredOptionsType, nullable=False),
     Column("next_fire_at", UTCDateTime, nullable=False),
     Column("last_fire_at", UTCDateTime, nullable=True),

@@ -14,7 +14,16 @@ from sqlalchemy import ColumnElement, Select, Update, and_, bindparam, select, u
 from .executor import Executor
 from .rows import DispatchRow
 from .schema import RUNNING, dispatch_table
-from .statements import add_preamble, by_id, db_time, deliverable, delivered, seconds, slot_busy
+from .statements import (
+    add_preamble,
+    by_id,
+    db_time,
+    deliverable,
+    delivered,
+    group_written,
+    seconds,
+    slot_busy,
+)
 
 
 class SlotStatements:
@@ -24,13 +33,21 @@ class SlotStatements:
         t = dispatch_table.c
         in_slot = and_(t.job_name == bindparam("job"), t.slot == bindparam("slot_key"))
         # Parked, a run waits for its slot, not for the relay: unparking makes it due again.
+        # `waiting_for` says which: NULL for its policy slot, or one of its job's limits.
         self.park: Update = (
             update(dispatch_table)
             .where(deliverable())
-            .values(status="parked", queued_at=delivered(), next_send_at=None)
+            .values(
+                status="parked",
+                queued_at=delivered(),
+                next_send_at=None,
+                waiting_for=bindparam("waiting_for"),
+                **group_written(),
+            )
         )
+        parked_for_slot = and_(t.status == "parked", t.waiting_for.is_(None))
         self.oldest_parked: Select[Any] = (
-            select(t.id).where(in_slot, t.status == "parked").order_by(t.created_at, t.id).limit(1)
+            select(t.id).where(in_slot, parked_for_slot).order_by(t.created_at, t.id).limit(1)
         )
         self.unpark: Update = (
             update(dispatch_table)
@@ -50,7 +67,12 @@ def _free_parked_slots() -> Select[Any]:
     t = dispatch_table.c
     return (
         select(t.job_name, t.slot)
-        .where(t.status == "parked", ~slot_busy(t.job_name, t.slot))
+        .where(
+            t.status == "parked",
+            t.waiting_for.is_(None),
+            t.slot.is_not(None),
+            ~slot_busy(t.job_name, t.slot),
+        )
         .distinct()
         .limit(bindparam("limit"))
     )
@@ -63,9 +85,17 @@ class Slots(Executor):
         super()._prepare(dialect, preamble)
         self._slots_sql = SlotStatements(dialect, preamble)
 
-    def park(self, dispatch_id: str, job_name: str, attempt: int) -> bool:
-        """Set a delivered run aside until its slot frees; not an attempt."""
-        params = {"dispatch_id": dispatch_id, "job": job_name, "previous": attempt - 1}
+    def park(
+        self, dispatch_id: str, job_name: str, attempt: int, waiting_for: str | None = None
+    ) -> bool:
+        """Set a delivered run aside until its slot frees (or, `waiting_for`
+        "concurrency", a seat of its group); not an attempt."""
+        params = {
+            "dispatch_id": dispatch_id,
+            "job": job_name,
+            "previous": attempt - 1,
+            "waiting_for": waiting_for,
+        }
         count, retried = self._run(self._slots_sql.park, params)
         if count or not retried:
             return bool(count)

@@ -224,3 +224,43 @@ def slot_busy(job: ColumnElement[Any], slot: ColumnElement[Any]) -> ColumnElemen
     return (
         select(other.c.id).where(other.c.job_name == job, other.c.slot == slot, on_its_way).exists()
     )
+
+
+def limit_group(table: Any = dispatch_table) -> ColumnElement[Any]:
+    """The group a row counts against for its job's limits ("" for the job as a whole).
+    A row that holds a seat or waits for a limit has it written (`group_written`), so
+    those are found by the plain column, through the limit indexes."""
+    return func.coalesce(table.c.group_key, "")
+
+
+def group_written() -> dict[str, Any]:
+    """The values that write a row's group for the limit indexes: "" for none."""
+    return {"group_key": limit_group()}
+
+
+def free_seat() -> ColumnElement[Any]:
+    """The lowest concurrency seat no run of the row's own (job, group) holds: 0 if free,
+    else the lowest seat just above a held one that is free. Correlated to the row the
+    enclosing statement addresses; read through the seat index (`schema.py`)."""
+    t = dispatch_table
+    held = dispatch_table.alias("held")
+    above = dispatch_table.alias("held_above")
+
+    def seats(alias: Any) -> ColumnElement[bool]:
+        return and_(
+            alias.c.job_name == t.c.job_name,
+            alias.c.group_key == limit_group(t),
+            alias.c.seat.is_not(None),
+            alias.c.status.in_(RUNNING),
+        )
+
+    zero_held = select(held.c.seat).where(seats(held), held.c.seat == 0).exists()
+    lowest_gap = (
+        select(func.min(held.c.seat + 1))
+        .where(
+            seats(held),
+            ~select(above.c.seat).where(seats(above), above.c.seat == held.c.seat + 1).exists(),
+        )
+        .scalar_subquery()
+    )
+    return case((~zero_held, 0), else_=lowest_gap)

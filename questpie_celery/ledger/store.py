@@ -8,6 +8,7 @@ statement (autocommit, the one rerun, reading back) is `executor.py`'s:
   recording the broker's acceptance
 - `claims`: the fence's claim, its lease, and how an attempt ends
 - `slots`: parking runs, handing queue policy slots on
+- `limits`: the rate limit's permits, runs waiting for a limit sent on, groups' counts
 - `policies`: the queue policy recorded for each job
 - `relay`: the relay's takes, give-backs, give-ups, wake-ups and backlog samples
 - `schedules`: schedules and beat ticks
@@ -20,6 +21,7 @@ from __future__ import annotations
 from .claims import Claims
 from .dispatches import Dispatches
 from .engine import create_ledger_engine
+from .limits import Limits
 from .migration import Migration
 from .policies import Policies
 from .relay import Relay
@@ -29,7 +31,9 @@ from .slots import Slots
 from .views import Views
 
 
-class Ledger(Migration, Dispatches, Claims, Slots, Policies, Relay, Schedules, Retention, Views):
+class Ledger(
+    Migration, Dispatches, Claims, Slots, Limits, Policies, Relay, Schedules, Retention, Views
+):
     """The dispatch ledger in one database: every operation the rest of the package
     calls, each concept's from its own module.
 

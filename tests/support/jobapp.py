@@ -208,6 +208,21 @@ POLICY_JOBS = tuple(
 )
 
 
+#: Jobs with flow-control limits (tests/integration/test_limits.py): two runs at once per
+#: group; one at once, never retried; four starts a second per group.
+LIMIT_JOBS = (
+    job(
+        name="limit.concurrency",
+        schema=Work,
+        options={"concurrency_limit": 2, "retry_limit": 1},
+    )(policy_handler),
+    job(name="limit.one", schema=Work, options={"concurrency_limit": 1, "retry_limit": 0})(
+        policy_handler
+    ),
+    job(name="limit.rate", schema=Work, options={"rate_limit": "4/s"})(policy_handler),
+)
+
+
 @job(
     name="policy.singleton.overrun",
     schema=Work,
@@ -321,6 +336,7 @@ JOBS = (
     record_async,
     send_welcome_email,
     *POLICY_JOBS,
+    *LIMIT_JOBS,
     overrun,
     secret_link,
     permissive,

@@ -118,8 +118,13 @@ def test_slot_indexes_in_the_metadata_list_exactly_the_rules_policies(index_name
 
 
 def test_no_other_unique_index_limits_the_dispatch_table() -> None:
+    # The policy slots' indexes, and the concurrency limit's seats (held only while a run
+    # holds a seat: a limited job's).
     unique = {index.name for index in dispatch_table.indexes if index.unique}
-    assert unique == set(SLOT_INDEXES)
+    assert unique == {*SLOT_INDEXES, "questpie_limit_seat"}
+    seat = next(index for index in dispatch_table.indexes if index.name == "questpie_limit_seat")
+    assert [column.name for column in seat.columns] == ["job_name", "group_key", "seat"]
+    assert "seat IS NOT NULL" in str(seat.dialect_options["postgresql"]["where"])
 
 
 def test_slot_indexes_in_a_migrated_database_list_exactly_the_rules_policies(

@@ -1,0 +1,292 @@
+"""The flow-control limits' statements: the rate limit's permits, a run set back to wait
+for its window, the next waiting run of a group sent on, and each group's counts.
+
+The concurrency limit itself is the claim's seat (`claims.py`, `statements.free_seat`)
+and the seat index (`schema.py`); a run it turns away is parked (`slots.py`) with
+`waiting_for` "concurrency".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    ColumnElement,
+    Integer,
+    Select,
+    Update,
+    and_,
+    bindparam,
+    case,
+    func,
+    or_,
+    select,
+    type_coerce,
+    update,
+)
+
+from .errors import SlotTaken
+from .executor import Executor
+from .rows import DispatchRow
+from .schema import RUNNING, UTCDateTime, dispatch_table, rate_permit_table
+from .statements import add_preamble, by_id, db_time, group_written, insert_or_nothing, seconds
+
+#: A permit never used: its window has long passed.
+_NEVER = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+@dataclass(frozen=True)
+class GroupCounts:
+    """What one group of a limited job holds and waits for, as the operator sees it."""
+
+    job_name: str
+    group_key: str  # "" for the job as a whole
+    running: int  # runs holding a concurrency seat
+    waiting_for_concurrency: int
+    waiting_for_rate: int
+    #: Runs sent on to their seat (or their window) and not yet claimed.
+    on_their_way: int
+
+
+def priority_first() -> list[ColumnElement[Any]]:
+    """Waiting runs in the order they go: higher priority first (unset counts as 0),
+    then first come, first served."""
+    t = dispatch_table.c
+    priority = type_coerce(t.options, JSON)["priority"].as_integer()
+    return [func.coalesce(priority, 0).desc(), t.created_at, t.id]
+
+
+class LimitStatements:
+    """The limits' statements for one dialect."""
+
+    def __init__(self, dialect: str, preamble: ColumnElement[bool] | None) -> None:
+        t = dispatch_table.c
+        p = rate_permit_table.c
+        now = db_time()
+        permits = and_(
+            p.job_name == bindparam("job"),
+            p.group_key == bindparam("group"),
+            p.seat < bindparam("count"),
+        )
+        window_passed = p.started_at <= db_time(-seconds("window"))
+        oldest_free = (
+            select(p.seat).where(permits, window_passed).order_by(p.started_at, p.seat).limit(1)
+        )
+        if dialect == "postgresql":
+            # Concurrent starters each take a different permit instead of queueing on one.
+            oldest_free = oldest_free.with_for_update(skip_locked=True)
+        # Conditional on the window again: two starters that chose the same permit cannot
+        # both take it (the second finds it just started, and takes nothing).
+        self.take_permit: Update = (
+            update(rate_permit_table)
+            .where(permits, window_passed, p.seat == oldest_free.scalar_subquery())
+            .values(started_at=now)
+            .returning(p.seat)
+        )
+        self.add_permits = insert_or_nothing(dialect, rate_permit_table).values(
+            job_name=bindparam("job"),
+            group_key=bindparam("group"),
+            seat=bindparam("seat"),
+            started_at=bindparam("never", type_=UTCDateTime),
+        )
+        self.permits: Select[Any] = select(p.started_at, now.label("now")).where(permits)
+        # Rows that hold a seat or wait for a limit have their group written (see
+        # `statements.group_written`): found by the plain column, through the limit indexes.
+        in_group = and_(t.job_name == bindparam("job"), t.group_key == bindparam("group"))
+        waiting = t.status.in_(("parked", "queued", "retry"))
+        # Runs of the group already waiting for their window that go before this one.
+        priority = func.coalesce(type_coerce(t.options, JSON)["priority"].as_integer(), 0)
+        self.rate_ahead: Select[Any] = select(func.count()).where(
+            in_group,
+            t.waiting_for == "rate",
+            waiting,
+            t.id != bindparam("dispatch_id"),
+            priority >= bindparam("priority", type_=Integer),
+        )
+        # A claimed run the rate limit turns away, before its handler: as it was before
+        # the claim (not an attempt), due when its window comes. A first attempt waits as
+        # queued; one that the policy's waiting slot now refuses (another run took it
+        # meanwhile), or a retry, waits as a retry does, keeping its running slot.
+        held = and_(by_id(), t.claim_token == bindparam("token"), t.status == "active")
+        back: dict[str, Any] = {
+            "attempt": t.attempt - 1,
+            "claim_token": None,
+            "lease_expires_at": None,
+            "started_at": case((t.attempt == 1, None), else_=t.started_at),
+            "waiting_for": "rate",
+            **group_written(),
+            "run_after": db_time(seconds("retry_in")),
+            "next_send_at": db_time(seconds("relay_in")),
+        }
+        self.wait_queued: Update = (
+            update(dispatch_table)
+            .where(held, t.attempt == 1)
+            .values(status="queued", **back)
+            .returning(*dispatch_table.c)
+        )
+        self.wait_retry: Update = (
+            update(dispatch_table)
+            .where(held)
+            .values(status="retry", **back)
+            .returning(*dispatch_table.c)
+        )
+        # The concurrency limit's hand-on: the group's first waiting run goes (and keeps
+        # `waiting_for` until its claim, so it counts as on its way).
+        first_parked = (
+            select(t.id)
+            .where(in_group, t.status == "parked", t.waiting_for == "concurrency")
+            .order_by(*priority_first())
+            .limit(1)
+            .scalar_subquery()
+        )
+        self.unpark_first: Update = (
+            update(dispatch_table)
+            .where(t.id == first_parked, t.status == "parked")
+            .values(status="queued", next_send_at=db_time(seconds("redeliver_in")))
+            .returning(*dispatch_table.c)
+        )
+        seated = and_(t.seat.is_not(None), t.status.in_(RUNNING))
+        on_way = and_(t.status.in_(("queued", "pending")), t.waiting_for == "concurrency")
+        self.taken: Any = select(
+            func.count().filter(seated).label("running"),
+            func.count().filter(on_way).label("on_way"),
+        ).where(in_group, or_(seated, on_way))
+        group = t.group_key.label("group_key")
+        waiting_row = and_(t.waiting_for.is_not(None), waiting)
+        parked_conc = and_(t.status == "parked", t.waiting_for == "concurrency")
+        self.groups: Select[Any] = (
+            select(
+                t.job_name,
+                group,
+                func.count().filter(seated).label("running"),
+                func.count().filter(parked_conc).label("waiting_for_concurrency"),
+                func.count().filter(t.waiting_for == "rate").label("waiting_for_rate"),
+                func.count().filter(on_way).label("on_their_way"),
+            )
+            .where(or_(seated, waiting_row))
+            .group_by(t.job_name, group)
+            .order_by(t.job_name, group)
+            .limit(bindparam("limit"))
+        )
+        self.waiting_groups: Select[Any] = (
+            select(t.job_name, group)
+            .where(t.status == "parked", t.waiting_for == "concurrency")
+            .distinct()
+            .limit(bindparam("limit"))
+        )
+        add_preamble(self, preamble, ("take_permit", "wait_queued", "wait_retry", "unpark_first"))
+
+
+class Limits(Executor):
+    """The rate limit's permits, runs set back for their window, and the groups' counts."""
+
+    def _prepare(self, dialect: str, preamble: ColumnElement[bool] | None) -> None:
+        super()._prepare(dialect, preamble)
+        self._limits_sql = LimitStatements(dialect, preamble)
+
+    def take_permit(self, job_name: str, group: str, count: int, window: float) -> float | None:
+        """Take a start of the rate limit `count` per `window` seconds for (job, group):
+        None when taken, else how many seconds until the next permit frees (0 when others
+        were taking them this instant)."""
+        params = {"job": job_name, "group": group, "count": count, "window": window}
+        for _ in range(2):
+            if self._first(self._limits_sql.take_permit, params) is not None:
+                return None
+            rows = self._execute(self._limits_sql.permits, params)
+            if len(rows) >= count:
+                now = rows[0]["now"]
+                soonest = min((r["started_at"] - now).total_seconds() for r in rows)
+                return max(0.0, float(soonest) + window)
+            # The group's first start (or a raised limit): its permits are made once.
+            self._execute(
+                self._limits_sql.add_permits,
+                [
+                    {"job": job_name, "group": group, "seat": seat, "never": _NEVER}
+                    for seat in range(count)
+                ],
+            )
+        return 0.0
+
+    def rate_wait(
+        self, job_name: str, group: str, count: int, window: float, row: DispatchRow
+    ) -> float:
+        """How long `row` waits for its window: behind the group's runs already waiting
+        that go before it, one permit each, in the order the permits free."""
+        params = {"job": job_name, "group": group, "count": count, "window": window}
+        rows = self._execute(self._limits_sql.permits, params)
+        if not rows:
+            return 0.0
+        now = rows[0]["now"]
+        frees = sorted(max(0.0, (r["started_at"] - now).total_seconds() + window) for r in rows)
+        ahead = self._first(
+            self._limits_sql.rate_ahead,
+            {
+                "job": job_name,
+                "group": group,
+                "dispatch_id": row.id,
+                "priority": row.options.priority or 0,
+            },
+        )
+        position = int(next(iter(ahead.values()))) if ahead is not None else 0
+        return float(frees[position % len(frees)] + (position // len(frees)) * window)
+
+    def wait_for_rate(
+        self, dispatch_id: str, token: str, *, retry_in: float, relay_in: float
+    ) -> DispatchRow | None:
+        """Set a claimed run back to wait `retry_in` s for its rate window, unrun and not
+        an attempt; `relay_in` is when the relay sends it if its message is lost. The row
+        as it now is, or None when the claim is no longer ours."""
+        params = {
+            "dispatch_id": dispatch_id,
+            "token": token,
+            "retry_in": retry_in,
+            "relay_in": relay_in,
+        }
+        try:
+            row = self._row(self._limits_sql.wait_queued, params)
+        except SlotTaken:
+            row = None  # its policy's waiting slot is taken: it waits as a retry does
+        if row is None:
+            row = self._row(self._limits_sql.wait_retry, params)
+        return row
+
+    def unpark_first(self, job_name: str, group: str, redeliver_in: float) -> DispatchRow | None:
+        """Move the first run parked for the group's concurrency (by priority, then age)
+        back to `queued`; the caller sends it. Conditional, so of several processes handing
+        seats on at once each wins a different run, or none."""
+        params = {"job": job_name, "group": group, "redeliver_in": redeliver_in}
+        for _ in range(3):
+            rows, retried = self._run(self._limits_sql.unpark_first, params)
+            if rows:
+                return DispatchRow.from_mapping(rows[0])
+            if not retried:
+                return None
+        return None
+
+    def seats_taken(self, job_name: str, group: str) -> int:
+        """Runs of the group holding a seat, and runs sent on to one not yet claimed."""
+        row = self._first(self._limits_sql.taken, {"job": job_name, "group": group})
+        return 0 if row is None else int(row["running"] or 0) + int(row["on_way"] or 0)
+
+    def concurrency_waiting_groups(self, limit: int = 100) -> list[tuple[str, str]]:
+        """(job, group) pairs with runs parked for their concurrency limit."""
+        rows = self._execute(self._limits_sql.waiting_groups, {"limit": limit})
+        return [(row["job_name"], row["group_key"]) for row in rows]
+
+    def group_counts(self, limit: int = 500) -> list[GroupCounts]:
+        """Each group that holds seats or has runs waiting for a limit, with its counts."""
+        rows = self._execute(self._limits_sql.groups, {"limit": limit})
+        return [
+            GroupCounts(
+                job_name=row["job_name"],
+                group_key=row["group_key"],
+                running=int(row["running"]),
+                waiting_for_concurrency=int(row["waiting_for_concurrency"]),
+                waiting_for_rate=int(row["waiting_for_rate"]),
+                on_their_way=int(row["on_their_way"]),
+            )
+            for row in rows
+        ]

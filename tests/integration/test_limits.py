@@ -1,0 +1,251 @@
+"""Concurrency and rate limits per group, enforced by the ledger for every worker:
+real prefork workers (two of them), PostgreSQL or SQLite, Redis or RabbitMQ.
+
+What ran, and when, is read from the start and end rows the handlers record; a run held
+open by a gate stays active for as long as the test wants.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import threading
+import uuid
+from datetime import datetime, timedelta
+
+import pytest
+from click.testing import CliRunner
+
+from questpie_celery.cli import main
+from questpie_celery.ledger import Ledger, NewDispatch
+from questpie_celery.options import StoredOptions
+from tests.support.stack import Stack, tag
+
+
+def group() -> str:
+    return f"tenant-{uuid.uuid4().hex[:8]}"
+
+
+def most_at_once(stack: Stack, t: str, dispatch_ids: set[str] | None = None) -> int:
+    """The most runs of tag `t` (of `dispatch_ids`, when given) that were running at one
+    instant, from their recorded starts and ends."""
+    starts = {(r["dispatch_id"], r["attempt"]): r["ran_at"] for r in stack.runs(t)}
+    events: list[tuple[datetime, int]] = []
+    for end in stack.runs(t, phase="end"):
+        if dispatch_ids is not None and end["dispatch_id"] not in dispatch_ids:
+            continue
+        # An end sorts before a start at the same instant: they did not overlap.
+        events += [(starts[(end["dispatch_id"], end["attempt"])], 1), (end["ran_at"], -1)]
+    running = peak = 0
+    for _, step in sorted(events):
+        running += step
+        peak = max(peak, running)
+    return peak
+
+
+def most_starts_within(starts: list[datetime], window: float) -> int:
+    """The most of `starts` inside any window of `window` seconds."""
+    ordered = sorted(starts)
+    return max(
+        (
+            sum(1 for later in ordered[i:] if later - first < timedelta(seconds=window))
+            for i, first in enumerate(ordered)
+        ),
+        default=0,
+    )
+
+
+@pytest.fixture(scope="module")
+def two_workers(stack: Stack) -> Stack:
+    """The module's stack with a second prefork worker: four pool processes in all."""
+    if not stack.extra_workers:
+        stack.start_worker()
+    return stack
+
+
+def test_concurrency_limit_holds_per_group_across_two_workers(two_workers: Stack) -> None:
+    stack = two_workers
+    t = tag()
+    client = stack.questpie.queue.limit_concurrency
+    groups = [group(), group()]
+    ids = {
+        g: [client.publish({"tag": t, "sleep": 0.4}, group_key=g) for _ in range(5)] for g in groups
+    }
+    for dispatch_id in itertools.chain(*ids.values()):
+        assert dispatch_id is not None
+        row = stack.wait_status(dispatch_id, "completed", timeout=60)
+        # Waiting for a seat is not an attempt: each ran once, first time.
+        assert row.attempt == 1
+        assert row.waiting_for is None
+    for g in groups:
+        assert most_at_once(stack, t, set(map(str, ids[g]))) <= 2
+    # One group at its limit never held the other back: four ran at once somewhere.
+    assert most_at_once(stack, t) > 2
+    assert len(stack.runs(t)) == 10  # every run started exactly once
+
+
+def test_waiting_runs_say_why_and_go_by_priority_then_age(two_workers: Stack) -> None:
+    stack = two_workers
+    t, g = tag(), group()
+    client = stack.questpie.queue.limit_one
+    gate = stack.gate()
+    first = client.publish({"tag": t, "gate": str(gate)}, group_key=g)
+    assert first is not None
+    stack.wait_status(first, "active")
+    low = client.publish({"tag": t}, group_key=g, priority=1)
+    older = client.publish({"tag": t}, group_key=g, priority=5)
+    newer = client.publish({"tag": t}, group_key=g, priority=5)
+    other = client.publish({"tag": t}, group_key=group())  # another tenant: not held back
+    assert low and older and newer and other
+    stack.wait_status(other, "completed")
+    for dispatch_id in (low, older, newer):
+        parked = stack.wait_status(dispatch_id, "parked")
+        assert parked.waiting_for == "concurrency"
+        status = stack.questpie.queue.get_status(dispatch_id)
+        assert status is not None
+        assert status.waiting_for == "concurrency" and status.group_key == g
+    counts = {(c.job_name, c.group_key): c for c in stack.ledger.group_counts()}
+    assert counts[("limit.one", g)].running == 1
+    assert counts[("limit.one", g)].waiting_for_concurrency == 3
+    listing = CliRunner().invoke(
+        main, ["dispatches", "groups", "--ledger-url", stack.env["QP_TEST_LEDGER"]]
+    )
+    assert listing.exit_code == 0, listing.output
+    assert g in listing.output and "limit.one" in listing.output
+    gate.open()
+    for dispatch_id in (first, low, older, newer):
+        stack.wait_status(dispatch_id, "completed")
+    started = [r["dispatch_id"] for r in stack.runs(t) if r["dispatch_id"] != other]
+    assert started == [first, older, newer, low]
+    assert most_at_once(stack, t, {first, low, older, newer}) == 1
+
+
+def test_a_killed_workers_seat_frees_within_its_lease(
+    make_stack: object,
+) -> None:
+    stack = make_stack(  # type: ignore[operator]
+        "redis", env={"QP_TEST_LEASE": "2", "QP_TEST_RELAY": "0.5"}
+    )
+    t, g = tag(), group()
+    client = stack.questpie.queue.limit_one
+    gate = stack.gate()
+    held = client.publish({"tag": t, "gate": str(gate)}, group_key=g)
+    assert held is not None
+    stack.wait_status(held, "active")
+    waiting = client.publish({"tag": t}, group_key=g)
+    assert waiting is not None
+    stack.wait_status(waiting, "parked")
+    pid = stack.wait_runs(t, 1)[0]["pid"]
+    os.kill(pid, signal.SIGKILL)  # the pool process holding the seat dies mid-run
+    # Its lease lapses, the relay ends the attempt (no retries left), the seat frees, and
+    # the waiting run goes.
+    stack.wait_status(held, "failed", timeout=30)
+    stack.wait_status(waiting, "completed", timeout=30)
+    gate.open()
+
+
+def test_rate_limit_holds_per_group_across_two_workers(two_workers: Stack) -> None:
+    stack = two_workers
+    t = tag()
+    client = stack.questpie.queue.limit_rate
+    busy, other = group(), group()
+    ids = [client.publish({"tag": t}, group_key=busy) for _ in range(10)]
+    others = [client.publish({"tag": t}, group_key=other) for _ in range(3)]
+    for dispatch_id in [*ids, *others]:
+        assert dispatch_id is not None
+        row = stack.wait_status(dispatch_id, "completed", timeout=60)
+        assert row.attempt == 1  # waiting for a window is not an attempt
+    starts = [r["ran_at"] for r in stack.runs(t) if r["dispatch_id"] in set(ids)]
+    assert len(starts) == 10
+    # Four a second, measured when each took its start (the handler records a moment
+    # later, so a little under the window).
+    assert most_starts_within(starts, 0.9) <= 4
+    # The other group started at once, not behind the busy one.
+    other_starts = [r["ran_at"] for r in stack.runs(t) if r["dispatch_id"] in set(others)]
+    assert max(other_starts) - min(starts) < timedelta(seconds=2)
+
+
+def test_concurrency_limit_on_sqlite_with_two_workers(sqlite_fs: Stack) -> None:
+    stack = sqlite_fs
+    if not stack.extra_workers:
+        stack.start_worker()
+    t, g = tag(), group()
+    client = stack.questpie.queue.limit_concurrency
+    ids = [client.publish({"tag": t, "sleep": 0.3}, group_key=g) for _ in range(6)]
+    for dispatch_id in ids:
+        assert dispatch_id is not None
+        assert stack.wait_status(dispatch_id, "completed", timeout=60).attempt == 1
+    assert most_at_once(stack, t) <= 2
+
+
+# --- the ledger alone, under contention --------------------------------------------------
+
+
+def _rows(ledger: Ledger, job: str, grp: str, count: int) -> list[str]:
+    ids = [f"{job}-{uuid.uuid4().hex}" for _ in range(count)]
+    for dispatch_id in ids:
+        assert ledger.insert(
+            NewDispatch(
+                id=dispatch_id,
+                job_name=job,
+                payload={},
+                options=StoredOptions(),
+                group_key=grp,
+                status="queued",
+            )
+        )
+    return ids
+
+
+def test_concurrent_claims_never_take_more_seats_than_the_limit(ledger: Ledger) -> None:
+    job = f"limited-{uuid.uuid4().hex[:6]}"
+    ids = _rows(ledger, job, "g", 12)
+    barrier = threading.Barrier(len(ids))
+    outcomes: dict[str, str] = {}
+
+    def claim(dispatch_id: str) -> None:
+        barrier.wait()
+        outcomes[dispatch_id] = ledger.claim(dispatch_id, job, 1, 30, concurrency=3).outcome
+
+    threads = [threading.Thread(target=claim, args=(i,)) for i in ids]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    claimed = [i for i, outcome in outcomes.items() if outcome == "claimed"]
+    assert len(claimed) == 3
+    assert {outcome for i, outcome in outcomes.items() if i not in claimed} == {"blocked"}
+    seats = sorted(ledger.get(i).seat for i in claimed)  # type: ignore[union-attr]
+    assert seats == [0, 1, 2]
+    # A run that ends frees its seat: the next claim takes that one.
+    finished = ledger.get(claimed[1])
+    assert finished is not None and finished.claim_token is not None
+    assert ledger.finish(finished.id, finished.claim_token, "completed", None)
+    waiting = next(i for i in ids if i not in claimed)
+    again = ledger.claim(waiting, job, 1, 30, concurrency=3)
+    assert again.outcome == "claimed" and again.row is not None
+    assert again.row.seat == finished.seat
+
+
+def test_concurrent_starts_take_at_most_the_rate(ledger: Ledger) -> None:
+    job = f"rated-{uuid.uuid4().hex[:6]}"
+    barrier = threading.Barrier(10)
+    taken: list[float | None] = []
+    lock = threading.Lock()
+
+    def start() -> None:
+        barrier.wait()
+        answer = ledger.take_permit(job, "g", 3, 60.0)
+        with lock:
+            taken.append(answer)
+
+    threads = [threading.Thread(target=start) for _ in range(10)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert taken.count(None) == 3
+    # Those refused learn how long until a start frees: about the window.
+    assert all(answer is not None and 0 <= answer <= 60 for answer in taken if answer is not None)
+    assert ledger.take_permit(job, "other", 3, 60.0) is None  # another group: its own
