@@ -147,7 +147,9 @@ class Questpie:
             self._configure()
         else:
             celery_app.on_after_configure.connect(self._on_configure, weak=False)
-        celery_app.steps["worker"].add(relay_step(self._relay, self._record_policies))
+        celery_app.steps["worker"].add(
+            relay_step(self._relay, self._record_policies, self._check_rate_limits)
+        )
         # A worker finalizes its app after importing the modules autodiscovery found and
         # before its pool forks: the declared jobs become tasks in every child.
         celery_app.on_after_finalize.connect(self._on_finalize, weak=False)
@@ -433,6 +435,23 @@ class Questpie:
         `apublish` calls opened (an asyncio engine's connections belong to their loop)."""
         await self._aledger.close()
         await asyncio.to_thread(self.close)
+
+    def _check_rate_limits(self) -> None:
+        """Refuse to start a worker where a job with a questpie `rate_limit` also has
+        Celery's own (`task_annotations`, `task_default_rate_limit`): the two would count
+        differently (Celery's per worker process, ours across every worker), and the
+        slower would silently win."""
+        for definition in self._registry.definitions().values():
+            if definition.limits.rate is None:
+                continue
+            celery_limit = getattr(self._celery_app.tasks.get(definition.name), "rate_limit", None)
+            if celery_limit:
+                raise JobDefinitionError(
+                    f"job {definition.name!r} has rate_limit={definition.options['rate_limit']!r}"
+                    f", counted by the ledger across every worker, and Celery's own "
+                    f"rate_limit {celery_limit!r} (per worker process, from task_annotations "
+                    "or task_default_rate_limit); keep one: remove Celery's for this job"
+                )
 
     def _record_policies(self) -> None:
         try:

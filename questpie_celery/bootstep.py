@@ -29,6 +29,9 @@ class RelayStep(bootsteps.StartStopStep):  # type: ignore[misc]  # celery is unt
     requires: ClassVar[set[str]] = {"celery.worker.components:Pool"}
     relay: ClassVar[Relay]
     record_policies: ClassVar[Callable[[], None]]
+    #: Refuses, by raising, a worker whose jobs are configured in a way that would
+    #: mislead (a questpie `rate_limit` beside Celery's own on one job).
+    check_jobs: ClassVar[Callable[[], None]]
 
     def __init__(self, worker: Any, **kwargs: Any) -> None:
         super().__init__(worker, **kwargs)
@@ -36,6 +39,7 @@ class RelayStep(bootsteps.StartStopStep):  # type: ignore[misc]  # celery is unt
         self._thread: threading.Thread | None = None
 
     def start(self, worker: Any) -> None:
+        type(self).check_jobs()
         try:
             type(self).record_policies()
         except QuestpieError as exc:
@@ -56,10 +60,16 @@ class RelayStep(bootsteps.StartStopStep):  # type: ignore[misc]  # celery is unt
     terminate = stop
 
 
-def relay_step(relay: Relay, record_policies: Callable[[], None]) -> type[RelayStep]:
+def relay_step(
+    relay: Relay, record_policies: Callable[[], None], check_jobs: Callable[[], None]
+) -> type[RelayStep]:
     """A `RelayStep` bound to one `Questpie`'s relay, for `app.steps["worker"]`."""
     return type(
         "QuestpieRelayStep",
         (RelayStep,),
-        {"relay": relay, "record_policies": staticmethod(record_policies)},
+        {
+            "relay": relay,
+            "record_policies": staticmethod(record_policies),
+            "check_jobs": staticmethod(check_jobs),
+        },
     )

@@ -974,8 +974,8 @@ def test_migrating_a_version_4_ledger_widens_its_dispatch_ids(ledger: Ledger) ->
     kept = _new()
     assert ledger.insert(kept)
     before = _make_version_4(ledger)
-    assert ledger.migrate() == SCHEMA_VERSION == 5
-    assert ledger.migrate() == 5
+    assert ledger.migrate() == SCHEMA_VERSION
+    assert ledger.migrate() == SCHEMA_VERSION
     if ledger.dialect == "postgresql":
         inspector = inspect(ledger.engine)
         for table, name in (

@@ -16,9 +16,10 @@ from datetime import datetime, timedelta
 
 import pytest
 from click.testing import CliRunner
+from sqlalchemy import inspect, text
 
 from questpie_celery.cli import main
-from questpie_celery.ledger import Ledger, NewDispatch
+from questpie_celery.ledger import SCHEMA_VERSION, Ledger, NewDispatch
 from questpie_celery.options import StoredOptions
 from tests.support.stack import Stack, tag
 
@@ -119,6 +120,23 @@ def test_waiting_runs_say_why_and_go_by_priority_then_age(two_workers: Stack) ->
     started = [r["dispatch_id"] for r in stack.runs(t) if r["dispatch_id"] != other]
     assert started == [first, older, newer, low]
     assert most_at_once(stack, t, {first, low, older, newer}) == 1
+
+
+def test_a_plain_celery_call_of_a_limited_job_counts_against_the_job(two_workers: Stack) -> None:
+    stack = two_workers
+    t = tag()
+    client = stack.questpie.queue.limit_one
+    gate = stack.gate()
+    held = client.publish({"tag": t, "gate": str(gate)})  # the job as a whole: one at once
+    assert held is not None
+    stack.wait_status(held, "active")
+    plain = stack.celery_app.tasks["limit.one"].delay({"tag": t})
+    parked = stack.wait_status(plain.id, "parked")  # taken into the ledger, and held back
+    assert parked.waiting_for == "concurrency" and parked.group_key is None
+    gate.open()
+    stack.wait_status(held, "completed")
+    stack.wait_status(plain.id, "completed")
+    assert most_at_once(stack, t) == 1
 
 
 def test_a_killed_workers_seat_frees_within_its_lease(
@@ -249,3 +267,32 @@ def test_concurrent_starts_take_at_most_the_rate(ledger: Ledger) -> None:
     # Those refused learn how long until a start frees: about the window.
     assert all(answer is not None and 0 <= answer <= 60 for answer in taken if answer is not None)
     assert ledger.take_permit(job, "other", 3, 60.0) is None  # another group: its own
+
+
+def test_migrating_a_version_5_ledger_adds_the_limits(ledger: Ledger) -> None:
+    """A ledger made before version 6 had no groups, seats, waits or permits."""
+    kept = _rows(ledger, "old-job", "g", 1)[0]
+    with ledger.engine.begin() as conn:
+        conn.execute(text("DROP INDEX questpie_limit_seat"))
+        conn.execute(text("DROP INDEX questpie_limit_waiting"))
+        conn.execute(text("DROP TABLE questpie_rate_permit"))
+        for table, column in (
+            ("questpie_queue_dispatch", "group_key"),
+            ("questpie_queue_dispatch", "seat"),
+            ("questpie_queue_dispatch", "waiting_for"),
+            ("questpie_schedule", "group_key"),
+        ):
+            conn.execute(text(f"ALTER TABLE {table} DROP COLUMN {column}"))
+    assert ledger.migrate() == SCHEMA_VERSION
+    assert ledger.migrate() == SCHEMA_VERSION
+    inspector = inspect(ledger.engine)
+    columns = {c["name"] for c in inspector.get_columns("questpie_queue_dispatch")}
+    assert {"group_key", "seat", "waiting_for"} <= columns
+    assert "questpie_rate_permit" in inspector.get_table_names()
+    indexes = {i["name"] for i in inspector.get_indexes("questpie_queue_dispatch")}
+    assert {"questpie_limit_seat", "questpie_limit_waiting"} <= indexes
+    old = ledger.get(kept)
+    assert old is not None and old.group_key is None  # the old row came through
+    claim = ledger.claim(kept, "old-job", 1, 30, concurrency=1)
+    assert claim.outcome == "claimed" and claim.row is not None and claim.row.seat == 0
+    assert ledger.take_permit("old-job", "", 1, 1.0) is None
