@@ -43,6 +43,8 @@ RETENTION_EVERY_SECONDS = 60.0
 RETENTION_BUDGET_SECONDS = 0.5
 #: Rows per statement: each statement locks only its own rows, for tens of milliseconds.
 RETENTION_BATCH = 1000
+#: A rate permit unused this long (twice the longest window, an hour) holds nothing.
+SPENT_PERMIT_SECONDS = 7200.0
 #: How often a relay tries again on a ledger whose schema is older than retention needs.
 RETENTION_RETRY_SECONDS = 300.0
 
@@ -108,12 +110,24 @@ class Retention:
                     time.sleep(took)  # leave the database to others as long again
         return Pruned(deleted, pruned, done=True)
 
+    def _prune_permits(self) -> None:
+        try:
+            self._ledger.prune_permits(older_than=SPENT_PERMIT_SECONDS, limit=RETENTION_BATCH)
+        except QuestpieError as exc:  # a schema before version 6 included
+            log.debug("rate permits not pruned (%s); trying again later", exc)
+
     def now_and_then(self) -> None:
         """The relay's retention step: at most every `RETENTION_EVERY_SECONDS`, within
-        `RETENTION_BUDGET_SECONDS`. Never raises: a failure waits for the next time."""
-        if self.period is None or time.monotonic() < self._next_run:
+        `RETENTION_BUDGET_SECONDS`. Never raises: a failure waits for the next time.
+
+        Rate permits unused for longer than any window are deleted too, whatever the
+        period (they are no history: a group's next start makes them again)."""
+        if time.monotonic() < self._next_run:
             return
         self._next_run = time.monotonic() + RETENTION_EVERY_SECONDS
+        self._prune_permits()
+        if self.period is None:
+            return
         try:
             result = self.prune(self.period, budget=RETENTION_BUDGET_SECONDS)
         except LedgerSchemaError as exc:

@@ -1,7 +1,8 @@
 """The status page: `questpie-celery web`, the ledger at a glance, read-only.
 
 One page (and the same data as JSON at `/overview.json`): dispatches per job and
-status, what is stuck and why, what failed, parked runs per queue-policy slot, and
+status, what is stuck and why, what failed, parked runs per queue-policy slot, the
+groups of jobs with concurrency or rate limits (running, waiting and why), and
 the relay's backlog over the last hour; and `/metrics`, the figures for Prometheus
 (`metrics.py`). It only reads, so it offers nothing to steer with;
 `questpie-celery dispatches requeue` does that.
@@ -18,7 +19,7 @@ import logging
 import socket
 from collections.abc import Callable
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
 from typing import Any, TypeVar, get_args
 
@@ -199,6 +200,7 @@ def overview_json(overview: Overview) -> dict[str, Any]:
             }
             for p in overview.parked
         ],
+        "groups": [asdict(g) for g in overview.groups],
         "schedules": [
             {
                 "job_name": sc.job_name,

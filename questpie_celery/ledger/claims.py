@@ -177,7 +177,12 @@ class Claims(Executor):
         super()._prepare(dialect, preamble)
         self._claims_sql = ClaimStatements(dialect, preamble)
         # Every fenced run makes these two; the lease thread renews with the third.
-        self._run_on_driver(self._claims_sql.claim, self._claims_sql.finish, self._claims_sql.renew)
+        self._run_on_driver(
+            self._claims_sql.claim,
+            self._claims_sql.claim_seated,
+            self._claims_sql.finish,
+            self._claims_sql.renew,
+        )
 
     def claim(
         self,

@@ -15,15 +15,18 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     ColumnElement,
+    Delete,
     Integer,
     Select,
     Update,
     and_,
     bindparam,
     case,
+    delete,
     func,
     or_,
     select,
+    tuple_,
     type_coerce,
     update,
 )
@@ -177,7 +180,19 @@ class LimitStatements:
             .distinct()
             .limit(bindparam("limit"))
         )
-        add_preamble(self, preamble, ("take_permit", "wait_queued", "wait_retry", "unpark_first"))
+        spent = (
+            select(p.job_name, p.group_key, p.seat)
+            .where(p.started_at < db_time(-seconds("older_than")))
+            .limit(bindparam("limit"))
+        )
+        self.prune_permits: Delete = delete(rate_permit_table).where(
+            tuple_(p.job_name, p.group_key, p.seat).in_(spent)
+        )
+        add_preamble(
+            self,
+            preamble,
+            ("take_permit", "wait_queued", "wait_retry", "unpark_first", "prune_permits"),
+        )
 
 
 class Limits(Executor):
@@ -290,3 +305,9 @@ class Limits(Executor):
             )
             for row in rows
         ]
+
+    def prune_permits(self, *, older_than: float, limit: int) -> int:
+        """Delete up to `limit` rate permits last used over `older_than` seconds ago (more
+        than any window): a group's next start makes them again. How many went."""
+        params = {"older_than": older_than, "limit": limit}
+        return int(self._execute(self._limits_sql.prune_permits, params))

@@ -30,7 +30,7 @@ from ..errors import LedgerBusyError
 from .errors import SlotTaken
 from .executor import Executor
 from .rows import DispatchRow
-from .schema import dispatch_table
+from .schema import RUNNING, dispatch_table
 from .statements import add_preamble, db_time, slot_busy
 
 #: The most rows one reason's stuck count counts (for every job together).
@@ -103,8 +103,35 @@ def _stuck_where(*, grace: float, redeliver_after: float) -> dict[str, ColumnEle
         "accepted, never claimed": and_(
             t.status == "queued", t.queued_at < db_time(-redeliver_after)
         ),
-        "parked, slot free": and_(t.status == "parked", ~slot_busy(t.job_name, t.slot)),
+        "parked, slot free": and_(
+            t.status == "parked", t.waiting_for.is_(None), ~slot_busy(t.job_name, t.slot)
+        ),
+        # Whatever the limit, a group with no seat held and none on its way has room.
+        "parked, seats free": and_(
+            t.status == "parked", t.waiting_for == "concurrency", ~_group_busy()
+        ),
     }
+
+
+def _group_busy() -> ColumnElement[bool]:
+    """A run of the row's group holds a seat, or is on its way to one."""
+    t = dispatch_table.c
+    other = dispatch_table.alias("other")
+    return (
+        select(other.c.id)
+        .where(
+            other.c.job_name == t.job_name,
+            other.c.group_key == t.group_key,
+            or_(
+                and_(other.c.seat.is_not(None), other.c.status.in_(RUNNING)),
+                and_(
+                    other.c.status.in_(("pending", "queued")),
+                    other.c.waiting_for == "concurrency",
+                ),
+            ),
+        )
+        .exists()
+    )
 
 
 #: The reasons a dispatch is stuck, in the order the operator lists them.
@@ -145,7 +172,7 @@ def parked_slots_query(limit: int) -> Select[Any]:
             func.count().label("count"),
             func.min(t.created_at).label("oldest"),
         )
-        .where(t.status == "parked")
+        .where(t.status == "parked", t.waiting_for.is_(None))  # a limit's: `group_counts`
         .group_by(t.job_name, t.slot)
         .order_by(func.count().desc(), t.job_name, t.slot)
         .limit(limit)

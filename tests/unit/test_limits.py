@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
 from pydantic import BaseModel
+from sqlalchemy import select, update
 
 from questpie_celery import JobDefinitionError, PublishOptionsError, job
 from questpie_celery.ledger import Ledger
-from questpie_celery.limits import Limits, Rate
+from questpie_celery.ledger.schema import rate_permit_table
+from questpie_celery.limits import NO_LIMITS, Limits, Rate
+from questpie_celery.slots import Slots
 from tests.unit.helpers import IdleApp, new_dispatch, row_count
 
 
@@ -168,3 +172,77 @@ def test_a_run_refused_a_start_waits_unrun_and_uncounted(ledger: Ledger) -> None
     # Its next delivery is early until the window comes.
     assert ledger.claim(new.id, "rated", 1, 30).outcome == "early"
     assert row_count(ledger) == 1
+
+
+def test_permits_unused_for_longer_than_any_window_are_pruned(ledger: Ledger) -> None:
+    assert ledger.take_permit("rated", "old", 2, 1.0) is None
+    assert ledger.take_permit("rated", "new", 2, 1.0) is None
+    with ledger.engine.begin() as conn:
+        conn.execute(
+            update(rate_permit_table)
+            .where(rate_permit_table.c.group_key == "new")
+            .values(started_at=datetime.now(UTC))
+        )
+    # Only what is older than the age given goes: nothing used within the last minute...
+    assert ledger.prune_permits(older_than=60.0, limit=10) == 1  # old's unused one
+    # ... and, told an age in the future, everything (in batches of `limit`).
+    assert ledger.prune_permits(older_than=-3600.0, limit=1) == 1
+    assert ledger.prune_permits(older_than=-3600.0, limit=10) == 2
+    with ledger.engine.connect() as conn:
+        assert conn.execute(select(rate_permit_table)).all() == []
+    # A group whose permits went makes them again at its next start.
+    assert ledger.take_permit("rated", "old", 2, 1.0) is None
+
+
+def test_a_lowered_limit_lets_waiting_runs_go_only_under_it_and_a_removed_one_lets_all_go(
+    idle: IdleApp,
+) -> None:
+    ledger = idle.ledger
+    job_name = f"lowered-{uuid.uuid4().hex[:6]}"
+    group = f"g-{uuid.uuid4().hex[:6]}"
+    rows = [new_dispatch(job_name, group_key=group, status="queued") for _ in range(5)]
+    for new in rows:
+        assert ledger.insert(new)
+    # Under the old code's limit of 3, three run and two park.
+    held = [ledger.claim(new.id, job_name, 1, 30, concurrency=3) for new in rows[:3]]
+    assert all(claim.outcome == "claimed" for claim in held)
+    for new in rows[3:]:
+        assert ledger.claim(new.id, job_name, 1, 30, concurrency=3).outcome == "blocked"
+        assert ledger.park(new.id, job_name, 1, "concurrency")
+    # The new code (limit 1): two of three end, and still nothing goes.
+    slots = Slots(ledger, idle.questpie._outbox, lambda _: Limits(concurrency=1))
+    for claim in held[:2]:
+        assert claim.row is not None and claim.token is not None
+        assert ledger.finish(claim.row.id, claim.token, "completed", None)
+        slots.hand_on(claim.row)
+    assert {ledger.get(new.id).status for new in rows[3:]} == {"parked"}  # type: ignore[union-attr]
+    last = held[2]
+    assert last.row is not None and last.token is not None
+    assert ledger.finish(last.row.id, last.token, "completed", None)
+    slots.hand_on(last.row)
+    statuses = [ledger.get(new.id).status for new in rows[3:]]  # type: ignore[union-attr]
+    assert sorted(statuses) == ["parked", "queued"]  # one seat under the new limit: one goes
+    # With no limit in code at all, the relay's pass lets every waiting run go.
+    assert Slots(ledger, idle.questpie._outbox, lambda _: NO_LIMITS).send_all_waiting() == 1
+    assert {ledger.get(new.id).status for new in rows[3:]} == {"queued"}  # type: ignore[union-attr]
+
+
+def test_a_run_awaiting_its_retry_keeps_its_seat_and_a_delayed_one_takes_none(
+    ledger: Ledger,
+) -> None:
+    job_name = "limited"
+    first, second = (new_dispatch(job_name, status="queued") for _ in range(2))
+    later = new_dispatch(job_name, status="queued", run_after=datetime.now(UTC).replace(year=2100))
+    for new in (first, second, later):
+        assert ledger.insert(new)
+    # Not due: early, whatever the seats (it holds none and counts for nothing).
+    assert ledger.claim(later.id, job_name, 1, 30, concurrency=1).outcome == "early"
+    claim = ledger.claim(first.id, job_name, 1, 30, concurrency=1)
+    assert claim.outcome == "claimed" and claim.token is not None
+    assert ledger.retry(first.id, claim.token, retry_in=0.0, relay_in=60.0, error="Boom")
+    # Awaiting its retry, it holds the seat: another run of the group waits.
+    blocked = ledger.claim(second.id, job_name, 1, 30, concurrency=1)
+    assert (blocked.outcome, blocked.blocked_by) == ("blocked", "concurrency")
+    retried = ledger.claim(first.id, job_name, 2, 30, concurrency=1)
+    assert retried.outcome == "claimed" and retried.row is not None
+    assert retried.row.seat == 0 and retried.row.attempt == 2

@@ -236,7 +236,7 @@ def test_the_metrics_count_what_the_ledger_holds_zeros_included(ledger: Ledger) 
     assert stuck[(("job", "record"), ("reason", "never sent"))] == 2
     assert stuck[(("job", "stately"), ("reason", "parked, slot free"))] == 1
     assert stuck[(("job", "record"), ("reason", "lease lapsed"))] == 0
-    assert len(stuck) == 2 * 4
+    assert len(stuck) == 2 * 5  # every reason of every job
     assert figures["questpie_parked_runs"] == {(("job", "record"),): 0, (("job", "stately"),): 1}
     assert figures["questpie_relay_backlog"] == {(): 7}
     assert figures["questpie_ledger_up"] == {(): 1}
