@@ -34,7 +34,7 @@ from sqlalchemy import (
 from .errors import SlotTaken
 from .executor import Executor
 from .rows import DispatchRow
-from .schema import RUNNING, UTCDateTime, dispatch_table, rate_permit_table
+from .schema import LIMIT_WAITING, RUNNING, UTCDateTime, dispatch_table, rate_permit_table
 from .statements import add_preamble, by_id, db_time, group_written, insert_or_nothing, seconds
 
 #: A permit never used: its window has long passed.
@@ -99,7 +99,7 @@ class LimitStatements:
         # Rows that hold a seat or wait for a limit have their group written (see
         # `statements.group_written`): found by the plain column, through the limit indexes.
         in_group = and_(t.job_name == bindparam("job"), t.group_key == bindparam("group"))
-        waiting = t.status.in_(("parked", "queued", "retry"))
+        waiting = t.status.in_(LIMIT_WAITING)
         # Runs of the group already waiting for their window that go before this one.
         priority = func.coalesce(type_coerce(t.options, JSON)["priority"].as_integer(), 0)
         self.rate_ahead: Select[Any] = select(func.count()).where(
@@ -152,7 +152,7 @@ class LimitStatements:
             .returning(*dispatch_table.c)
         )
         seated = and_(t.seat.is_not(None), t.status.in_(RUNNING))
-        on_way = and_(t.status.in_(("queued", "pending")), t.waiting_for == "concurrency")
+        on_way = and_(t.status == "queued", t.waiting_for == "concurrency")
         self.taken: Any = select(
             func.count().filter(seated).label("running"),
             func.count().filter(on_way).label("on_way"),

@@ -55,6 +55,9 @@ TERMINAL: tuple[Status, ...] = ("completed", "failed")
 #: Accepted and waiting to run. A run awaiting its retry keeps the slot it held: running.
 WAITING: tuple[Status, ...] = ("pending", "queued", "parked")
 RUNNING: tuple[Status, ...] = ("active", "retry")
+#: The states of a run that waits for its job's limits (`waiting_for` set): parked for a
+#: seat, on its way to one, or set back for its rate window (as queued, or as a retry).
+LIMIT_WAITING: tuple[Status, ...] = ("parked", "queued", "retry")
 #: States the relay (re)sends once their next_send_at has passed.
 RESENDABLE: tuple[Status, ...] = ("pending", "queued", "retry")
 
@@ -209,7 +212,7 @@ def _limit_indexes() -> None:
         postgresql_where=seated,
         sqlite_where=seated,
     )
-    waiting = and_(t.waiting_for.is_not(None), t.status.in_(("parked", "queued")))
+    waiting = and_(t.waiting_for.is_not(None), t.status.in_(LIMIT_WAITING))
     Index(
         "questpie_limit_waiting",
         t.job_name,

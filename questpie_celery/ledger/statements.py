@@ -251,16 +251,27 @@ def free_seat() -> ColumnElement[Any]:
             alias.c.job_name == t.c.job_name,
             alias.c.group_key == limit_group(t),
             alias.c.seat.is_not(None),
-            alias.c.status.in_(RUNNING),
+            # Spelled out, not IN: the claim runs on psycopg's cursor, compiled once, and
+            # an IN list's parameters are expanded per execution (PostgreSQL proves the
+            # seat index's condition from either).
+            or_(*(alias.c.status == status for status in RUNNING)),
         )
 
-    zero_held = select(held.c.seat).where(seats(held), held.c.seat == 0).exists()
+    # Correlated to the addressed row explicitly: SQLAlchemy correlates a subquery only to
+    # the statement right around it, and the innermost one sits two levels down.
+    zero_held = (
+        select(held.c.seat).where(seats(held), held.c.seat == 0).correlate(t).exists()
+    )
+    next_held = (
+        select(above.c.seat)
+        .where(seats(above), above.c.seat == held.c.seat + 1)
+        .correlate(t, held)
+        .exists()
+    )
     lowest_gap = (
         select(func.min(held.c.seat + 1))
-        .where(
-            seats(held),
-            ~select(above.c.seat).where(seats(above), above.c.seat == held.c.seat + 1).exists(),
-        )
+        .where(seats(held), ~next_held)
+        .correlate(t)
         .scalar_subquery()
     )
     return case((~zero_held, 0), else_=lowest_gap)

@@ -124,10 +124,7 @@ def _group_busy() -> ColumnElement[bool]:
             other.c.group_key == t.group_key,
             or_(
                 and_(other.c.seat.is_not(None), other.c.status.in_(RUNNING)),
-                and_(
-                    other.c.status.in_(("pending", "queued")),
-                    other.c.waiting_for == "concurrency",
-                ),
+                and_(other.c.status == "queued", other.c.waiting_for == "concurrency"),
             ),
         )
         .exists()

@@ -296,3 +296,17 @@ def test_migrating_a_version_5_ledger_adds_the_limits(ledger: Ledger) -> None:
     claim = ledger.claim(kept, "old-job", 1, 30, concurrency=1)
     assert claim.outcome == "claimed" and claim.row is not None and claim.row.seat == 0
     assert ledger.take_permit("old-job", "", 1, 1.0) is None
+
+
+def test_a_groups_free_seat_is_found_whatever_the_other_groups_hold(ledger: Ledger) -> None:
+    """The seat search looks at the run's own group only (it once saw seats of every
+    group, and found none free where one was)."""
+    job = f"limited-{uuid.uuid4().hex[:6]}"
+    busy = _rows(ledger, job, "a", 2)
+    for dispatch_id in busy:
+        assert ledger.claim(dispatch_id, job, 1, 30, concurrency=3).outcome == "claimed"
+    first, second, third = _rows(ledger, job, "b", 3)
+    assert ledger.claim(first, job, 1, 30, concurrency=2).row.seat == 0  # type: ignore[union-attr]
+    claimed = ledger.claim(second, job, 1, 30, concurrency=2)
+    assert claimed.outcome == "claimed" and claimed.row is not None and claimed.row.seat == 1
+    assert ledger.claim(third, job, 1, 30, concurrency=2).outcome == "blocked"
