@@ -259,9 +259,7 @@ def free_seat() -> ColumnElement[Any]:
 
     # Correlated to the addressed row explicitly: SQLAlchemy correlates a subquery only to
     # the statement right around it, and the innermost one sits two levels down.
-    zero_held = (
-        select(held.c.seat).where(seats(held), held.c.seat == 0).correlate(t).exists()
-    )
+    zero_held = select(held.c.seat).where(seats(held), held.c.seat == 0).correlate(t).exists()
     next_held = (
         select(above.c.seat)
         .where(seats(above), above.c.seat == held.c.seat + 1)
