@@ -44,10 +44,15 @@ class Slots:
         """Set delivery `attempt` aside until its slot frees (`for_seat`: until a
         concurrency seat of its group frees)."""
         waiting_for = "concurrency" if for_seat else None
-        if not self._ledger.park(dispatch_id, job_name, attempt, waiting_for):
-            return  # the row moved on meanwhile (finished, or parked by a duplicate)
+        parked = self._ledger.park(dispatch_id, job_name, attempt, waiting_for)
         row = self._ledger.get(dispatch_id)
         if row is None:
+            return
+        if not parked:
+            # The row moved on meanwhile (finished, or parked by a duplicate); or this is
+            # a second try of a park that landed, whose look below must still be made.
+            if row.status == "parked" and row.waiting_for == waiting_for:
+                self._look_again(row, for_seat=for_seat)
             return
         if for_seat:
             log.info(
@@ -75,8 +80,11 @@ class Slots:
             dispatch_id=dispatch_id,
             singleton_key=row.singleton_key,
         )
-        # The holder may have finished between our claim and our park, and then nobody
-        # would hand the slot (or the seat) on: look again.
+        self._look_again(row, for_seat=for_seat)
+
+    def _look_again(self, row: DispatchRow, *, for_seat: bool) -> None:
+        """The holder may have finished between our claim and our park, and then nobody
+        would hand the slot (or the seat) on: look again."""
         if for_seat:
             self.send_waiting(row.job_name, group_of(row.group_key))
         elif row.slot is not None and not self._ledger.slot_running(row.job_name, row.slot):
@@ -107,9 +115,7 @@ class Slots:
         limits = self._limits_of(job_name)
         if limits is None:
             return 0  # a job this process does not run: its own workers hand its seats on
-        # With no limit (any more) in this code, every waiting run goes: nothing else would
-        # ever send them on.
-        limit = limits.concurrency if limits.concurrency is not None else 1 << 30
+        limit = _limit_or_none(limits)
         sent = 0
         while self._ledger.seats_taken(job_name, group) < limit:
             row = self._ledger.unpark_first(job_name, group, self._outbox.redeliver_after)
@@ -145,8 +151,19 @@ class Slots:
 
     def send_all_waiting(self) -> int:
         """The relay's safety net: every group with runs parked for a seat and seats
-        free gets them sent; how many were sent."""
-        return sum(
-            self.send_waiting(job_name, group)
-            for job_name, group in self._ledger.concurrency_waiting_groups()
-        )
+        free (by the limit in this process's code) gets them sent; how many were sent."""
+        sent = 0
+        for job_name in self._ledger.concurrency_waiting_jobs():
+            limits = self._limits_of(job_name)
+            if limits is None:
+                continue  # a job this process does not run: its own workers' relays do
+            limit = _limit_or_none(limits)
+            for group in self._ledger.groups_with_room(job_name, limit):
+                sent += self.send_waiting(job_name, group)
+        return sent
+
+
+def _limit_or_none(limits: Limits) -> int:
+    """The concurrency limit to hand seats on by: with none (any more) in this code, every
+    waiting run goes, since nothing else would ever send them on."""
+    return limits.concurrency if limits.concurrency is not None else 1 << 30

@@ -70,10 +70,12 @@ class ClaimStatements:
             "next_send_at": None,
             "waiting_for": None,
         }
+        # No seat: a row a limited job's claim seated once (and that waits again, set back
+        # for its window) must not take that seat along when claimed without a limit.
         self.claim: Update = (
             update(dispatch_table)
             .where(deliverable(), started)
-            .values(**claimed)
+            .values(**claimed, seat=None)
             .returning(*dispatch_table.c)
         )
         # A run of a job with a concurrency limit also takes a seat of its group: the one

@@ -48,9 +48,14 @@ class SlotTaken(Exception):
         self.seat = seat
 
 
-#: The index of the concurrency limit's seats (`schema.py`), as both dialects name it in
-#: the error of a statement that meets it.
+#: The index of the concurrency limit's seats (`schema.py`), as PostgreSQL names it in the
+#: error of a statement that meets it; SQLite names the index's columns instead.
 SEAT_INDEX = "questpie_limit_seat"
+_SEAT_COLUMN = "questpie_queue_dispatch.seat"
+
+
+def _met_seat_index(message: str) -> bool:
+    return SEAT_INDEX in message or _SEAT_COLUMN in message
 
 
 def was_rolled_back(error: BaseException) -> bool:
@@ -118,7 +123,7 @@ class Reruns:
         if isinstance(error, exc.IntegrityError):
             # Only the queue-policy slot indexes and the seat index can refuse the ledger's
             # statements.
-            raise SlotTaken(seat=SEAT_INDEX in str(error.orig)) from None
+            raise SlotTaken(seat=_met_seat_index(str(error.orig))) from None
         return isinstance(error, exc.DBAPIError) and self.again(error)
 
     def again(self, error: exc.DBAPIError) -> bool:

@@ -102,12 +102,24 @@ class LimitStatements:
         waiting = t.status.in_(LIMIT_WAITING)
         # Runs of the group already waiting for their window that go before this one.
         priority = func.coalesce(type_coerce(t.options, JSON)["priority"].as_integer(), 0)
+        # Only those that go before it (higher priority, or the same and older): a run
+        # refused again at its time keeps its place ahead of those that came after it.
+        mine = bindparam("priority", type_=Integer)
+        created = bindparam("created_at", type_=UTCDateTime)
         self.rate_ahead: Select[Any] = select(func.count()).where(
             in_group,
             t.waiting_for == "rate",
             waiting,
-            t.id != bindparam("dispatch_id"),
-            priority >= bindparam("priority", type_=Integer),
+            or_(
+                priority > mine,
+                and_(
+                    priority == mine,
+                    or_(
+                        t.created_at < created,
+                        and_(t.created_at == created, t.id < bindparam("dispatch_id")),
+                    ),
+                ),
+            ),
         )
         # A claimed run the rate limit turns away, before its handler: as it was before
         # the claim (not an attempt), due when its window comes. A first attempt waits as
@@ -174,10 +186,33 @@ class LimitStatements:
             .order_by(t.job_name, group)
             .limit(bindparam("limit"))
         )
-        self.waiting_groups: Select[Any] = (
-            select(t.job_name, group)
-            .where(t.status == "parked", t.waiting_for == "concurrency")
-            .distinct()
+        parked_here = and_(t.status == "parked", t.waiting_for == "concurrency")
+        self.waiting_jobs: Select[Any] = (
+            select(t.job_name).where(parked_here).distinct().limit(bindparam("limit"))
+        )
+        # The relay's safety net: the groups of one job with runs parked for a seat and
+        # room under its limit, the longest waiting first (full groups are not listed, so
+        # however many there are, a group with room is reached).
+        other = dispatch_table.alias("other")
+        taken_in_group = (
+            select(func.count())
+            .where(
+                other.c.job_name == t.job_name,
+                other.c.group_key == t.group_key,
+                or_(
+                    and_(other.c.seat.is_not(None), or_(*(other.c.status == s for s in RUNNING))),
+                    and_(other.c.status == "queued", other.c.waiting_for == "concurrency"),
+                ),
+            )
+            .correlate(dispatch_table)
+            .scalar_subquery()
+        )
+        self.groups_with_room: Select[Any] = (
+            select(t.group_key)
+            .where(t.job_name == bindparam("job"), parked_here)
+            .group_by(t.job_name, t.group_key)
+            .having(taken_in_group < bindparam("limit_"))
+            .order_by(func.min(t.created_at))
             .limit(bindparam("limit"))
         )
         spent = (
@@ -243,6 +278,7 @@ class Limits(Executor):
                 "group": group,
                 "dispatch_id": row.id,
                 "priority": row.options.priority or 0,
+                "created_at": row.created_at,
             },
         )
         position = int(next(iter(ahead.values()))) if ahead is not None else 0
@@ -286,10 +322,18 @@ class Limits(Executor):
         row = self._first(self._limits_sql.taken, {"job": job_name, "group": group})
         return 0 if row is None else int(row["running"] or 0) + int(row["on_way"] or 0)
 
-    def concurrency_waiting_groups(self, limit: int = 100) -> list[tuple[str, str]]:
-        """(job, group) pairs with runs parked for their concurrency limit."""
-        rows = self._execute(self._limits_sql.waiting_groups, {"limit": limit})
-        return [(row["job_name"], row["group_key"]) for row in rows]
+    def concurrency_waiting_jobs(self, limit: int = 100) -> list[str]:
+        """The jobs with runs parked for their concurrency limit."""
+        rows = self._execute(self._limits_sql.waiting_jobs, {"limit": limit})
+        return [row["job_name"] for row in rows]
+
+    def groups_with_room(self, job_name: str, concurrency: int, limit: int = 100) -> list[str]:
+        """The groups of `job_name` with runs parked for a seat and fewer than
+        `concurrency` seats taken (or runs on their way to one), longest waiting first."""
+        params = {"job": job_name, "limit_": concurrency, "limit": limit}
+        return [
+            row["group_key"] for row in self._execute(self._limits_sql.groups_with_room, params)
+        ]
 
     def group_counts(self, limit: int = 500) -> list[GroupCounts]:
         """Each group that holds seats or has runs waiting for a limit, with its counts."""

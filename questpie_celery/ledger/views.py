@@ -101,7 +101,10 @@ def _stuck_where(*, grace: float, redeliver_after: float) -> dict[str, ColumnEle
         "never sent": and_(t.status == "pending", t.next_send_at < db_time(-grace)),
         "lease lapsed": and_(t.status == "active", t.lease_expires_at < db_time()),
         "accepted, never claimed": and_(
-            t.status == "queued", t.queued_at < db_time(-redeliver_after)
+            t.status == "queued",
+            t.queued_at < db_time(-redeliver_after),
+            # Set back for its rate window, it waits for its time, like a delayed start.
+            or_(t.waiting_for.is_(None), t.run_after <= db_time()),
         ),
         "parked, slot free": and_(
             t.status == "parked", t.waiting_for.is_(None), ~slot_busy(t.job_name, t.slot)

@@ -1009,7 +1009,7 @@ def _make_version_4(ledger: Ledger) -> dict[str, int]:
     """Turn a migrated ledger back into what version 4 created: ids of `VARCHAR(36)`.
     Returns the table's storage (PostgreSQL), to compare with after the migration."""
     with ledger.engine.begin() as conn:
-        conn.execute(delete(schema_version_table).where(schema_version_table.c.version == 5))
+        conn.execute(delete(schema_version_table).where(schema_version_table.c.version >= 5))
         conn.execute(insert(schema_version_table).values(version=4, applied_at=db_time()))
         if ledger.dialect == "postgresql":
             for table, name in (

@@ -12,15 +12,24 @@ import os
 import signal
 import threading
 import uuid
-from datetime import datetime, timedelta
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
+from celery import Celery
 from click.testing import CliRunner
-from sqlalchemy import inspect, text
+from sqlalchemy import inspect, text, update
+from sqlalchemy.exc import IntegrityError
 
+from questpie_celery.broker import Sender
 from questpie_celery.cli import main
-from questpie_celery.ledger import SCHEMA_VERSION, Ledger, NewDispatch
+from questpie_celery.ledger import SCHEMA_VERSION, Claim, Ledger, NewDispatch, dispatch_table
+from questpie_celery.ledger.errors import Reruns, SlotTaken
+from questpie_celery.limits import Limits
 from questpie_celery.options import StoredOptions
+from questpie_celery.outbox import Outbox
+from questpie_celery.slots import Slots
 from tests.support.stack import Stack, tag
 
 
@@ -310,3 +319,123 @@ def test_a_groups_free_seat_is_found_whatever_the_other_groups_hold(ledger: Ledg
     claimed = ledger.claim(second, job, 1, 30, concurrency=2)
     assert claimed.outcome == "claimed" and claimed.row is not None and claimed.row.seat == 1
     assert ledger.claim(third, job, 1, 30, concurrency=2).outcome == "blocked"
+
+
+# --- what a hostile review found, each a test that failed first ----------------------------
+
+
+@pytest.fixture
+def outbox(ledger: Ledger) -> Iterator[Outbox]:
+    """A real outbox sending over kombu's in-memory transport (no worker reads it)."""
+    made = Outbox(ledger, Sender(Celery("limits", broker="memory://")), redeliver_after=60.0)
+    yield made
+    made.close()
+
+
+def _claimed(ledger: Ledger, dispatch_id: str, job: str, **kwargs: Any) -> Claim:
+    claim = ledger.claim(dispatch_id, job, kwargs.pop("attempt", 1), 30, **kwargs)
+    assert claim.outcome == "claimed" and claim.token is not None and claim.row is not None
+    return claim
+
+
+def test_the_relay_reaches_a_group_with_room_behind_a_hundred_full_ones(
+    ledger: Ledger, outbox: Outbox
+) -> None:
+    job = f"limited-{uuid.uuid4().hex[:6]}"
+    for i in range(101):
+        holder, waiter = _rows(ledger, job, f"a{i:03d}", 2)
+        claim = _claimed(ledger, holder, job, concurrency=1)
+        assert ledger.claim(waiter, job, 1, 30, concurrency=1).outcome == "blocked"
+        assert ledger.park(waiter, job, 1, "concurrency")
+    # The last group's holder ended, and its worker died before it could hand on.
+    assert claim.token is not None
+    assert ledger.finish(holder, claim.token, "completed", None)
+    slots = Slots(ledger, outbox, lambda _: Limits(concurrency=1))
+    assert slots.send_all_waiting() == 1
+    assert ledger.get(waiter).status == "queued"  # type: ignore[union-attr]
+
+
+def test_a_run_refused_again_at_its_time_keeps_its_place_in_the_queue(ledger: Ledger) -> None:
+    job = f"rated-{uuid.uuid4().hex[:6]}"
+    assert ledger.take_permit(job, "g", 1, 3600.0) is None  # the window's one start
+    waits: dict[str, float] = {}
+    # In the order they came (SQLite's clock may give them one millisecond: then by id).
+    ids = sorted(_rows(ledger, job, "g", 3), key=lambda i: (ledger.get(i).created_at, i))  # type: ignore[union-attr]
+    for dispatch_id in ids:
+        claim = _claimed(ledger, dispatch_id, job)
+        assert ledger.take_permit(job, "g", 1, 3600.0) is not None
+        assert claim.row is not None and claim.token is not None
+        waits[dispatch_id] = ledger.rate_wait(job, "g", 1, 3600.0, claim.row)
+        assert ledger.wait_for_rate(dispatch_id, claim.token, retry_in=0.0, relay_in=60.0)
+    first, second, third = ids
+    assert waits[first] < waits[second] < waits[third]  # first come, first served
+    # The first one's time comes, but a newcomer took the start a moment before: it waits
+    # again, and still goes before the two that came after it.
+    again = _claimed(ledger, first, job)
+    assert again.row is not None
+    assert ledger.rate_wait(job, "g", 1, 3600.0, again.row) < waits[second]
+
+
+def test_a_claim_without_a_limit_never_meets_the_seat_index(ledger: Ledger) -> None:
+    """The job's concurrency_limit was removed (or this worker's code has none yet)."""
+    job = f"was-limited-{uuid.uuid4().hex[:6]}"
+    waiting, running = _rows(ledger, job, "g", 2)
+    # Under the old code: `waiting` took seat 0 and was set back for its rate window (its
+    # seat column still 0), then `running` took seat 0 and awaits its retry, holding it.
+    claim = _claimed(ledger, waiting, job, concurrency=1)
+    assert claim.token is not None
+    assert ledger.wait_for_rate(waiting, claim.token, retry_in=0.0, relay_in=60.0)
+    held = _claimed(ledger, running, job, concurrency=1)
+    assert held.token is not None
+    assert ledger.retry(running, held.token, retry_in=600.0, relay_in=600.0, error="Boom")
+    got = ledger.claim(waiting, job, 1, 30)
+    assert got.outcome == "claimed" and got.row is not None and got.row.seat is None
+
+
+def test_a_seat_conflict_is_told_apart_from_a_policy_slot_on_both_dialects(
+    ledger: Ledger,
+) -> None:
+    job = f"limited-{uuid.uuid4().hex[:6]}"
+    first, second = _rows(ledger, job, "g", 2)
+    assert _claimed(ledger, first, job, concurrency=1).row.seat == 0  # type: ignore[union-attr]
+    with ledger.engine.begin() as conn, pytest.raises(IntegrityError) as met:
+        conn.execute(
+            update(dispatch_table)
+            .where(dispatch_table.c.id == second)
+            .values(status="active", seat=0, group_key="g")
+        )
+    with pytest.raises(SlotTaken) as taken, Reruns(after_rollback=False).attempts().__next__():
+        raise met.value
+    assert taken.value.seat
+
+
+def test_a_run_waiting_for_its_rate_window_is_not_listed_as_stuck(ledger: Ledger) -> None:
+    job = f"rated-{uuid.uuid4().hex[:6]}"
+    [dispatch_id] = _rows(ledger, job, "g", 1)
+    claim = _claimed(ledger, dispatch_id, job)
+    assert claim.token is not None
+    with ledger.engine.begin() as conn:  # its delivery came ten minutes ago
+        conn.execute(
+            update(dispatch_table)
+            .where(dispatch_table.c.id == dispatch_id)
+            .values(queued_at=datetime.now(UTC) - timedelta(minutes=10))
+        )
+    # ... and it waits another fifty for a start of its "N/h" limit.
+    assert ledger.wait_for_rate(dispatch_id, claim.token, retry_in=3000.0, relay_in=3060.0)
+    assert [c for c in ledger.stuck_counts(grace=60.0, redeliver_after=300.0) if c[1] == job] == []
+
+
+def test_a_park_tried_again_after_it_landed_still_looks_for_a_free_seat(
+    ledger: Ledger, outbox: Outbox
+) -> None:
+    """The park's first try landed and its reply (or the look after it) was lost; the
+    delivery's wait for the ledger runs the step again, whose park then matches nothing."""
+    job = f"limited-{uuid.uuid4().hex[:6]}"
+    holder, waiter = _rows(ledger, job, "g", 2)
+    claim = _claimed(ledger, holder, job, concurrency=1)
+    assert ledger.claim(waiter, job, 1, 30, concurrency=1).outcome == "blocked"
+    assert ledger.park(waiter, job, 1, "concurrency")  # the first try
+    assert claim.token is not None  # the holder ends meanwhile, finding nobody parked yet
+    assert ledger.finish(holder, claim.token, "completed", None)
+    Slots(ledger, outbox, lambda _: Limits(concurrency=1)).park(waiter, job, 1, for_seat=True)
+    assert ledger.get(waiter).status == "queued"  # type: ignore[union-attr]

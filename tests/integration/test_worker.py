@@ -475,7 +475,7 @@ def test_a_worker_started_before_migrate_waits_and_then_runs_everything_once(
 def _make_version_4(stack: Stack) -> None:
     """Turn the stack's ledger back into what schema version 4 made: ids of 36 characters."""
     with stack.ledger.engine.begin() as conn:
-        conn.exec_driver_sql("DELETE FROM questpie_schema_version WHERE version = 5")
+        conn.exec_driver_sql("DELETE FROM questpie_schema_version WHERE version >= 5")
         for table, column in (
             ("questpie_queue_dispatch", "id"),
             ("questpie_schedule", "last_dispatch_id"),

@@ -211,6 +211,7 @@ class DispatchAdmin(ReadOnlyAdmin):
             },
         ),
         ("Queue policy", {"fields": ("policy", "singleton_key", "slot")}),
+        ("Limits", {"fields": ("group_key", "seat", "waiting_for")}),
         ("Secret payload", {"fields": ("secret", "secret_key_id")}),
     )
 

@@ -26,6 +26,11 @@ class Dispatch(models.Model):
     status = models.CharField(max_length=16)
     policy = models.CharField(max_length=16, null=True)
     slot = models.TextField(null=True)
+    # The flow-control limits (schema version 6): its group, the seat it holds while it
+    # runs, and what it waits for.
+    group_key = models.TextField(null=True, verbose_name="group")
+    seat = models.IntegerField(null=True)
+    waiting_for = models.CharField(max_length=16, null=True, verbose_name="waiting for")
     secret = models.BooleanField()
     secret_key_id = models.CharField(max_length=64, null=True, verbose_name="secret key id")
     attempt = models.IntegerField(verbose_name="attempts")
@@ -64,6 +69,7 @@ class Schedule(models.Model):
     cron = models.CharField(max_length=200)
     tz = models.CharField(max_length=64, verbose_name="time zone")
     singleton_key = models.TextField(null=True)
+    group_key = models.TextField(null=True, verbose_name="group")
     next_fire_at = models.DateTimeField(verbose_name="next fire")
     last_fire_at = models.DateTimeField(null=True, verbose_name="last fire")
     last_dispatch_id = models.TextField(null=True, verbose_name="last dispatch")
