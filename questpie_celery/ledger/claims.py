@@ -39,6 +39,7 @@ from .statements import (
     delivered,
     free_seat,
     group_written,
+    seats_held,
     seconds,
     terminal_values,
 )
@@ -79,14 +80,21 @@ class ClaimStatements:
             .returning(*dispatch_table.c)
         )
         # A run of a job with a concurrency limit also takes a seat of its group: the one
-        # it kept while awaiting its retry, else the lowest free one below the limit. None
-        # free, and nothing is claimed; two claims that pick the same seat at once meet the
-        # seat index, and the loser picks again (`Claims.claim`).
+        # it kept while awaiting its retry, else the lowest free one, while fewer seats
+        # are held than the limit (runs left on seats above a lowered limit count too).
+        # Otherwise nothing is claimed; two claims that pick the same seat at once meet
+        # the seat index, and the loser picks again (`Claims.claim`).
         free = free_seat()
         keeps_seat = and_(t.status == "retry", t.seat.is_not(None))
         self.claim_seated: Update = (
             update(dispatch_table)
-            .where(deliverable(), started, or_(keeps_seat, free < bindparam("limit")))
+            .where(
+                deliverable(),
+                started,
+                # Fewer seats held than the limit: then the lowest free seat is below it
+                # (at most the count), so the search runs once, in the SET.
+                or_(keeps_seat, seats_held() < bindparam("limit")),
+            )
             .values(**claimed, **group_written(), seat=case((keeps_seat, t.seat), else_=free))
             .returning(*dispatch_table.c)
         )

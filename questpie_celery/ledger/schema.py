@@ -265,6 +265,8 @@ rate_permit_table = Table(
     Column("group_key", Text, primary_key=True),  # "" for the job as a whole
     Column("seat", Integer, primary_key=True),
     Column("started_at", UTCDateTime, nullable=False),
+    # A start takes the group's longest-unused permit: found without sorting them all.
+    Index("questpie_rate_permit_unused", "job_name", "group_key", "started_at"),
 )
 
 schema_version_table = Table(

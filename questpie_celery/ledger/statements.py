@@ -238,6 +238,21 @@ def group_written() -> dict[str, Any]:
     return {"group_key": limit_group()}
 
 
+def _holds_seat(alias: Any) -> ColumnElement[bool]:
+    """`alias` is a run holding a seat of the (job, group) of the row the enclosing
+    statement addresses."""
+    t = dispatch_table
+    return and_(
+        alias.c.job_name == t.c.job_name,
+        alias.c.group_key == limit_group(t),
+        alias.c.seat.is_not(None),
+        # Spelled out, not IN: the claim runs on psycopg's cursor, compiled once, and
+        # an IN list's parameters are expanded per execution (PostgreSQL proves the
+        # seat index's condition from either).
+        or_(*(alias.c.status == status for status in RUNNING)),
+    )
+
+
 def free_seat() -> ColumnElement[Any]:
     """The lowest concurrency seat no run of the row's own (job, group) holds: 0 if free,
     else the lowest seat just above a held one that is free. Correlated to the row the
@@ -245,31 +260,27 @@ def free_seat() -> ColumnElement[Any]:
     t = dispatch_table
     held = dispatch_table.alias("held")
     above = dispatch_table.alias("held_above")
-
-    def seats(alias: Any) -> ColumnElement[bool]:
-        return and_(
-            alias.c.job_name == t.c.job_name,
-            alias.c.group_key == limit_group(t),
-            alias.c.seat.is_not(None),
-            # Spelled out, not IN: the claim runs on psycopg's cursor, compiled once, and
-            # an IN list's parameters are expanded per execution (PostgreSQL proves the
-            # seat index's condition from either).
-            or_(*(alias.c.status == status for status in RUNNING)),
-        )
-
     # Correlated to the addressed row explicitly: SQLAlchemy correlates a subquery only to
     # the statement right around it, and the innermost one sits two levels down.
-    zero_held = select(held.c.seat).where(seats(held), held.c.seat == 0).correlate(t).exists()
+    zero_held = select(held.c.seat).where(_holds_seat(held), held.c.seat == 0).correlate(t).exists()
     next_held = (
         select(above.c.seat)
-        .where(seats(above), above.c.seat == held.c.seat + 1)
+        .where(_holds_seat(above), above.c.seat == held.c.seat + 1)
         .correlate(t, held)
         .exists()
     )
     lowest_gap = (
         select(func.min(held.c.seat + 1))
-        .where(seats(held), ~next_held)
+        .where(_holds_seat(held), ~next_held)
         .correlate(t)
         .scalar_subquery()
     )
     return case((~zero_held, 0), else_=lowest_gap)
+
+
+def seats_held() -> ColumnElement[Any]:
+    """How many seats of the addressed row's (job, group) are held. Below the limit as
+    well as a free seat below it: after a limit was lowered, runs on seats above the new
+    limit still count."""
+    held = dispatch_table.alias("counted")
+    return select(func.count()).where(_holds_seat(held)).correlate(dispatch_table).scalar_subquery()

@@ -439,3 +439,17 @@ def test_a_park_tried_again_after_it_landed_still_looks_for_a_free_seat(
     assert ledger.finish(holder, claim.token, "completed", None)
     Slots(ledger, outbox, lambda _: Limits(concurrency=1)).park(waiter, job, 1, for_seat=True)
     assert ledger.get(waiter).status == "queued"  # type: ignore[union-attr]
+
+
+def test_a_lowered_limit_holds_at_the_claim_while_runs_above_it_finish(ledger: Ledger) -> None:
+    job = f"lowered-{uuid.uuid4().hex[:6]}"
+    ids = _rows(ledger, job, "g", 4)
+    held = [_claimed(ledger, dispatch_id, job, concurrency=3) for dispatch_id in ids[:3]]
+    first = held[0]
+    assert first.token is not None and first.row is not None and first.row.seat == 0
+    assert ledger.finish(ids[0], first.token, "completed", None)  # seat 0 frees
+    # The new code's limit is 1: two runs still hold seats 1 and 2, so seat 0 stays free.
+    assert ledger.claim(ids[3], job, 1, 30, concurrency=1).outcome == "blocked"
+    # Under the old limit it would have gone, to seat 0.
+    again = ledger.claim(ids[3], job, 1, 30, concurrency=3)
+    assert again.row is not None and again.row.seat == 0
