@@ -16,7 +16,7 @@ and the outbox sends it then.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from .ledger import DispatchRow, Ledger
 from .limits import Limits, Rate, group_of
@@ -32,11 +32,18 @@ MIN_RATE_WAIT_SECONDS = 0.02
 
 class Slots:
     def __init__(
-        self, ledger: Ledger, outbox: Outbox, limits_of: Callable[[str], Limits | None]
+        self,
+        ledger: Ledger,
+        outbox: Outbox,
+        limits_of: Callable[[str], Limits | None],
+        jobs: Callable[[], Sequence[str]],
     ) -> None:
+        """`limits_of` gives the limits of a job this process runs (None for any other),
+        `jobs` the names of the jobs it runs."""
         self._ledger = ledger
         self._outbox = outbox
         self._limits_of = limits_of
+        self._jobs = jobs
 
     def park(
         self, dispatch_id: str, job_name: str, attempt: int, *, for_seat: bool = False
@@ -153,7 +160,7 @@ class Slots:
         """The relay's safety net: every group with runs parked for a seat and seats
         free (by the limit in this process's code) gets them sent; how many were sent."""
         sent = 0
-        for job_name in self._ledger.concurrency_waiting_jobs():
+        for job_name in self._ledger.concurrency_waiting_jobs(self._jobs()):
             limits = self._limits_of(job_name)
             if limits is None:
                 continue  # a job this process does not run: its own workers' relays do

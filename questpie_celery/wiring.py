@@ -83,7 +83,7 @@ def wire(settings: Settings, discover: Callable[[], None]) -> Parts:
         client = registry.by_name(job_name)
         return client.definition.limits if client is not None else None
 
-    slots = Slots(ledger, outbox, limits_of)
+    slots = Slots(ledger, outbox, limits_of, lambda: list(registry.definitions()))
     outcomes = Outcomes(ledger, outbox, slots)
     waits = DeliveryWait(ledger, sender)
     admission = Admission(ledger, waits, redeliver_after=lambda: outbox.redeliver_after)

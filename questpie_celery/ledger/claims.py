@@ -71,12 +71,13 @@ class ClaimStatements:
             "next_send_at": None,
             "waiting_for": None,
         }
-        # No seat: a row a limited job's claim seated once (and that waits again, set back
-        # for its window) must not take that seat along when claimed without a limit.
+        # A retry keeps the seat it holds (it is in the seat index already, and stays
+        # there), also when a worker whose code has no limit (yet) claims it; any other
+        # row claimed without a limit takes no seat along, whatever one it held before.
         self.claim: Update = (
             update(dispatch_table)
             .where(deliverable(), started)
-            .values(**claimed, seat=None)
+            .values(**claimed, seat=case((t.status == "retry", t.seat), else_=None))
             .returning(*dispatch_table.c)
         )
         # A run of a job with a concurrency limit also takes a seat of its group: the one

@@ -8,6 +8,7 @@ and the seat index (`schema.py`); a run it turns away is parked (`slots.py`) wit
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -139,7 +140,7 @@ class LimitStatements:
         self.wait_queued: Update = (
             update(dispatch_table)
             .where(held, t.attempt == 1)
-            .values(status="queued", **back)
+            .values(status="queued", seat=None, **back)
             .returning(*dispatch_table.c)
         )
         self.wait_retry: Update = (
@@ -187,8 +188,12 @@ class LimitStatements:
             .limit(bindparam("limit"))
         )
         parked_here = and_(t.status == "parked", t.waiting_for == "concurrency")
+        # Among the jobs the asking process runs: others' (another app's on the same
+        # ledger, a job gone from the code) are never in the way.
         self.waiting_jobs: Select[Any] = (
-            select(t.job_name).where(parked_here).distinct().limit(bindparam("limit"))
+            select(t.job_name)
+            .where(parked_here, t.job_name.in_(bindparam("jobs", expanding=True)))
+            .distinct()
         )
         # The relay's safety net: the groups of one job with runs parked for a seat and
         # room under its limit, the longest waiting first (full groups are not listed, so
@@ -322,9 +327,11 @@ class Limits(Executor):
         row = self._first(self._limits_sql.taken, {"job": job_name, "group": group})
         return 0 if row is None else int(row["running"] or 0) + int(row["on_way"] or 0)
 
-    def concurrency_waiting_jobs(self, limit: int = 100) -> list[str]:
-        """The jobs with runs parked for their concurrency limit."""
-        rows = self._execute(self._limits_sql.waiting_jobs, {"limit": limit})
+    def concurrency_waiting_jobs(self, among: Sequence[str]) -> list[str]:
+        """Which of the jobs `among` have runs parked for their concurrency limit."""
+        if not among:
+            return []
+        rows = self._execute(self._limits_sql.waiting_jobs, {"jobs": list(among)})
         return [row["job_name"] for row in rows]
 
     def groups_with_room(self, job_name: str, concurrency: int, limit: int = 100) -> list[str]:

@@ -246,10 +246,12 @@ def _holds_seat(alias: Any) -> ColumnElement[bool]:
         alias.c.job_name == t.c.job_name,
         alias.c.group_key == limit_group(t),
         alias.c.seat.is_not(None),
-        # Spelled out, not IN: the claim runs on psycopg's cursor, compiled once, and
-        # an IN list's parameters are expanded per execution (PostgreSQL proves the
-        # seat index's condition from either).
-        or_(*(alias.c.status == status for status in RUNNING)),
+        # Written into the statement, not bound: PostgreSQL's reusable plan of the claim
+        # may use the partial seat index only where the statuses are constants (with
+        # bound ones it planned every claim afresh, 0.7 ms each). And spelled out, not
+        # IN: the claim runs on psycopg's cursor, compiled once, and an IN list's
+        # parameters are expanded per execution.
+        or_(*(alias.c.status == literal_column(f"'{status}'") for status in RUNNING)),
     )
 
 

@@ -350,7 +350,7 @@ def test_the_relay_reaches_a_group_with_room_behind_a_hundred_full_ones(
     # The last group's holder ended, and its worker died before it could hand on.
     assert claim.token is not None
     assert ledger.finish(holder, claim.token, "completed", None)
-    slots = Slots(ledger, outbox, lambda _: Limits(concurrency=1))
+    slots = Slots(ledger, outbox, lambda _: Limits(concurrency=1), lambda: [job])
     assert slots.send_all_waiting() == 1
     assert ledger.get(waiter).status == "queued"  # type: ignore[union-attr]
 
@@ -437,7 +437,9 @@ def test_a_park_tried_again_after_it_landed_still_looks_for_a_free_seat(
     assert ledger.park(waiter, job, 1, "concurrency")  # the first try
     assert claim.token is not None  # the holder ends meanwhile, finding nobody parked yet
     assert ledger.finish(holder, claim.token, "completed", None)
-    Slots(ledger, outbox, lambda _: Limits(concurrency=1)).park(waiter, job, 1, for_seat=True)
+    Slots(ledger, outbox, lambda _: Limits(concurrency=1), lambda: [job]).park(
+        waiter, job, 1, for_seat=True
+    )
     assert ledger.get(waiter).status == "queued"  # type: ignore[union-attr]
 
 
@@ -453,3 +455,37 @@ def test_a_lowered_limit_holds_at_the_claim_while_runs_above_it_finish(ledger: L
     # Under the old limit it would have gone, to seat 0.
     again = ledger.claim(ids[3], job, 1, 30, concurrency=3)
     assert again.row is not None and again.row.seat == 0
+
+
+def test_the_relay_reaches_its_own_job_behind_a_hundred_it_does_not_run(
+    ledger: Ledger, outbox: Outbox
+) -> None:
+    """Jobs of another app on the same ledger (or gone from the code) with parked runs."""
+    mine = f"zz-mine-{uuid.uuid4().hex[:6]}"
+    for i in range(100):
+        foreign = f"aa-foreign-{i:03d}"
+        [waiter] = _rows(ledger, foreign, "g", 1)
+        assert ledger.park(waiter, foreign, 1, "concurrency")
+    holder, waiter = _rows(ledger, mine, "g", 2)
+    claim = _claimed(ledger, holder, mine, concurrency=1)
+    assert ledger.claim(waiter, mine, 1, 30, concurrency=1).outcome == "blocked"
+    assert ledger.park(waiter, mine, 1, "concurrency")
+    assert claim.token is not None  # the holder ends, and its worker dies before handing on
+    assert ledger.finish(holder, claim.token, "completed", None)
+    ours = {mine: Limits(concurrency=1)}
+    Slots(ledger, outbox, ours.get, lambda: list(ours)).send_all_waiting()
+    assert ledger.get(waiter).status == "queued"  # type: ignore[union-attr]
+
+
+def test_a_retry_keeps_its_seat_when_a_worker_without_the_limit_claims_it(
+    ledger: Ledger,
+) -> None:
+    """A rolling deploy: this worker's code has no limit yet."""
+    job = f"deploying-{uuid.uuid4().hex[:6]}"
+    running, other = _rows(ledger, job, "g", 2)
+    held = _claimed(ledger, running, job, concurrency=1)
+    assert held.token is not None
+    assert ledger.retry(running, held.token, retry_in=0.0, relay_in=60.0, error="Boom")
+    plain = ledger.claim(running, job, 2, 30)
+    assert plain.outcome == "claimed" and plain.row is not None and plain.row.seat == 0
+    assert ledger.claim(other, job, 1, 30, concurrency=1).outcome == "blocked"

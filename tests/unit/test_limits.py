@@ -210,7 +210,9 @@ def test_a_lowered_limit_lets_waiting_runs_go_only_under_it_and_a_removed_one_le
         assert ledger.claim(new.id, job_name, 1, 30, concurrency=3).outcome == "blocked"
         assert ledger.park(new.id, job_name, 1, "concurrency")
     # The new code (limit 1): two of three end, and still nothing goes.
-    slots = Slots(ledger, idle.questpie._outbox, lambda _: Limits(concurrency=1))
+    slots = Slots(
+        ledger, idle.questpie._outbox, lambda _: Limits(concurrency=1), lambda: [job_name]
+    )
     for claim in held[:2]:
         assert claim.row is not None and claim.token is not None
         assert ledger.finish(claim.row.id, claim.token, "completed", None)
@@ -223,7 +225,8 @@ def test_a_lowered_limit_lets_waiting_runs_go_only_under_it_and_a_removed_one_le
     statuses = [ledger.get(new.id).status for new in rows[3:]]  # type: ignore[union-attr]
     assert sorted(statuses) == ["parked", "queued"]  # one seat under the new limit: one goes
     # With no limit in code at all, the relay's pass lets every waiting run go.
-    assert Slots(ledger, idle.questpie._outbox, lambda _: NO_LIMITS).send_all_waiting() == 1
+    no_limit = Slots(ledger, idle.questpie._outbox, lambda _: NO_LIMITS, lambda: [job_name])
+    assert no_limit.send_all_waiting() == 1
     assert {ledger.get(new.id).status for new in rows[3:]} == {"queued"}  # type: ignore[union-attr]
 
 
