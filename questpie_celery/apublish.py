@@ -182,15 +182,7 @@ class AsyncPublisher:
             )
             await asyncio.sleep(0)
         policy = await self._policy(definition, options, span)
-        plan = planner.Plan(
-            definition.name,
-            bodies,
-            options,
-            policy,
-            keyring,
-            self._outbox,
-            limited=definition.limits.active,
-        )
+        plan = planner.Plan(definition, bodies, options, policy, keyring, self._outbox)
         ids: list[str | None] = []
         for chunk in plan.chunks(FLUSH_SIZE):
             settled, unknown = await self._insert(chunk)
@@ -234,15 +226,7 @@ class AsyncPublisher:
         keyring = self._publisher.keyring_for(options)
         body, wanted.payload = definition.to_json(wanted.payload), None
         policy = await self._policy(definition, [options], wanted.span)
-        return planner.Plan(
-            definition.name,
-            [body],
-            [options],
-            policy,
-            keyring,
-            self._outbox,
-            limited=definition.limits.active,
-        ).route(0)
+        return planner.Plan(definition, [body], [options], policy, keyring, self._outbox).route(0)
 
     async def send_plain(self, wanted: _Wanted, route: Route) -> None:
         """An unledgered dispatch, sent alone: a refusal is this call's error only."""

@@ -147,7 +147,7 @@ class Plan:
 
     def __init__(
         self,
-        job_name: str,
+        definition: JobDefinition[Any],
         bodies: Sequence[dict[str, Any]],
         options: Sequence[DispatchOptions],
         policy: QueuePolicy,
@@ -156,12 +156,10 @@ class Plan:
         *,
         in_transaction: bool = False,
         commit_hook: bool = True,
-        limited: bool = False,
     ) -> None:
         """`in_transaction`: written in a caller's transaction, which has an after-commit
-        hook unless it is a bare Connection. `limited`: the job has a concurrency or rate
-        limit, which its runs' claims count in the ledger."""
-        self.job_name = job_name
+        hook unless it is a bare Connection."""
+        self.job_name = definition.name
         self.bodies = bodies
         self.options = options
         self.policy = policy
@@ -174,7 +172,8 @@ class Plan:
         self.plain_ok = (
             not in_transaction
             and not policy.ledgered
-            and not limited
+            # Its runs' claims count against its limits in the ledger: each needs a row.
+            and not definition.limits.active
             and not shared.secret_payload
             and not outbox.is_far_off(shared.start_after, self._now)
         )

@@ -221,7 +221,7 @@ class Publisher:
         dispatch on its own statements and its own send."""
         policy = self.policy(definition, options, span)
         plan = planner.Plan(
-            definition.name,
+            definition,
             bodies,
             options,
             policy,
@@ -229,7 +229,6 @@ class Publisher:
             self._outbox,
             in_transaction=caller is not None,
             commit_hook=caller is None or caller.after_commit is not None,
-            limited=definition.limits.active,
         )
         conn = caller.connection if caller is not None else None
         ids: list[str | None] = []
