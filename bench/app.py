@@ -10,6 +10,7 @@ import redis
 from celery import Celery
 from pydantic import BaseModel
 
+from bench.floor import CLAIM, FINISH
 from questpie_celery import JobContext, Questpie, job
 
 celery_app = Celery("bench", broker=os.environ.get("BENCH_BROKER", "memory://"))
@@ -69,16 +70,6 @@ def raw_two_writes(dispatch_id: str) -> None:
     conn.execute(FINISH, (dispatch_id,))
     bump("bench:raw_two_writes")
 
-
-CLAIM = (
-    "UPDATE questpie_queue_dispatch SET status = 'active', attempt = attempt + 1, "
-    "lease_expires_at = now() + interval '60 s', started_at = now() WHERE id = %s "
-    "RETURNING *"
-)
-FINISH = (
-    "UPDATE questpie_queue_dispatch SET status = 'completed', finished_at = now(), "
-    "lease_expires_at = NULL WHERE id = %s"
-)
 
 questpie = Questpie(
     celery_app,

@@ -76,6 +76,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.cpu import CpuMeter  # noqa: E402
 from bench.fixture import fill  # noqa: E402
+from bench.floor import CLAIM, FINISH  # noqa: E402
 from questpie_celery.ids import random_dispatch_id  # noqa: E402
 from questpie_celery.ledger import Ledger, NewDispatch, open_ledger  # noqa: E402
 from questpie_celery.options import StoredOptions  # noqa: E402
@@ -97,16 +98,6 @@ CONTROL_ROWS = int(os.environ.get("BENCH_CONTROL_ROWS", str(LOOP * 6)))
 HOT_ROWS = 100
 HELD_SEATS = 10
 
-# The floor's two writes: the same as the worker's floor (bench/app.py).
-CLAIM = (
-    "UPDATE questpie_queue_dispatch SET status = 'active', attempt = attempt + 1, "
-    "lease_expires_at = now() + interval '60 s', started_at = now() WHERE id = %s "
-    "RETURNING *"
-)
-FINISH = (
-    "UPDATE questpie_queue_dispatch SET status = 'completed', finished_at = now(), "
-    "lease_expires_at = NULL WHERE id = %s"
-)
 
 NO_LIMIT = "no limit"
 SEATED = "concurrency=50, group key"

@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from .errors import PublishOptionsError
 
 #: Upper bounds that keep the ledger's seat tables small: a limit above these is no limit.
 MAX_CONCURRENCY_LIMIT = 10_000
 MAX_RATE_COUNT = 10_000
-
-#: Why a run waits in the ledger for its limit (the `waiting_for` of its row).
-WaitingFor = Literal["concurrency", "rate"]
 
 _RATE = re.compile(r"([0-9]+)/([smh])")
 _WINDOWS = {"s": 1.0, "m": 60.0, "h": 3600.0}

@@ -103,8 +103,9 @@ class NewDispatch:
 
 
 ClaimOutcome = Literal["claimed", "done", "stale", "busy", "blocked", "unknown", "early"]
-#: What a `blocked` claim waits for: its policy slot, or one of its job's limits.
-BlockedBy = Literal["slot", "concurrency", "rate"]
+#: What a `blocked` claim waits for: its policy slot, or a seat of its job's concurrency
+#: limit (the rate limit turns a run away after its claim: `Limits.wait_for_rate`).
+BlockedBy = Literal["slot", "concurrency"]
 
 
 @dataclass(frozen=True)
@@ -118,8 +119,7 @@ class Claim:
     outcome: ClaimOutcome
     row: DispatchRow | None = None
     token: str | None = None
-    #: For `early`: seconds until the row is due, on the database's clock; for `blocked`
-    #: by the rate limit, seconds until a start is allowed.
+    #: For `early`: seconds until the row is due, on the database's clock.
     due_in: float = 0.0
     #: For `blocked`: what it waits for.
     blocked_by: BlockedBy = "slot"
