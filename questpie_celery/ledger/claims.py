@@ -70,6 +70,8 @@ class ClaimStatements:
             # Nothing is due for the relay while a claim holds: it watches the lease.
             "next_send_at": None,
             "waiting_for": None,
+            # A claimed debounced run has left its burst: a publish now starts a new one.
+            "debounce_key": None,
         }
         # A retry keeps the seat it holds (it is in the seat index already, and stays
         # there), also when a worker whose code has no limit (yet) claims it; any other

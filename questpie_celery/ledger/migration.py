@@ -48,6 +48,7 @@ class Migration(Executor):
             _allow_pruned_options(conn)
             _widen_dispatch_ids(conn)
             _add_limit_columns(conn)
+            _add_cancel_debounce_columns(conn)
         with translate_errors(self.migrate_command), self._begin() as conn:
             # create_all adds missing tables only; indexes added by a later version too.
             for table in metadata.sorted_tables:
@@ -151,13 +152,29 @@ _LIMIT_COLUMNS = (
     (dispatch_table.name, "waiting_for", "VARCHAR(16)"),
     (schedule_table.name, "group_key", "TEXT"),
 )
+#: The columns schema version 7 added: a cancel that found the run active, a burst.
+_CANCEL_DEBOUNCE_COLUMNS = (
+    (dispatch_table.name, "cancel_requested_at", "TIMESTAMP WITH TIME ZONE"),
+    (dispatch_table.name, "debounce_key", "TEXT"),
+)
 
 
 def _add_limit_columns(conn: Connection) -> None:
     """Schema version 6: the columns of the concurrency and rate limits. Nullable with no
     default, so on both dialects adding one changes the catalog only: no row is
     rewritten, and PostgreSQL's exclusive lock lasts a moment."""
+    _add_columns(conn, _LIMIT_COLUMNS)
+
+
+def _add_cancel_debounce_columns(conn: Connection) -> None:
+    """Schema version 7: cancellation and debounce; as version 6's, catalog only."""
+    _add_columns(conn, _CANCEL_DEBOUNCE_COLUMNS)
+
+
+def _add_columns(conn: Connection, columns: tuple[tuple[str, str, str], ...]) -> None:
     inspector = inspect(conn)
-    for table, name, kind in _LIMIT_COLUMNS:
+    for table, name, kind in columns:
         if name not in {c["name"] for c in inspector.get_columns(table)}:
-            conn.exec_driver_sql(f"ALTER TABLE {table} ADD COLUMN {name} {kind}")
+            # SQLite stores a datetime as text: it has no zone in its type names.
+            typed = kind.replace(" WITH TIME ZONE", "") if conn.dialect.name == "sqlite" else kind
+            conn.exec_driver_sql(f"ALTER TABLE {table} ADD COLUMN {name} {typed}")

@@ -50,6 +50,10 @@ class DispatchRow:
     seat: int | None = None
     #: Why it waits for its job's limits: "concurrency" or "rate"; None otherwise.
     waiting_for: str | None = None
+    #: When a cancel found it running (it ends as `cancelled`, and is not retried).
+    cancel_requested_at: datetime | None = None
+    #: The burst it gathers while it waits to start, for a debounced dispatch.
+    debounce_key: str | None = None
     pruned: bool = False
 
     @classmethod

@@ -9,6 +9,10 @@ dispatch id. Its `status` moves
        └─────────────(claim)───────┴────────────────────▶│
                                         retry ◀──────────┘ (claimed again)
 
+Any row not yet started (pending, queued, parked, retry) can be `cancelled`: terminal,
+like `completed` and `failed`. A cancel that finds the row `active` only marks it
+(`cancel_requested_at`); the run goes on, and its end is written as `cancelled`.
+
 `attempt` counts claims. A claim sets a random `claim_token` (the fencing
 token) and a lease; only a statement that names the current token and finds the
 row `active` can record an outcome, so a worker whose lease was taken over can
@@ -46,12 +50,16 @@ from sqlalchemy.types import DateTime, TypeDecorator
 from ..options import StoredOptions
 from ..policies import QueuePolicy
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
-Status = Literal["pending", "queued", "parked", "active", "retry", "completed", "failed"]
+Status = Literal[
+    "pending", "queued", "parked", "active", "retry", "completed", "failed", "cancelled"
+]
 #: States from which a delivery may take the execution claim.
 CLAIMABLE: tuple[Status, ...] = ("pending", "queued", "retry")
-TERMINAL: tuple[Status, ...] = ("completed", "failed")
+TERMINAL: tuple[Status, ...] = ("completed", "failed", "cancelled")
+#: States a cancel ends at once: accepted and not started (a retry waits for its start).
+CANCELLABLE: tuple[Status, ...] = ("pending", "queued", "parked", "retry")
 #: Accepted and waiting to run. A run awaiting its retry keeps the slot it held: running.
 WAITING: tuple[Status, ...] = ("pending", "queued", "parked")
 RUNNING: tuple[Status, ...] = ("active", "retry")
@@ -158,6 +166,12 @@ dispatch_table = Table(
     # parked for one, kept while it is on its way again, cleared by its claim.
     Column("waiting_for", String(16), nullable=True),
     Column("lease_expires_at", UTCDateTime, nullable=True),
+    # When a cancel found the run active (schema version 7): it is not retried, its end
+    # is written as `cancelled`, and its handler sees `ctx.cancel_requested`.
+    Column("cancel_requested_at", UTCDateTime, nullable=True),
+    # The burst a debounced dispatch gathers (schema version 7): its singleton key, or ""
+    # for the job as a whole; cleared by its claim, so a new burst starts after it.
+    Column("debounce_key", Text, nullable=True),
     Column("run_after", UTCDateTime, nullable=False),
     # Relay sends of the current attempt, and when the relay may (re)send the row next
     # if nothing else moved it on: a publisher that died before sending, a lost message.
@@ -226,6 +240,25 @@ def _limit_indexes() -> None:
 _limit_indexes()
 
 
+def _debounce_index() -> None:
+    """At most one open burst per (job, debounce key): a debounced publish updates the
+    burst's waiting row (latest payload, later start) or, with none, inserts one; two
+    publishers that both insert meet this index, and the loser updates instead."""
+    t = dispatch_table.c
+    open_burst = and_(t.debounce_key.is_not(None), t.status.in_(WAITING))
+    Index(
+        "questpie_debounce_burst",
+        t.job_name,
+        t.debounce_key,
+        unique=True,
+        postgresql_where=open_burst,
+        sqlite_where=open_burst,
+    )
+
+
+_debounce_index()
+
+
 def _retention_index() -> None:
     """Retention's scan: ended rows it has yet to delete or prune, oldest end first.
 
@@ -267,6 +300,20 @@ rate_permit_table = Table(
     Column("started_at", UTCDateTime, nullable=False),
     # A start takes the group's longest-unused permit: found without sorting them all.
     Index("questpie_rate_permit_unused", "job_name", "group_key", "started_at"),
+)
+
+#: Throttle windows (schema version 7): per (job, throttle key), the dispatch the window
+#: accepted and when the next may be accepted. A throttled publish takes the window with
+#: a conditional upsert in the transaction that inserts its row, so of concurrent
+#: publishers exactly one is accepted per window.
+throttle_table = Table(
+    "questpie_throttle",
+    metadata,
+    Column("job_name", String(200), primary_key=True),
+    Column("throttle_key", Text, primary_key=True),  # "" for the job as a whole
+    Column("dispatch_id", Text, nullable=False),
+    Column("open_at", UTCDateTime, nullable=False),
+    Index("questpie_throttle_open", "open_at"),
 )
 
 schema_version_table = Table(

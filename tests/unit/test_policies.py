@@ -119,9 +119,13 @@ def test_slot_indexes_in_the_metadata_list_exactly_the_rules_policies(index_name
 
 def test_no_other_unique_index_limits_the_dispatch_table() -> None:
     # The policy slots' indexes, and the concurrency limit's seats (held only while a run
-    # holds a seat: a limited job's).
+    # holds a seat: a limited job's), and a debounced job's one open burst per key (its
+    # column is set only on a debounced dispatch's row).
     unique = {index.name for index in dispatch_table.indexes if index.unique}
-    assert unique == {*SLOT_INDEXES, "questpie_limit_seat"}
+    assert unique == {*SLOT_INDEXES, "questpie_limit_seat", "questpie_debounce_burst"}
+    burst = next(i for i in dispatch_table.indexes if i.name == "questpie_debounce_burst")
+    assert [column.name for column in burst.columns] == ["job_name", "debounce_key"]
+    assert "debounce_key IS NOT NULL" in str(burst.dialect_options["postgresql"]["where"])
     seat = next(index for index in dispatch_table.indexes if index.name == "questpie_limit_seat")
     assert [column.name for column in seat.columns] == ["job_name", "group_key", "seat"]
     assert "seat IS NOT NULL" in str(seat.dialect_options["postgresql"]["where"])

@@ -225,7 +225,8 @@ def test_the_metrics_count_what_the_ledger_holds_zeros_included(ledger: Ledger) 
     assert dispatches[(("job", "record"), ("status", "completed"))] == 1
     assert dispatches[(("job", "record"), ("status", "failed"))] == 0
     assert dispatches[(("job", "stately"), ("status", "parked"))] == 1
-    assert len(dispatches) == 2 * 7  # every status of every job
+    assert dispatches[(("job", "record"), ("status", "cancelled"))] == 0
+    assert len(dispatches) == 2 * 8  # every status of every job
     assert figures["questpie_dispatches_waiting"] == {
         (("job", "record"),): 2,
         (("job", "stately"),): 1,
