@@ -27,6 +27,7 @@ if _typing.TYPE_CHECKING:
         QuestpieError,
         SecretDecryptionError,
         SecretJobError,
+        UnknownDispatchError,
         UnknownJobError,
     )
     from .ids import derive_dispatch_id
@@ -56,6 +57,7 @@ _FROM = {
             "QuestpieError",
             "SecretDecryptionError",
             "SecretJobError",
+            "UnknownDispatchError",
             "UnknownJobError",
         ),
         ".errors",
@@ -96,6 +98,7 @@ __all__ = [
     "Receipt",
     "SecretDecryptionError",
     "SecretJobError",
+    "UnknownDispatchError",
     "UnknownJobError",
     "derive_dispatch_id",
     "job",

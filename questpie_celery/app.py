@@ -139,6 +139,7 @@ class Questpie:
         self._runner = parts.runner
         self._registry = parts.registry
         self._schedules = parts.schedules
+        self._cancellation = parts.cancellation
         self._tasks: dict[str, Any] = {}
         self.queue = parts.queue
         """The queue client: `questpie.queue.<job>.publish(...)`, `get_receipt(...)`."""
@@ -169,7 +170,12 @@ class Questpie:
                     f"expected a JobDefinition (made with @job), got {type(definition).__name__}"
                 )
             client = JobClient(
-                definition, self._publisher, self._apublisher, self._schedules, self._celery_app
+                definition,
+                self._publisher,
+                self._apublisher,
+                self._schedules,
+                self._celery_app,
+                self._cancellation,
             )
             if self._registry.add(client):
                 self._tasks[definition.name] = self._runner.register(self._celery_app, definition)
@@ -392,8 +398,13 @@ class Questpie:
 
     @property
     def operator(self) -> Operator:
-        """An operator's view of the ledger: dispatches, show, stuck, failed, counts, requeue."""
-        return Operator(self._ledger, redeliver_after=self._outbox.redeliver_after)
+        """An operator's view of the ledger: dispatches, show, stuck, failed, counts,
+        requeue, cancel."""
+        return Operator(
+            self._ledger,
+            redeliver_after=self._outbox.redeliver_after,
+            cancellation=self._cancellation,
+        )
 
     @property
     def schedules(self) -> Schedules:

@@ -280,6 +280,24 @@ def dispatches_requeue(
     _print([detail], as_json)
 
 
+@dispatches.command("cancel")
+@_target
+@click.argument("dispatch_id")
+def dispatches_cancel(
+    app: str | None, ledger_url: str | None, as_json: bool, dispatch_id: str
+) -> None:
+    """Cancel a dispatch for every worker: one not started never runs; one running goes
+    on, is not retried, and ends as cancelled. Exits 1 when it had ended already."""
+    with _clear_errors():
+        cancelled, detail = _operator(app, ledger_url).cancel(dispatch_id)
+    _print([detail], as_json)
+    if not cancelled:
+        click.echo(
+            f"dispatch {dispatch_id} had already ended ({detail.status}); nothing changed", err=True
+        )
+        raise SystemExit(1)
+
+
 @dispatches.command("groups")
 @_target
 @click.option("--limit", type=int, default=100, show_default=True)

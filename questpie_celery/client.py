@@ -16,7 +16,9 @@ if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from .apublish import AsyncPublisher
+from .cancels import Cancellation
 from .errors import JobDefinitionError, PublishOptionsError, UnknownJobError
+from .ids import derive_dispatch_id
 from .jobs import JobDefinition, P, job_attribute_name
 from .options import (
     DispatchOptions,
@@ -62,12 +64,14 @@ class JobClient(Generic[P]):
         apublisher: AsyncPublisher,
         schedules: Schedules,
         celery_app: Celery,
+        cancellation: Cancellation,
     ) -> None:
         self.definition = definition
         self._publisher = publisher
         self._apublisher = apublisher
         self._schedules = schedules
         self._celery_app = celery_app
+        self._cancellation = cancellation
 
     @property
     def name(self) -> str:
@@ -245,6 +249,21 @@ class JobClient(Generic[P]):
             },
         )
 
+    def cancel(self, *, idempotency_key: str) -> bool:
+        """Cancel the job's dispatch of this idempotency key, as `queue.cancel()` does
+        its id: True when it will not run again, False when it had ended already. The key
+        keeps its id for good: publishing it again returns that id and runs nothing."""
+        return self._cancellation.cancel(self._keyed_id(idempotency_key))
+
+    async def acancel(self, *, idempotency_key: str) -> bool:
+        """`cancel()` from an event loop, without blocking it."""
+        return await self._cancellation.acancel(self._keyed_id(idempotency_key))
+
+    def _keyed_id(self, idempotency_key: str) -> str:
+        if not isinstance(idempotency_key, str) or not idempotency_key:
+            raise PublishOptionsError("idempotency_key must be a non-empty str")
+        return derive_dispatch_id(self.definition.name, idempotency_key)
+
     def unschedule(self) -> None:
         """Remove every schedule of the job. One that the job's `options={"cron": ...}`
         declares comes back when a worker or beat next starts with the job; remove the
@@ -332,10 +351,15 @@ class QueueClient:
     """`questpie.queue`: one `JobClient` per registered job, by attribute or by name."""
 
     def __init__(
-        self, registry: JobRegistry, lookups: Lookups, discover: Callable[[], None]
+        self,
+        registry: JobRegistry,
+        lookups: Lookups,
+        discover: Callable[[], None],
+        cancellation: Cancellation,
     ) -> None:
         self._registry = registry
         self._lookups = lookups
+        self._cancellation = cancellation
         self._discover = discover  # registers jobs declared but not yet registered
 
     def __getattr__(self, attribute: str) -> JobClient[Any]:
@@ -385,3 +409,16 @@ class QueueClient:
     async def aget_status(self, dispatch_id: str) -> DispatchStatus | None:
         """`get_status()` from an event loop, without blocking it."""
         return await self._lookups.astatus(dispatch_id)
+
+    def cancel(self, dispatch_id: str) -> bool:
+        """Cancel a ledgered dispatch, for every worker at once (also one that is down
+        now and starts later): one that has not started never runs (its slot is freed and
+        a secret's key erased); one that runs goes on, is not retried, sees
+        `ctx.cancel_requested`, and ends as `cancelled`. True when it will not run again,
+        False when it had ended already (nothing changed). `UnknownDispatchError` (a
+        `KeyError`) for an id the ledger has no row of."""
+        return self._cancellation.cancel(dispatch_id)
+
+    async def acancel(self, dispatch_id: str) -> bool:
+        """`cancel()` from an event loop, without blocking it."""
+        return await self._cancellation.acancel(dispatch_id)

@@ -55,6 +55,15 @@ class UnknownJobError(QuestpieError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class UnknownDispatchError(QuestpieError, KeyError):
+    """The ledger holds no dispatch of that id: it never had a row (an unkeyed
+    dispatch of a standard job without limits is a plain Celery message), or retention
+    removed it."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
 class LedgerError(QuestpieError):
     """The dispatch ledger database failed."""
 

@@ -247,7 +247,9 @@ class Fence:
             # Inside the hold: a result backend that stalls must not let the lease lapse.
             mark_started(task)
             with telemetry.span("questpie.run", attempt=row.attempt) as running:
-                ending = self._call(definition, row, payload, lease.still_held)
+                ending = self._call(
+                    definition, row, payload, lease.still_held, lambda: lease.cancel_requested
+                )
                 running.set(outcome="returned" if ending.error is None else ending.error)
         with telemetry.span("questpie.end", attempt=row.attempt) as ending_span:
             if ending.error is None:
@@ -339,6 +341,7 @@ class Fence:
         row: DispatchRow,
         payload: Any,
         held: Callable[[], bool],
+        cancelled: Callable[[], bool],
     ) -> _Ending:
         """Run the handler. The payload, the context and the handler's exception live only
         in this frame, which is gone once it returns: what the caller raises for a secret
@@ -356,6 +359,7 @@ class Fence:
                 attempt=row.attempt,
                 retry_limit=row.options.run.retry_limit,
                 singleton_key=row.singleton_key,
+                _cancelled=cancelled,
             )
             result = self._context.call(definition, model, ctx, secret=row.secret, held=held)
         except (PayloadValidationError, SecretDecryptionError, PermanentFailure) as exc:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import re
 import weakref
@@ -51,6 +52,16 @@ class JobContext(Generic[AppT_co]):
     # factory is; with one, the run sets `app` to what the factory built.
     app: AppT_co = None  # type: ignore[assignment]
     """What `Questpie(context=...)` built for this run; None without a factory."""
+    _cancelled: Callable[[], bool] = dataclasses.field(
+        default=lambda: False, repr=False, compare=False
+    )
+
+    @property
+    def cancel_requested(self) -> bool:
+        """Whether the dispatch was cancelled while this run goes on: it is not
+        interrupted and will not be retried; a handler that polls this may stop early.
+        The news comes with the lease's renewals, every third of a lease."""
+        return self._cancelled()
 
 
 #: What `@job` accepts: the handler's `ctx` may be a bare `JobContext` or one typed with

@@ -1,7 +1,8 @@
 """Keeps the execution claims of running handlers alive.
 
 One daemon thread per worker process renews every claim it tracks, every third
-of a lease, until the run ends or reaches the age its caller gave (`renewal_cap`):
+of a lease (each renewal also brings back whether the run was cancelled), until the
+run ends or reaches the age its caller gave (`renewal_cap`):
 past that the lease lapses, which is what makes an overlong run a failed attempt on
 pools that cannot interrupt code. In a prefork pool process, whose run the pool kills
 at its hard time limit, that age is the hard limit (and a margin): the claim then
@@ -90,6 +91,8 @@ class Lease:
     token: str
     deadline: float  # monotonic time after which the claim is no longer renewed
     lost: bool = False
+    #: A cancel reached the run (its renewal said so): `ctx.cancel_requested`.
+    cancel_requested: bool = False
     ends_process: bool = False  # past the deadline, the run's process ends itself
     #: The kind of failure its renewals meet, said once until one succeeds (another
     #: kind is said again: an outage's word must not silence a bug's).
@@ -170,7 +173,7 @@ class LeaseKeeper:
                 self._end_process(lease)
             return True  # past its cap: let the lease lapse
         try:
-            renewed = self._ledger.renew(lease.dispatch_id, lease.token, self.lease_seconds)
+            renewed = self._ledger.renew_lease(lease.dispatch_id, lease.token, self.lease_seconds)
         except Exception as exc:
             # The ledger is unreachable: keep trying; the lease is long enough to ride
             # out a short outage. The ledger's outage line tells the log of it; each
@@ -194,7 +197,14 @@ class LeaseKeeper:
             return False
         self._ledger.outage.reached()
         lease.failing = None
-        if renewed:
+        if renewed is not None:
+            if renewed.cancel_requested and not lease.cancel_requested:
+                log.info(
+                    "dispatch %s was cancelled while it runs: it goes on, and is not retried",
+                    lease.dispatch_id,
+                    extra={"dispatch_id": lease.dispatch_id},
+                )
+                lease.cancel_requested = True
             return True
         with self._lock:
             still_held = self._held.pop(lease.token, None) is not None

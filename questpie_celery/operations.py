@@ -11,6 +11,7 @@ import logging
 from dataclasses import dataclass, field
 from datetime import datetime
 
+from .cancels import Cancellation
 from .errors import LedgerSchemaError, PublishOptionsError
 from .ledger import GroupCounts, Ledger
 from .outbox import DEFAULT_REDELIVER_AFTER_SECONDS, PENDING_GRACE_SECONDS
@@ -77,10 +78,12 @@ class Operator:
         *,
         grace: float = PENDING_GRACE_SECONDS,
         redeliver_after: float = DEFAULT_REDELIVER_AFTER_SECONDS,
+        cancellation: Cancellation | None = None,
     ) -> None:
         self._ledger = ledger
         self._grace = grace
         self._redeliver_after = redeliver_after
+        self._cancellation = cancellation or Cancellation(ledger, None)
 
     @property
     def ledger_label(self) -> str:
@@ -206,6 +209,21 @@ class Operator:
             missing=missing,
             groups=self.groups(limit=limit),
         )
+
+    def cancel(self, dispatch_id: str) -> tuple[bool, DispatchDetail]:
+        """Cancel a dispatch (see `questpie.queue.cancel`): whether it will not run again
+        (False: it had ended already), and where it stands now. Every cancel is logged."""
+        cancelled = self._cancellation.cancel(dispatch_id)
+        detail = self.show(dispatch_id)
+        assert detail is not None
+        log.warning(
+            "dispatch %s of job %s %s by an operator",
+            dispatch_id,
+            detail.job_name,
+            "cancelled" if cancelled else "not cancelled (it had ended)",
+            extra={"dispatch_id": dispatch_id, "job_name": detail.job_name, "audit": "cancel"},
+        )
+        return cancelled, detail
 
     def requeue(self, dispatch_id: str) -> DispatchDetail:
         """Send a failed dispatch again: a new attempt under the same id and key.

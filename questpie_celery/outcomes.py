@@ -36,7 +36,7 @@ OUTCOME_PATIENCE_SECONDS = 300.0
 #: Longest pause between two tries of a write while the ledger is unreachable.
 MAX_WRITE_PAUSE_SECONDS = 2.0
 
-Ending = Literal["failed", "retrying", "lost"]
+Ending = Literal["failed", "retrying", "cancelled", "lost"]
 
 
 @dataclass(frozen=True)
@@ -103,8 +103,22 @@ class Outcomes:
             ),
             row,
         ):
-            _lost(row, "failed")
-            return "lost"
+            # Not retried: the claim was lost, or the run was cancelled while it ran,
+            # which the end below records as `cancelled` (only while the claim holds).
+            if not self._patiently(
+                lambda: self._ledger.finish(row.id, token, "failed", error), row
+            ):
+                _lost(row, "failed")
+                return "lost"
+            log.info(
+                "dispatch %s: attempt %d failed (%s) after it was cancelled; not retried",
+                row.id,
+                row.attempt,
+                error,
+                extra={"dispatch_id": row.id, "job_name": row.job_name},
+            )
+            self._hand_on(row)
+            return "cancelled"
         if plan.send_now:
             self._outbox.send(row, attempt=row.attempt + 1, countdown=plan.retry_in, carry=carry)
         else:
@@ -183,7 +197,8 @@ class Outcomes:
         """End a claim whose lease lapsed (its worker died or overran) as a failed
         attempt: retried as the dispatch's options say, or failed for good."""
         run = row.options.run
-        if row.attempt <= run.retry_limit:
+        # A run cancelled while it ran is not retried: its lapse ends it as `cancelled`.
+        if row.attempt <= run.retry_limit and row.cancel_requested_at is None:
             plan = self._outbox.plan_retry(run.delay_before_retry(row.attempt))
             if not self._ledger.lapse(row, retry_in=plan.retry_in, relay_in=plan.relay_in):
                 return False  # renewed or recovered by someone else meanwhile
@@ -200,9 +215,10 @@ class Outcomes:
         if not self._ledger.lapse(row, retry_in=None, relay_in=0.0):
             return False
         log.warning(
-            "dispatch %s of job %s: lease expired on its last attempt; failed",
+            "dispatch %s of job %s: lease expired on its last attempt; %s",
             row.id,
             row.job_name,
+            "failed" if row.cancel_requested_at is None else "cancelled (while it ran)",
             extra={"dispatch_id": row.id, "job_name": row.job_name},
         )
         self._hand_on(row)

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from .ledger import DispatchRow
 from .ledger.schema import RESENDABLE, TERMINAL
 
-ReceiptStatus = Literal["queued", "completed", "failed"]
+ReceiptStatus = Literal["queued", "completed", "failed", "cancelled"]
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class DispatchStatus:
     idempotency_key: str | None
     singleton_key: str | None
     status: str
-    """pending, queued, parked, active, retry, completed or failed."""
+    """pending, queued, parked, active, retry, completed, failed or cancelled."""
     attempt: int
     """Claims so far: 1 once the first run started."""
     last_error: str | None
@@ -70,6 +70,9 @@ class DispatchStatus:
     waiting_for: str | None = None
     """Why it waits, when a limit holds it: "concurrency" (every seat of its group is
     taken; it is parked) or "rate" (no start of its group's window is left)."""
+    cancel_requested_at: datetime | None = None
+    """When a cancel found it running: it goes on, is not retried, ends as cancelled
+    (a cancelled dispatch with a `started_at` was cancelled after it started)."""
 
     @classmethod
     def of(cls, row: DispatchRow | None) -> DispatchStatus | None:
@@ -90,12 +93,13 @@ class DispatchStatus:
             finished_at=row.finished_at,
             group_key=row.group_key,
             waiting_for=row.waiting_for,
+            cancel_requested_at=row.cancel_requested_at,
         )
 
 
 def receipt_status(ledger_status: str) -> ReceiptStatus:
     """Everything short of an outcome is `queued` (accepted, relaying, parked, running)."""
-    if ledger_status in ("completed", "failed"):
+    if ledger_status in TERMINAL:
         return ledger_status  # type: ignore[return-value]
     return "queued"
 
@@ -132,7 +136,8 @@ class DispatchDetail:
     queued_at: datetime | None
     #: When its latest attempt was claimed.
     started_at: datetime | None
-    #: When it ended (completed or failed); None until then, and again once requeued.
+    #: When it ended (completed, failed or cancelled); None until then, and again once
+    #: requeued.
     finished_at: datetime | None
     run_after: datetime
     #: When the relay looks at it next; None when nothing is due for the relay.
@@ -142,6 +147,8 @@ class DispatchDetail:
     #: holds it ("concurrency" or "rate").
     group_key: str | None = None
     waiting_for: str | None = None
+    #: When a cancel found it running (it ends as cancelled, and is not retried).
+    cancel_requested_at: datetime | None = None
 
     @classmethod
     def of(cls, row: DispatchRow) -> DispatchDetail:
@@ -176,6 +183,7 @@ class DispatchDetail:
             lease_expires_at=row.lease_expires_at,
             group_key=row.group_key,
             waiting_for=row.waiting_for,
+            cancel_requested_at=row.cancel_requested_at,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -192,7 +200,8 @@ class Dispatch:
     #: The idempotency key, or None.
     key: str | None
     singleton_key: str | None
-    #: The ledger's word: pending, queued, parked, active, retry, completed or failed. An
+    #: The ledger's word: pending, queued, parked, active, retry, completed, failed or
+    #: cancelled. An
     #: unledgered dispatch is queued until it runs, then active, retry, completed or failed.
     status: str
     #: Runs started so far (the ledger's attempt counter for a ledgered dispatch).

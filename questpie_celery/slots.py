@@ -106,6 +106,15 @@ class Slots:
         if finished.seat is not None:
             self.send_waiting(finished.job_name, group_of(finished.group_key))
 
+    def hand_on_cancelled(self, cancelled: DispatchRow) -> None:
+        """After a run that had not started was cancelled: the running slot or the seat
+        it held (awaiting its retry) or was on its way to take goes to the next run
+        waiting for it, as when a run ends. A parked run of a slot still held waits on."""
+        slot = cancelled.limited_slot
+        if slot is not None and not self._ledger.slot_running(*slot):
+            self.send_next(*slot)
+        self.send_waiting(cancelled.job_name, group_of(cancelled.group_key))
+
     def send_next(self, job_name: str, slot: str) -> bool:
         """Unpark the oldest parked run of a slot and send it; True if one was sent.
 

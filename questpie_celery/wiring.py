@@ -17,6 +17,7 @@ from celery import Celery
 from .admission import Admission
 from .apublish import AsyncPublisher
 from .broker import Sender
+from .cancels import Cancellation
 from .client import JobRegistry, Lookups, QueueClient
 from .context import AppContext
 from .crypto import MIN_SECRET_BYTES, Keyring
@@ -64,6 +65,7 @@ class Parts:
     runner: Runner
     registry: JobRegistry
     schedules: Schedules
+    cancellation: Cancellation
     queue: QueueClient
 
 
@@ -119,6 +121,7 @@ def wire(settings: Settings, discover: Callable[[], None]) -> Parts:
         return client.definition if client is not None else None
 
     schedules = Schedules(ledger, publisher, registered_definition, settings.fire_retention)
+    cancellation = Cancellation(ledger, slots)
     return Parts(
         context=context,
         ledger=ledger,
@@ -134,7 +137,8 @@ def wire(settings: Settings, discover: Callable[[], None]) -> Parts:
         runner=runner,
         registry=registry,
         schedules=schedules,
-        queue=QueueClient(registry, _lookups(ledger, aledger), discover),
+        cancellation=cancellation,
+        queue=QueueClient(registry, _lookups(ledger, aledger), discover, cancellation),
     )
 
 

@@ -10,6 +10,7 @@ still waiting for that very claim.
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import (
@@ -46,6 +47,13 @@ from .statements import (
 
 #: How often one claim picks a seat again after another run took the one it picked.
 SEAT_TRIES = 5
+
+
+@dataclass(frozen=True)
+class Renewal:
+    """A renewed lease, and whether a cancel reached the run."""
+
+    cancel_requested: bool
 
 
 class ClaimStatements:
@@ -101,8 +109,12 @@ class ClaimStatements:
             .values(**claimed, **group_written(), seat=case((keeps_seat, t.seat), else_=free))
             .returning(*dispatch_table.c)
         )
+        # The renewal carries a cancel back to the run (`ctx.cancel_requested`).
         self.renew: Update = (
-            update(dispatch_table).where(held).values(lease_expires_at=db_time(seconds("lease")))
+            update(dispatch_table)
+            .where(held)
+            .values(lease_expires_at=db_time(seconds("lease")))
+            .returning(t.cancel_requested_at)
         )
         # Why a claim took nothing, and how long before the row is due, on one clock.
         self.get_and_now: Select[Any] = select(dispatch_table, now.label("now")).where(by_id())
@@ -130,20 +142,28 @@ class ClaimStatements:
             "run_after": db_time(seconds("retry_in")),
             "next_send_at": db_time(seconds("relay_in")),
         }
-        self.finish: Update = (
-            update(dispatch_table).where(held).values(status=bindparam("new_status"), **terminal)
+        # A run cancelled while it ran ends as `cancelled`, however its handler ended,
+        # and is never retried: the retry's write does not match it (see `Claims.retry`).
+        ends_as = case(
+            (t.cancel_requested_at.is_not(None), "cancelled"), else_=bindparam("new_status")
         )
-        self.retry: Update = update(dispatch_table).where(held).values(**retrying)
+        not_cancelled = t.cancel_requested_at.is_(None)
+        self.finish: Update = update(dispatch_table).where(held).values(status=ends_as, **terminal)
+        self.retry: Update = update(dispatch_table).where(held, not_cancelled).values(**retrying)
         # Ending a lapsed lease is the relay's doing, not the holder's: it clears the token,
         # so a holder reading back after a failed write knows its own write did not land.
         lapsed = and_(held, t.lease_expires_at < now)
         self.lapse_retry: Update = (
-            update(dispatch_table).where(lapsed).values(claim_token=None, **retrying)
+            update(dispatch_table).where(lapsed, not_cancelled).values(claim_token=None, **retrying)
         )
         self.lapse_fail: Update = (
             update(dispatch_table)
             .where(lapsed)
-            .values(status="failed", claim_token=None, **terminal)
+            .values(
+                status=case((not_cancelled, "failed"), else_="cancelled"),
+                claim_token=None,
+                **terminal,
+            )
         )
         self.expired: Select[Any] = (
             select(dispatch_table)
@@ -272,11 +292,20 @@ class Claims(Executor):
 
     def renew(self, dispatch_id: str, token: str, lease_seconds: float) -> bool:
         """Extend a live claim; False when the claim is no longer ours."""
+        return self.renew_lease(dispatch_id, token, lease_seconds) is not None
+
+    def renew_lease(self, dispatch_id: str, token: str, lease_seconds: float) -> Renewal | None:
+        """Extend a live claim, and say whether the run was cancelled meanwhile; None
+        when the claim is no longer ours."""
         params = {"dispatch_id": dispatch_id, "token": token, "lease": lease_seconds}
-        return bool(self._execute(self._claims_sql.renew, params))
+        rows = self._execute(self._claims_sql.renew, params)
+        if not rows:
+            return None
+        return Renewal(cancel_requested=rows[0]["cancel_requested_at"] is not None)
 
     def finish(self, dispatch_id: str, token: str, status: Status, error: str | None) -> bool:
         """Record `completed` or `failed` (erasing a secret's key); only the holder can.
+        A run cancelled while it ran is recorded as `cancelled` instead.
 
         False when the claim was lost (the relay ended the lapsed lease).
         """
@@ -289,6 +318,8 @@ class Claims(Executor):
         """End the claim as a failed attempt, due again in `retry_in` s.
 
         `relay_in` is when the relay sends the retry if no message claims it first.
+        False when the claim was lost, or the run was cancelled while it ran (then
+        `finish` ends it as `cancelled`).
         """
         params = {
             "dispatch_id": dispatch_id,
@@ -307,7 +338,9 @@ class Claims(Executor):
         # Nothing matched. If a dropped connection made us run it twice, the first run
         # may have landed: then the row carries our token in the state we wrote.
         row = self.get(dispatch_id)
-        return row is not None and row.claim_token == token and row.status == to
+        if row is None or row.claim_token != token:
+            return False
+        return row.status == to or (row.status == "cancelled" and to != "retry")
 
     def expired_claims(self, limit: int = 100) -> list[DispatchRow]:
         """Active rows whose lease has lapsed: their holder died or overran."""

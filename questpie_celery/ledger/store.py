@@ -7,6 +7,7 @@ statement (autocommit, the one rerun, reading back) is `executor.py`'s:
 - `dispatches`: inserting rows (one, a batch, in a caller's transaction), reading them,
   recording the broker's acceptance
 - `claims`: the fence's claim, its lease, and how an attempt ends
+- `cancels`: cancelling a dispatch (ended before it starts, or marked while it runs)
 - `slots`: parking runs, handing queue policy slots on
 - `limits`: the rate limit's permits, runs waiting for a limit sent on, groups' counts
 - `policies`: the queue policy recorded for each job
@@ -18,6 +19,7 @@ statement (autocommit, the one rerun, reading back) is `executor.py`'s:
 
 from __future__ import annotations
 
+from .cancels import Cancels
 from .claims import Claims
 from .dispatches import Dispatches
 from .engine import create_ledger_engine
@@ -32,7 +34,17 @@ from .views import Views
 
 
 class Ledger(
-    Migration, Dispatches, Claims, Slots, Limits, Policies, Relay, Schedules, Retention, Views
+    Migration,
+    Dispatches,
+    Claims,
+    Cancels,
+    Slots,
+    Limits,
+    Policies,
+    Relay,
+    Schedules,
+    Retention,
+    Views,
 ):
     """The dispatch ledger in one database: every operation the rest of the package
     calls, each concept's from its own module.

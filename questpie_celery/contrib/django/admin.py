@@ -206,11 +206,12 @@ class DispatchAdmin(ReadOnlyAdmin):
                     "run_after",
                     "next_send_at",
                     "lease_expires_at",
+                    "cancel_requested_at",
                     "send_count",
                 )
             },
         ),
-        ("Queue policy", {"fields": ("policy", "singleton_key", "slot")}),
+        ("Queue policy", {"fields": ("policy", "singleton_key", "slot", "debounce_key")}),
         ("Limits", {"fields": ("group_key", "seat", "waiting_for")}),
         ("Secret payload", {"fields": ("secret", "secret_key_id")}),
     )

@@ -31,6 +31,10 @@ class Dispatch(models.Model):
     group_key = models.TextField(null=True, verbose_name="group")
     seat = models.IntegerField(null=True)
     waiting_for = models.CharField(max_length=16, null=True, verbose_name="waiting for")
+    # Cancellation and debounce (schema version 7): when a cancel found it running, and
+    # the burst a debounced dispatch gathers while it waits.
+    cancel_requested_at = models.DateTimeField(null=True, verbose_name="cancel requested")
+    debounce_key = models.TextField(null=True, verbose_name="debounce key")
     secret = models.BooleanField()
     secret_key_id = models.CharField(max_length=64, null=True, verbose_name="secret key id")
     attempt = models.IntegerField(verbose_name="attempts")
