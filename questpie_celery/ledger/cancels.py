@@ -42,7 +42,7 @@ class Cancelled:
 class CancelStatements:
     def __init__(self, dialect: str, preamble: ColumnElement[bool] | None) -> None:
         t = dispatch_table.c
-        seen = and_(by_id(), t.status == bindparam("seen"), t.attempt == bindparam("attempt"))
+        seen = and_(by_id(), t.status == bindparam("seen"), t.attempt == bindparam("seen_attempt"))
         self.get: Select[Any] = select(dispatch_table).where(by_id())
         self.cancel: Update = (
             update(dispatch_table)
@@ -51,7 +51,8 @@ class CancelStatements:
                 status="cancelled",
                 claim_token=None,
                 waiting_for=None,
-                **terminal_values(),
+                # The last attempt's error (a retry's) stays: the cancel is no error.
+                **{**terminal_values(), "last_error": t.last_error},
             )
             .returning(*dispatch_table.c)
         )
@@ -79,7 +80,11 @@ class Cancels(Executor):
                 return Cancelled("unknown")
             if found.status in TERMINAL:
                 return Cancelled("ended", found)
-            params = {"dispatch_id": dispatch_id, "seen": found.status, "attempt": found.attempt}
+            params = {
+                "dispatch_id": dispatch_id,
+                "seen": found.status,
+                "seen_attempt": found.attempt,
+            }
             if found.status == "active":
                 stmt, outcome = self._cancel_sql.request, "requested"
             else:

@@ -202,6 +202,25 @@ def policy_handler(payload: Work, ctx: JobContext) -> None:
     record(ctx, payload.tag, phase="end")
 
 
+def watch_for_cancel(payload: Work, ctx: JobContext) -> None:
+    """Runs until `ctx.cancel_requested` turns true (30 s at most), notes whether it did,
+    then fails: a failure that would be retried, had the run not been cancelled."""
+    record(ctx, payload.tag)
+    deadline = time.monotonic() + 30
+    while not ctx.cancel_requested and time.monotonic() < deadline:
+        time.sleep(0.05)
+    record(ctx, payload.tag, phase="end", note=f"cancel_requested={ctx.cancel_requested}")
+    if ctx.attempt <= payload.fail_times:
+        raise RuntimeError("stopped after the cancel")
+
+
+#: Cancellation (tests/integration/test_cancel.py): a run that watches for its cancel,
+#: retried twice were it not cancelled.
+CANCEL_JOBS = (
+    job(name="cancel.watch", schema=Work, options={"retry_limit": 2})(watch_for_cancel),
+)
+
+
 POLICY_JOBS = tuple(
     job(name=f"policy.{policy}", schema=Work, options={"queue_policy": policy})(policy_handler)
     for policy in ("short", "singleton", "stately", "exclusive")
@@ -335,6 +354,7 @@ JOBS = (
     record_job,
     record_async,
     send_welcome_email,
+    *CANCEL_JOBS,
     *POLICY_JOBS,
     *LIMIT_JOBS,
     overrun,
