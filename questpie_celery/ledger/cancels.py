@@ -89,7 +89,8 @@ class Cancels(Executor):
                 stmt, outcome = self._cancel_sql.request, "requested"
             else:
                 stmt, outcome = self._cancel_sql.cancel, "cancelled"
-            rows, reran = self._run(stmt, params)
+            # On disk before it returns, even on a relaxed ledger: True is a promise.
+            rows, reran = self._run(stmt, params, durable=True)
             if rows:
                 row = DispatchRow.from_mapping(rows[0])
                 return Cancelled(outcome, row, was=found.status)  # type: ignore[arg-type]
