@@ -22,6 +22,7 @@ def send_welcome_email(payload: Welcome, ctx: JobContext) -> None:
     assert_type(payload, Welcome)
     assert_type(ctx.attempt, int)
     assert_type(ctx.idempotency_key, str | None)
+    assert_type(ctx.cancel_requested, bool)
 
 
 def check(questpie: Questpie) -> None:
@@ -31,6 +32,8 @@ def check(questpie: Questpie) -> None:
     assert_type(client.publish({"user_id": "u"}, idempotency_key="k"), str | None)
     assert_type(questpie.queue.send_welcome_email.publish({}), str | None)
     assert_type(questpie.queue.get_receipt("id"), Receipt | None)
+    assert_type(questpie.queue.cancel("id"), bool)
+    assert_type(questpie.queue.send_welcome_email.cancel(idempotency_key="k"), bool)
     Questpie(Celery("x"), ledger_url="sqlite://", jobs=[send_welcome_email])
 
 
@@ -52,6 +55,8 @@ async def check_async(questpie: Questpie) -> None:
     assert_type(await client.apublish(Welcome(user_id="u"), idempotency_key="k"), str | None)
     assert_type(await client.apublish_many([{"user_id": "u"}]), list[str | None])
     assert_type(await questpie.queue.aget_receipt("id"), Receipt | None)
+    assert_type(await questpie.queue.acancel("id"), bool)
+    assert_type(await client.acancel(idempotency_key="k"), bool)
     await client.apublish({"user_id": "u"}, idempotency="k")  # type: ignore[call-arg]
     await client.apublish({"user_id": "u"}, retry_limit="3")  # type: ignore[arg-type]
     await client.apublish_many([{}], countdown=5)  # type: ignore[call-arg]

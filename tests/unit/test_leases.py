@@ -21,6 +21,7 @@ from questpie_celery import leases, relay
 from questpie_celery.errors import LedgerUnavailableError
 from questpie_celery.leases import LeaseKeeper
 from questpie_celery.ledger import Ledger
+from questpie_celery.ledger.claims import Renewal
 from tests.unit.helpers import IdleApp, new_dispatch, wait_until
 
 LEASE = 0.3  # renewed every 0.1 s
@@ -46,15 +47,15 @@ def _advanced_past(ledger: Ledger, dispatch_id: str, mark: datetime) -> datetime
 
 
 class FailingOnce:
-    """`Ledger.renew` that raises `error` on its first call only, then renews."""
+    """`Ledger.renew_lease` that raises `error` on its first call only, then renews."""
 
     def __init__(self, ledger: Ledger, error: BaseException) -> None:
-        self._renew = ledger.renew
+        self._renew = ledger.renew_lease
         self._error = error
         self.calls = 0
         self.raised = threading.Event()
 
-    def __call__(self, dispatch_id: str, token: str, lease_seconds: float) -> bool:
+    def __call__(self, dispatch_id: str, token: str, lease_seconds: float) -> Renewal | None:
         self.calls += 1
         if self.calls == 1:
             self.raised.set()
@@ -67,7 +68,7 @@ def test_a_renewal_that_raises_does_not_stop_renewing(
 ) -> None:
     dispatch_id, token = _claimed(ledger)
     failing = FailingOnce(ledger, RuntimeError("not a QuestpieError"))
-    monkeypatch.setattr(ledger, "renew", failing)
+    monkeypatch.setattr(ledger, "renew_lease", failing)
     keeper = LeaseKeeper(ledger, lease_seconds=LEASE)
     with caplog.at_level(logging.WARNING), keeper.hold(dispatch_id, token, 60) as lease:
         assert failing.raised.wait(10), "the renewer never tried to renew"
@@ -89,14 +90,14 @@ def test_a_renewal_that_raises_does_not_stop_renewing(
 
 
 class FailingFirst:
-    """`Ledger.renew` that raises each of `errors` in turn on its first calls, then renews."""
+    """`Ledger.renew_lease` that raises each of `errors` in turn on its first calls, then renews."""
 
     def __init__(self, ledger: Ledger, *errors: BaseException) -> None:
-        self._renew = ledger.renew
+        self._renew = ledger.renew_lease
         self._errors = list(errors)
         self.calls = 0
 
-    def __call__(self, dispatch_id: str, token: str, lease_seconds: float) -> bool:
+    def __call__(self, dispatch_id: str, token: str, lease_seconds: float) -> Renewal | None:
         self.calls += 1
         if self._errors:
             raise self._errors.pop(0)
@@ -113,7 +114,7 @@ def test_a_renewal_failing_otherwise_after_an_outage_is_a_warning(
     failing = FailingFirst(
         ledger, LedgerUnavailableError("the ledger is down"), RuntimeError("a bug")
     )
-    monkeypatch.setattr(ledger, "renew", failing)
+    monkeypatch.setattr(ledger, "renew_lease", failing)
     keeper = LeaseKeeper(ledger, lease_seconds=LEASE)
     with (
         caplog.at_level(logging.DEBUG, logger="questpie_celery.leases"),
@@ -146,7 +147,7 @@ def test_a_dead_renewer_is_restarted_by_the_next_hold(
 
     monkeypatch.setattr(threading, "excepthook", died)
     failing = FailingOnce(ledger, SystemExit(0))
-    monkeypatch.setattr(ledger, "renew", failing)
+    monkeypatch.setattr(ledger, "renew_lease", failing)
     keeper = LeaseKeeper(ledger, lease_seconds=LEASE)
     with keeper.hold(dispatch_id, token, 60):
         first = keeper._thread
