@@ -6,6 +6,7 @@ statement (autocommit, the one rerun, reading back) is `executor.py`'s:
 - `migration`: creating and upgrading the schema, the ledger's identity
 - `dispatches`: inserting rows (one, a batch, in a caller's transaction), reading them,
   recording the broker's acceptance
+- `debounce`, `throttle`: a debounced publish's burst, a throttled publish's window
 - `claims`: the fence's claim, its lease, and how an attempt ends
 - `slots`: parking runs, handing queue policy slots on
 - `limits`: the rate limit's permits, runs waiting for a limit sent on, groups' counts
@@ -19,6 +20,7 @@ statement (autocommit, the one rerun, reading back) is `executor.py`'s:
 from __future__ import annotations
 
 from .claims import Claims
+from .debounce import Debounce
 from .dispatches import Dispatches
 from .engine import create_ledger_engine
 from .limits import Limits
@@ -28,11 +30,23 @@ from .relay import Relay
 from .retention import Retention
 from .schedules import Schedules
 from .slots import Slots
+from .throttle import Throttle
 from .views import Views
 
 
 class Ledger(
-    Migration, Dispatches, Claims, Slots, Limits, Policies, Relay, Schedules, Retention, Views
+    Migration,
+    Debounce,
+    Throttle,
+    Dispatches,
+    Claims,
+    Slots,
+    Limits,
+    Policies,
+    Relay,
+    Schedules,
+    Retention,
+    Views,
 ):
     """The dispatch ledger in one database: every operation the rest of the package
     calls, each concept's from its own module.
