@@ -61,12 +61,12 @@ class DebounceStatements:
         self.push_back: Update = (
             update(dispatch_table)
             .where(
-                t.job_name == bindparam("job_name"),
-                t.debounce_key == bindparam("debounce_key"),
+                t.job_name == bindparam("job"),
+                t.debounce_key == bindparam("burst"),
                 t.status.in_(WAITING),
             )
             .values(
-                payload=bindparam("payload", type_=t.payload.type),
+                payload=bindparam("latest", type_=t.payload.type),
                 run_after=start,
                 # The relay sends it at its new start: the message already on its way
                 # arrives early, and the fence leaves the row to the relay. A parked run
@@ -113,9 +113,9 @@ class Debounce(Dispatches):
         With `conn`, in the caller's transaction."""
         sql = self._debounce_sql if conn is None else self._debounce_in_caller
         push = {
-            "job_name": new.job_name,
-            "debounce_key": key,
-            "payload": new.payload,
+            "job": new.job_name,
+            "burst": key,
+            "latest": new.payload,
             "debounce": debounce,
             "most": most,
         }
