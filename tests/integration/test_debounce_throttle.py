@@ -140,3 +140,67 @@ def test_a_known_key_takes_no_window(ledger: Ledger) -> None:
     keyed = NewDispatch(id="11111111-2222-5333-8444-555555555555", job_name="throttled", payload={}, options=StoredOptions(), idempotency_key="k1")
     assert ledger.throttle(keyed, key="", window=60) == "accepted"
     assert ledger.throttle(keyed, key="", window=60) == "not inserted"
+
+
+# --- real workers: PostgreSQL, Redis, a prefork worker ----------------------------------------
+
+
+def _publisher(env: dict[str, str]) -> Questpie:
+    _, questpie = jobapp.build(
+        broker=env["QP_TEST_BROKER"],
+        ledger=env["QP_TEST_LEDGER"],
+        backend=env.get("QP_TEST_BACKEND"),
+        queue=env["QP_TEST_QUEUE"],
+    )
+    return questpie
+
+
+#: The burst test's quiet period (a publish's options over the job's): long enough that
+#: four processes and the test's last publish fall inside it on a busy machine.
+BURST: dict[str, Any] = {"debounce_seconds": 2.0, "debounce_max_seconds": 20.0}
+
+
+def _publish_burst(
+    env: dict[str, str], t: str, who: int, count: int, start: Any, answers: Any
+) -> None:
+    """In a process of its own: `count` debounced publishes as fast as it can, once every
+    publisher is ready."""
+    questpie = _publisher(env)
+    client = questpie.queue["debounce.record"]
+    questpie.queue.get_status(str(uuid.uuid4()))  # connected before the start
+    start.wait(timeout=60)
+    ids = [client.publish({"tag": t, "seq": f"{who}-{n}"}, **BURST) for n in range(count)]
+    answers.put(ids)
+    questpie.flush(timeout=10)
+
+
+def test_a_burst_from_four_processes_runs_once_with_the_last_payload(pg_redis: Stack) -> None:
+    stack = pg_redis
+    t = tag()
+    spawn = multiprocessing.get_context("spawn")
+    start, answers = spawn.Barrier(5), spawn.Queue()
+    counts = [13, 13, 12, 12]  # 50 in all
+    publishers = [
+        spawn.Process(target=_publish_burst, args=(stack.env, t, who, n, start, answers))
+        for who, n in enumerate(counts)
+    ]
+    for process in publishers:
+        process.start()
+    start.wait(timeout=60)
+    ids = [dispatch_id for _ in publishers for dispatch_id in answers.get(timeout=60)]
+    # The last publish of the burst, after the four's: its payload wins.
+    last = stack.questpie.queue["debounce.record"].publish({"tag": t, "seq": "last"}, **BURST)
+    published = time.monotonic()
+    for process in publishers:
+        process.join(timeout=30)
+        assert process.exitcode == 0
+    assert last is not None
+    assert len(ids) == 50 and set(ids) == {last}
+    (run,) = stack.wait_runs(t, 1, timeout=20)
+    ran = time.monotonic()
+    assert run["dispatch_id"] == last and run["note"] == "last"
+    # Not before the quiet period after the last publish.
+    assert ran - published >= 1.9
+    stack.wait_status(last, "completed")
+    time.sleep(1.5)
+    assert len(stack.runs(t)) == 1  # once, and only once
