@@ -399,21 +399,17 @@ def _debounce_max(values: Mapping[str, Any]) -> float | None:
 
 def _check_keys(options: DispatchOptions) -> None:
     """The rules that tie the keys to each other and to a secret payload."""
-    if options.idempotency_key is not None and options.singleton_key is not None:
-        raise PublishOptionsError("idempotency_key and singleton_key cannot both be set")
-    if options.secret_payload and options.idempotency_key is None:
-        raise PublishOptionsError("secret_payload needs an idempotency_key")
     if options.debounce_seconds is not None:
+        if options.secret_payload:
+            raise PublishOptionsError(
+                "debounce_seconds and secret_payload cannot both be set (a burst's later "
+                "publishes replace its payload, which a sealed one cannot take)"
+            )
         # Every publish of a burst answers the burst's id: a key's id is another identity.
         if options.idempotency_key is not None:
             raise PublishOptionsError(
                 "debounce_seconds and idempotency_key cannot both be set (a burst has one "
                 "id whatever the key; debounce per key with singleton_key)"
-            )
-        if options.secret_payload:
-            raise PublishOptionsError(
-                "debounce_seconds and secret_payload cannot both be set (a burst's later "
-                "publishes replace its payload, which a sealed one cannot take)"
             )
         if options.start_after is not None:
             raise PublishOptionsError(
@@ -422,6 +418,10 @@ def _check_keys(options: DispatchOptions) -> None:
             )
         if options.throttle_seconds is not None:
             raise PublishOptionsError("debounce_seconds and throttle_seconds cannot both be set")
+    if options.idempotency_key is not None and options.singleton_key is not None:
+        raise PublishOptionsError("idempotency_key and singleton_key cannot both be set")
+    if options.secret_payload and options.idempotency_key is None:
+        raise PublishOptionsError("secret_payload needs an idempotency_key")
 
 
 # --- single-value validators -------------------------------------------------------------
