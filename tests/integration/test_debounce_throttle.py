@@ -9,18 +9,17 @@ singleton policy; `throttle.record` accepts one dispatch per 2 s.
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
-import os
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import pytest
 from sqlalchemy import create_engine, select, update
+from sqlalchemy.orm import Session
 
 from questpie_celery import Questpie, QueuePolicy
 from questpie_celery.errors import PublishOptionsError
@@ -29,6 +28,7 @@ from questpie_celery.ledger.schema import throttle_table
 from questpie_celery.options import StoredOptions
 from questpie_celery.signals import publish_suppressed
 from tests.support import jobapp
+from tests.support.aio import run
 from tests.support.stack import Stack, tag
 
 
@@ -360,16 +360,12 @@ def test_publish_many_debounces_each_item_by_its_own_key(pg_redis: Stack) -> Non
 
 
 def test_apublish_debounces_and_throttles_without_the_batcher(pg_redis: Stack) -> None:
-    from tests.support.aio import run
-
     stack = pg_redis
     t, k = tag(), uuid.uuid4().hex
     debounced = stack.questpie.queue["debounce.record"]
     throttled = stack.questpie.queue["throttle.record"]
 
     async def body() -> tuple[list[str | None], list[str | None], list[str | None]]:
-        import asyncio
-
         burst = await asyncio.gather(
             *(debounced.apublish({"tag": t, "seq": str(n)}, singleton_key=k) for n in range(5))
         )
@@ -383,8 +379,8 @@ def test_apublish_debounces_and_throttles_without_the_batcher(pg_redis: Stack) -
     assert len(set(burst)) == 1 and None not in burst
     assert sum(w is not None for w in windows) == 1
     assert many[0] is not None and many[1] is None
-    (run_,) = [r for r in stack.wait_runs(t, 3) if r["dispatch_id"] == burst[0]]
-    assert run_["job_name"] == "debounce.record"
+    (ran,) = [r for r in stack.wait_runs(t, 3) if r["dispatch_id"] == burst[0]]
+    assert ran["job_name"] == "debounce.record"
 
 
 @pytest.mark.parametrize(
@@ -417,8 +413,6 @@ def test_refused_combinations_write_nothing(
 
 
 def test_throttle_refuses_a_callers_transaction(pg_redis: Stack) -> None:
-    from sqlalchemy.orm import Session
-
     stack = pg_redis
     before = stack.dispatch_count()
     with (
@@ -432,8 +426,6 @@ def test_throttle_refuses_a_callers_transaction(pg_redis: Stack) -> None:
 def test_a_debounced_publish_in_a_callers_transaction_joins_its_burst_at_commit(
     pg_redis: Stack,
 ) -> None:
-    from sqlalchemy.orm import Session
-
     stack = pg_redis
     t, k = tag(), uuid.uuid4().hex
     client = stack.questpie.queue["debounce.record"]
