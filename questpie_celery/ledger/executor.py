@@ -1,7 +1,9 @@
 """How every ledger operation runs its statement: the one executor the concepts share.
 
 Each operation outside `migrate` is a single statement in autocommit: one round
-trip, atomic on its own, and no transaction left open to hold row locks. A
+trip, atomic on its own, and no transaction left open to hold row locks. The one
+exception is a throttled publish's, two statements in a transaction of their own
+(`_run_transaction`, with the same rerun and translation rules). A
 statement that meets a connection the server dropped (restart, failover,
 `pg_terminate_backend`, an idle timeout) runs once more on a fresh connection.
 Where that second run cannot tell whether the first one landed (a conditional
