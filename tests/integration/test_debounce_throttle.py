@@ -27,8 +27,11 @@ from questpie_celery.ledger import Ledger, NewDispatch, dispatch_table
 from questpie_celery.ledger.schema import throttle_table
 from questpie_celery.options import StoredOptions
 from questpie_celery.signals import publish_suppressed
+from tests.integration.conftest import StackFactory
 from tests.support import jobapp
 from tests.support.aio import run
+from tests.support.brokers import capture
+from tests.support.faultproxy import FaultProxy
 from tests.support.stack import Stack, tag
 
 
@@ -436,3 +439,43 @@ def test_a_debounced_publish_in_a_callers_transaction_joins_its_burst_at_commit(
     assert client.publish({"tag": t, "seq": "3"}, singleton_key=k) == first
     (run_,) = stack.wait_runs(t, 1)
     assert run_["dispatch_id"] == first and run_["note"] == "3"
+
+
+# --- a reply lost on a dropped connection ----------------------------------------------------
+
+
+def test_a_new_burst_whose_insert_reply_is_lost_is_read_back_and_sent(
+    proxy: FaultProxy, via_proxy: StackFactory
+) -> None:
+    stack = via_proxy("redis", start_worker=False)
+    proxy.arm(b"INSERT INTO questpie_queue_dispatch")
+    first = stack.questpie.queue["debounce.record"].publish({"tag": tag(), "seq": "1"})
+    assert proxy.fired.is_set(), "the publish sent no insert"
+    with stack.ledger.engine.connect() as conn:
+        written = conn.execute(select(dispatch_table.c.id)).scalars().all()
+    assert written == [first]
+    assert capture(stack, stack.queue_name).headers["id"] == first
+    # The burst goes on: the next publish joins it.
+    assert stack.questpie.queue["debounce.record"].publish({"tag": tag(), "seq": "2"}) == first
+
+
+def test_a_throttle_whose_commit_reply_is_lost_is_read_back_through_its_window(
+    proxy: FaultProxy, via_proxy: StackFactory
+) -> None:
+    stack = via_proxy("redis", start_worker=False)
+    client = stack.questpie.queue["throttle.record"]
+    # A first throttled publish reads (and records) the job's policy: the next one's
+    # transaction is the only one to commit.
+    assert client.publish({"tag": tag()}, singleton_key="before") is not None
+    proxy.arm(b"Q\x00\x00\x00\x0bCOMMIT\x00")  # the message, not "BEGIN ... READ COMMITTED"
+    accepted = client.publish({"tag": tag()})
+    assert proxy.fired.is_set(), "the throttle's transaction never committed"
+    assert accepted is not None
+    with stack.ledger.engine.connect() as conn:
+        written = conn.execute(select(dispatch_table.c.id)).scalars().all()
+        windows = conn.execute(
+            select(throttle_table.c.dispatch_id).where(throttle_table.c.throttle_key == "")
+        ).scalars().all()
+    assert accepted in written and len(written) == 2 and windows == [accepted]
+    assert {capture(stack, stack.queue_name).headers["id"] for _ in range(2)} == set(written)
+    assert client.publish({"tag": tag()}) is None  # and the window holds
