@@ -147,7 +147,12 @@ class Publisher:
         """
         policy = self._policies.effective(definition, options[0].queue_policy)
         span.set(policy=str(policy))
-        if not policy.ledgered and any(item.singleton_key is not None for item in options):
+        # A debounced or throttled dispatch's singleton key names its burst or window.
+        if (
+            not policy.ledgered
+            and not options[0].flow_controlled
+            and any(item.singleton_key is not None for item in options)
+        ):
             self._policies.warn_ignored_singleton_key(definition.name)
         return policy
 

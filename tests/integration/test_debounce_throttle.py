@@ -473,9 +473,13 @@ def test_a_throttle_whose_commit_reply_is_lost_is_read_back_through_its_window(
     assert accepted is not None
     with stack.ledger.engine.connect() as conn:
         written = conn.execute(select(dispatch_table.c.id)).scalars().all()
-        windows = conn.execute(
-            select(throttle_table.c.dispatch_id).where(throttle_table.c.throttle_key == "")
-        ).scalars().all()
+        windows = (
+            conn.execute(
+                select(throttle_table.c.dispatch_id).where(throttle_table.c.throttle_key == "")
+            )
+            .scalars()
+            .all()
+        )
     assert accepted in written and len(written) == 2 and windows == [accepted]
     assert {capture(stack, stack.queue_name).headers["id"] for _ in range(2)} == set(written)
     assert client.publish({"tag": tag()}) is None  # and the window holds

@@ -5,15 +5,19 @@ memory://, and eager mode."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 from celery import Celery
 from pydantic import BaseModel
+from sqlalchemy import select
 
 from questpie_celery import JobContext, Questpie, job
 from questpie_celery.errors import PublishOptionsError
+from questpie_celery.ledger import Ledger
+from questpie_celery.ledger.schema import throttle_table
 from questpie_celery.options import (
     DEFAULT_DEBOUNCE_MAX_FACTOR,
     MAX_START_AFTER_SECONDS,
@@ -21,6 +25,7 @@ from questpie_celery.options import (
     resolve_options,
     validate_job_options,
 )
+from questpie_celery.retention import Retention
 from questpie_celery.signals import publish_suppressed
 from tests.unit.helpers import IdleApp
 
@@ -194,3 +199,51 @@ def test_eager_mode_keeps_the_throttle(eager: Questpie) -> None:
     first = client.publish({"n": 1})
     assert client.publish({"n": 2}) is None
     assert ran == [(first, 1)]
+
+
+# --- retention ------------------------------------------------------------------------------
+
+
+def test_the_relays_retention_step_deletes_windows_open_again_for_an_hour(ledger: Ledger) -> None:
+    now = datetime.now(UTC)
+    with ledger.engine.begin() as conn:
+        conn.execute(
+            throttle_table.insert(),
+            [
+                {
+                    "job_name": "j",
+                    "throttle_key": "old",
+                    "dispatch_id": "a",
+                    "open_at": now - timedelta(hours=2),
+                },
+                {
+                    "job_name": "j",
+                    "throttle_key": "recent",
+                    "dispatch_id": "b",
+                    "open_at": now - timedelta(minutes=5),
+                },
+                {
+                    "job_name": "j",
+                    "throttle_key": "closed",
+                    "dispatch_id": "c",
+                    "open_at": now + timedelta(minutes=5),
+                },
+            ],
+        )
+    Retention(ledger, None).now_and_then()  # no retention period: windows go all the same
+    with ledger.engine.connect() as conn:
+        left = conn.execute(select(throttle_table.c.throttle_key)).scalars().all()
+    assert sorted(left) == ["closed", "recent"]
+
+
+def test_a_singleton_key_of_a_debounced_standard_job_is_not_called_ignored(
+    idle: IdleApp, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("WARNING"):
+        idle.questpie.queue["debounce.record"].publish({"tag": "w"}, singleton_key="warn-1")
+        idle.questpie.queue["throttle.record"].publish({"tag": "w"}, singleton_key="warn-1")
+        idle.questpie.queue["record"].publish({"tag": "w"}, singleton_key="warn-1")
+    warned = [
+        r.getMessage() for r in caplog.records if "singleton_key has no effect" in r.getMessage()
+    ]
+    assert warned == ["job record has the standard queue policy: singleton_key has no effect"]
