@@ -483,3 +483,38 @@ def test_a_throttle_whose_commit_reply_is_lost_is_read_back_through_its_window(
     assert accepted in written and len(written) == 2 and windows == [accepted]
     assert {capture(stack, stack.queue_name).headers["id"] for _ in range(2)} == set(written)
     assert client.publish({"tag": tag()}) is None  # and the window holds
+
+
+# --- the embedded default and a pooler -------------------------------------------------------
+
+
+def test_a_burst_and_a_window_on_sqlite_with_a_real_worker(sqlite_fs: Stack) -> None:
+    stack = sqlite_fs
+    t = tag()
+    debounced = stack.questpie.queue["debounce.record"]
+    ids = [debounced.publish({"tag": t, "seq": str(n)}) for n in range(10)]
+    assert len(set(ids)) == 1 and ids[0] is not None
+    throttled = stack.questpie.queue["throttle.record"]
+    k = uuid.uuid4().hex
+    windows = [throttled.publish({"tag": t}, singleton_key=k) for _ in range(5)]
+    assert windows[0] is not None and windows[1:] == [None] * 4
+    runs = stack.wait_runs(t, 2)
+    assert {r["dispatch_id"] for r in runs} == {ids[0], windows[0]}
+    (burst,) = [r for r in runs if r["dispatch_id"] == ids[0]]
+    assert burst["note"] == "9"
+    time.sleep(1.0)
+    assert len(stack.runs(t)) == 2
+
+
+def test_the_statements_carry_a_pooled_ledgers_settings(pooled_stack: Stack) -> None:
+    ledger = pooled_stack.ledger  # through PgBouncer in transaction mode, pooled=True
+    key = uuid.uuid4().hex
+    burst, inserted = ledger.debounce(new_row(payload={"n": 1}), key=key, debounce=30, most=60)
+    assert inserted
+    assert ledger.debounce(new_row(payload={"n": 2}), key=key, debounce=30, most=60) == (
+        burst,
+        False,
+    )
+    assert row_of(ledger, burst).payload == {"n": 2}
+    assert ledger.throttle(new_row("throttled"), key=key, window=30) == "accepted"
+    assert ledger.throttle(new_row("throttled"), key=key, window=30) == "closed"
