@@ -14,11 +14,12 @@ import multiprocessing
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import create_engine, select, update
+from sqlalchemy import Engine, create_engine, select, update
 from sqlalchemy.orm import Session
 
 from questpie_celery import Questpie, QueuePolicy
@@ -416,11 +417,19 @@ def test_refused_combinations_write_nothing(
     assert stack.dispatch_count() == before
 
 
-def test_throttle_refuses_a_callers_transaction(pg_redis: Stack) -> None:
+@pytest.fixture
+def caller_engine(pg_redis: Stack) -> Iterator[Engine]:
+    """An engine of the caller's own on the stack's ledger database."""
+    engine = create_engine(pg_redis.env["QP_TEST_LEDGER"])
+    yield engine
+    engine.dispose()
+
+
+def test_throttle_refuses_a_callers_transaction(pg_redis: Stack, caller_engine: Engine) -> None:
     stack = pg_redis
     before = stack.dispatch_count()
     with (
-        Session(create_engine(stack.env["QP_TEST_LEDGER"])) as session,
+        Session(caller_engine) as session,
         pytest.raises(PublishOptionsError, match="transaction"),
     ):
         stack.questpie.queue["throttle.record"].publish({"tag": tag()}, session=session)
@@ -428,12 +437,12 @@ def test_throttle_refuses_a_callers_transaction(pg_redis: Stack) -> None:
 
 
 def test_a_debounced_publish_in_a_callers_transaction_joins_its_burst_at_commit(
-    pg_redis: Stack,
+    pg_redis: Stack, caller_engine: Engine
 ) -> None:
     stack = pg_redis
     t, k = tag(), uuid.uuid4().hex
     client = stack.questpie.queue["debounce.record"]
-    with Session(create_engine(stack.env["QP_TEST_LEDGER"])) as session:
+    with Session(caller_engine) as session:
         first = client.publish({"tag": t, "seq": "1"}, singleton_key=k, session=session)
         assert client.publish({"tag": t, "seq": "2"}, singleton_key=k, session=session) == first
         session.commit()
@@ -519,3 +528,18 @@ def test_the_statements_carry_a_pooled_ledgers_settings(pooled_stack: Stack) -> 
     assert row_of(ledger, burst).payload == {"n": 2}
     assert ledger.throttle(new_row("throttled"), key=key, window=30) == "accepted"
     assert ledger.throttle(new_row("throttled"), key=key, window=30) == "closed"
+
+
+def test_a_debounced_publish_on_a_bare_connection_is_sent_by_the_relay(
+    pg_redis: Stack, caller_engine: Engine
+) -> None:
+    stack = pg_redis
+    t, k = tag(), uuid.uuid4().hex
+    client = stack.questpie.queue["debounce.record"]
+    with caller_engine.begin() as conn:
+        first = client.publish({"tag": t, "seq": "1"}, singleton_key=k, connection=conn)
+        assert first is not None
+        assert client.publish({"tag": t, "seq": "2"}, singleton_key=k, connection=conn) == first
+    # No commit hook: the relay sends it once due (woken by the commit, due after 1 s).
+    (ran,) = stack.wait_runs(t, 1, timeout=20)
+    assert ran["dispatch_id"] == first and ran["note"] == "2"
