@@ -119,13 +119,15 @@ class AsyncPublisher:
         connection: object = None,
     ) -> str | None:
         """Publish one dispatch; `given` holds the call's options, not yet resolved."""
-        if session is not None or connection is not None or self._sender.eager:
+        direct = session is not None or connection is not None or self._sender.eager
+        if direct or _flow_controlled(definition, given):
             options = resolve_options(definition.options, given)
             call = functools.partial(self._publisher.publish, definition, payload, options)
             if session is not None or connection is not None:
                 # Also in eager mode: the sync path runs the handler after the commit.
                 return await self._in_transaction(call, definition, session, connection)
-            # Eager mode runs the handler inline, which may block: a thread of its own.
+            # Eager mode runs the handler inline, which may block; a debounced or
+            # throttled publish runs statements of its own, one by one: a thread.
             return await asyncio.to_thread(call)
         with telemetry.span("questpie.publish", job=definition.name) as span:
             loop = asyncio.get_running_loop()
@@ -154,7 +156,7 @@ class AsyncPublisher:
                 session,
                 connection,
             )
-        if self._sender.eager or not options:
+        if self._sender.eager or not options or options[0].flow_controlled:
             return await asyncio.to_thread(
                 self._publisher.publish_many, definition, payloads, options
             )
@@ -434,6 +436,14 @@ class _Batcher:
 
 #: Tasks spawned by batchers, held: the loop keeps only weak references to tasks.
 _SPAWNED: set[asyncio.Task[None]] = set()
+
+
+def _flow_controlled(definition: JobDefinition[Any], given: Mapping[str, Any]) -> bool:
+    """Debounced or throttled, by the call's options or the job's (which it inherits)."""
+    return any(
+        given.get(name) is not None or name in definition.options
+        for name in ("debounce_seconds", "throttle_seconds")
+    )
 
 
 def spawn(work: Coroutine[Any, Any, None]) -> None:

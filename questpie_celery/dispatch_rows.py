@@ -60,10 +60,21 @@ def new_dispatch(
     )
 
 
-def report_suppressed(new: NewDispatch, *, delivery: bool = False) -> None:
+def report_suppressed(
+    new: NewDispatch, *, delivery: bool = False, throttled: float | None = None
+) -> None:
     """Tell the log and `publish_suppressed` that a policy slot refused `new`: a
-    publish's row, or (`delivery`) a plain delivery's that the worker took in."""
-    if delivery:
+    publish's row, or (`delivery`) a plain delivery's that the worker took in; or
+    (`throttled`: its window's length) that its throttle window was closed, which the
+    signal names as the policy `"throttle"`."""
+    if throttled is not None:
+        _publish_log.info(
+            "publish of job %s suppressed by its throttle (one dispatch per %g s per key)",
+            new.job_name,
+            throttled,
+            extra={"job_name": new.job_name, "singleton_key": new.singleton_key},
+        )
+    elif delivery:
         _delivery_log.info(
             "delivery %s of job %s suppressed by its %s queue policy (slot %r is taken)",
             new.id,
@@ -84,5 +95,5 @@ def report_suppressed(new: NewDispatch, *, delivery: bool = False) -> None:
         sender=new.job_name,
         job_name=new.job_name,
         singleton_key=new.singleton_key,
-        policy=str(new.policy),
+        policy="throttle" if throttled is not None else str(new.policy),
     )

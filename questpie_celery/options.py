@@ -30,6 +30,9 @@ MAX_START_AFTER_SECONDS = 10 * 365 * 86400
 MAX_RETRY_DELAY_SECONDS = 365 * 86400
 MAX_EXPIRE_IN_SECONDS = 7 * 86400
 MAX_QUEUE_NAME_LENGTH = 255
+#: A burst's longest start, when `debounce_max_seconds` is not given: this many quiet
+#: periods after its first publish.
+DEFAULT_DEBOUNCE_MAX_FACTOR = 10
 #: The idempotency key of a schedule's fire names its source and tick after this prefix
 #: (`schedules.fire_key`); the beat deletes the fires it made, by this prefix.
 FIRE_KEY_PREFIX = "questpie-schedule:"
@@ -55,6 +58,9 @@ class JobOptions(TypedDict, total=False):
     cron: str  # a fixed schedule (read in UTC) that fires the job with the payload {}
     concurrency_limit: int  # at most this many runs active at once, per group
     rate_limit: str  # "N/s", "N/m" or "N/h": at most N runs started per window, per group
+    debounce_seconds: int | float  # start this long after the last publish of a burst
+    debounce_max_seconds: int | float  # ...but at most this long after its first
+    throttle_seconds: int | float  # accept at most one dispatch per window, per key
 
 
 JOB_OPTION_NAMES = frozenset(JobOptions.__annotations__)
@@ -170,6 +176,23 @@ class DispatchOptions:
     priority: int | None = None
     start_after: datetime | None = None
     queue: str | None = None
+    #: Debounced: the dispatch starts this long after the last publish of its burst...
+    debounce_seconds: float | None = None
+    #: ...and at most this long after the burst's first (set whenever debounced).
+    debounce_max_seconds: float | None = None
+    #: Throttled: at most one dispatch per job and key accepted per window this long.
+    throttle_seconds: float | None = None
+
+    @property
+    def flow_controlled(self) -> bool:
+        """Debounced or throttled: published one by one, each with a ledger row."""
+        return self.debounce_seconds is not None or self.throttle_seconds is not None
+
+    @property
+    def flow_key(self) -> str:
+        """The burst or window a debounced or throttled dispatch belongs to: its
+        singleton key, or "" for the job as a whole."""
+        return self.singleton_key if self.singleton_key is not None else ""
 
     def stored(self) -> StoredOptions:
         return StoredOptions(run=self.run, priority=self.priority, queue=self.queue)
@@ -208,6 +231,9 @@ class ManyOptions(TypedDict, total=False):
     retry_backoff: bool | None
     expire_in_seconds: int | None
     queue: str | None
+    debounce_seconds: float | None
+    debounce_max_seconds: float | None
+    throttle_seconds: float | None
 
 
 class DispatchKeys(TypedDict, total=False):
@@ -262,7 +288,13 @@ def validate_job_options(options: Mapping[str, Any] | None) -> JobOptions:
             Rate.parse(value)
         else:
             _VALIDATORS[name](value, now)
+    if validated.keys() & _FLOW_OPTIONS:
+        # The combinations a publish refuses, told where the job is declared.
+        _check_keys(_merge(cast(JobOptions, validated), {}, ()))
     return cast(JobOptions, validated)
+
+
+_FLOW_OPTIONS = frozenset({"debounce_seconds", "debounce_max_seconds", "throttle_seconds"})
 
 
 def resolve_options(
@@ -345,11 +377,47 @@ def _merge(
         priority=values.get("priority"),
         start_after=values.get("start_after"),
         queue=values.get("queue"),
+        debounce_seconds=values.get("debounce_seconds"),
+        debounce_max_seconds=_debounce_max(values),
+        throttle_seconds=values.get("throttle_seconds"),
     )
+
+
+def _debounce_max(values: Mapping[str, Any]) -> float | None:
+    debounce: float | None = values.get("debounce_seconds")
+    most: float | None = values.get("debounce_max_seconds")
+    if debounce is None:
+        if most is not None:
+            raise PublishOptionsError("debounce_max_seconds needs debounce_seconds")
+        return None
+    if most is None:
+        return min(debounce * DEFAULT_DEBOUNCE_MAX_FACTOR, float(MAX_START_AFTER_SECONDS))
+    if most < debounce:
+        raise PublishOptionsError("debounce_max_seconds must be at least debounce_seconds")
+    return most
 
 
 def _check_keys(options: DispatchOptions) -> None:
     """The rules that tie the keys to each other and to a secret payload."""
+    if options.debounce_seconds is not None:
+        if options.secret_payload:
+            raise PublishOptionsError(
+                "debounce_seconds and secret_payload cannot both be set (a burst's later "
+                "publishes replace its payload, which a sealed one cannot take)"
+            )
+        # Every publish of a burst answers the burst's id: a key's id is another identity.
+        if options.idempotency_key is not None:
+            raise PublishOptionsError(
+                "debounce_seconds and idempotency_key cannot both be set (a burst has one "
+                "id whatever the key; debounce per key with singleton_key)"
+            )
+        if options.start_after is not None:
+            raise PublishOptionsError(
+                "debounce_seconds and start_after cannot both be set (a debounced "
+                "dispatch starts debounce_seconds after the burst's last publish)"
+            )
+        if options.throttle_seconds is not None:
+            raise PublishOptionsError("debounce_seconds and throttle_seconds cannot both be set")
     if options.idempotency_key is not None and options.singleton_key is not None:
         raise PublishOptionsError("idempotency_key and singleton_key cannot both be set")
     if options.secret_payload and options.idempotency_key is None:
@@ -384,6 +452,16 @@ def _seconds(value: object, name: str, maximum: float) -> float:
     # cannot overflow it.
     if not 0 <= value <= maximum:
         raise PublishOptionsError(f"{name} must be a number of seconds from 0 to {maximum:g}")
+    return float(value)
+
+
+def _positive_seconds(value: object, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise PublishOptionsError(f"{name} must be a number of seconds")
+    if not 0 < value <= MAX_START_AFTER_SECONDS:  # NaN too (see `_seconds`)
+        raise PublishOptionsError(
+            f"{name} must be a number of seconds above 0, at most {MAX_START_AFTER_SECONDS}"
+        )
     return float(value)
 
 
@@ -474,4 +552,7 @@ _VALIDATORS: dict[str, Any] = {
     "retry_backoff": lambda v, _now: _bool(v, "retry_backoff"),
     "expire_in_seconds": lambda v, _now: _int(v, "expire_in_seconds", 1, MAX_EXPIRE_IN_SECONDS),
     "queue": lambda v, _now: _queue(v),
+    "debounce_seconds": lambda v, _now: _positive_seconds(v, "debounce_seconds"),
+    "debounce_max_seconds": lambda v, _now: _positive_seconds(v, "debounce_max_seconds"),
+    "throttle_seconds": lambda v, _now: _positive_seconds(v, "throttle_seconds"),
 }

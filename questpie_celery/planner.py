@@ -6,9 +6,10 @@ what a policy suppressed) is decided here. `publish.py` executes a plan on the l
 and the broker, `apublish.py` awaits the same plan from an event loop: the two differ
 only in how they run a statement and send.
 
-An unkeyed dispatch of a `standard` job without limits, outside a transaction, not secret and not
-delayed beyond the ETA horizon, is a plain Celery message under a fresh UUID, with no
-ledger row. Everything else becomes a ledger row first.
+An unkeyed dispatch of a `standard` job without limits, neither debounced nor
+throttled, outside a transaction, not secret and not delayed beyond the ETA horizon, is
+a plain Celery message under a fresh UUID, with no ledger row. Everything else becomes a
+ledger row first.
 
 A plan's items are taken a chunk at a time (one insert, one pipelined send each):
 
@@ -21,8 +22,8 @@ A plan's items are taken a chunk at a time (one insert, one pipelined send each)
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from .crypto import Keyring
@@ -161,12 +162,18 @@ class Plan:
         hook unless it is a bare Connection."""
         self.job_name = definition.name
         self.bodies = bodies
+        self._now = datetime.now(UTC)
+        debounce = options[0].debounce_seconds if options else None
+        if debounce is not None:
+            # A new burst's row starts a quiet period from now (the ledger writes its
+            # start by the database's clock; this one is its message's countdown).
+            start = self._now + timedelta(seconds=debounce)
+            options = [replace(item, start_after=start) for item in options]
         self.options = options
         self.policy = policy
         self.keyring = keyring
         self._outbox = outbox
         self._commit_hook = commit_hook
-        self._now = datetime.now(UTC)
         shared = options[0]  # the items differ in their keys only
         #: An unkeyed item needs no ledger row: a plain message.
         self.plain_ok = (
@@ -174,6 +181,8 @@ class Plan:
             and not policy.ledgered
             # Its runs' claims count against its limits in the ledger: each needs a row.
             and not definition.limits.active
+            # A burst or a window is a row's.
+            and not shared.flow_controlled
             and not shared.secret_payload
             and not outbox.is_far_off(shared.start_after, self._now)
         )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from sqlalchemy import Connection
@@ -20,7 +20,7 @@ from . import planner, telemetry
 from .broker import MessageHeader, Sender
 from .crypto import Keyring
 from .dispatch_rows import report_suppressed
-from .errors import BrokerError
+from .errors import BrokerError, PublishOptionsError
 from .jobs import JobDefinition
 from .ledger import (
     Ledger,
@@ -50,6 +50,17 @@ class CallerTransaction:
 
     connection: Connection
     after_commit: Callable[[Sequence[str]], None] | None
+
+
+def _first_sent(new: NewDispatch, route: planner.Route) -> planner.Settled:
+    """What to do with one new row, sent as its route says."""
+    sends = route.first.publisher_sends
+    return planner.Settled(
+        send=[new] if sends else [],
+        wake_relays=not sends and route.first.wake_relays,
+        suppressed=[],
+        undecided=[],
+    )
 
 
 class Publisher:
@@ -136,7 +147,12 @@ class Publisher:
         """
         policy = self._policies.effective(definition, options[0].queue_policy)
         span.set(policy=str(policy))
-        if not policy.ledgered and any(item.singleton_key is not None for item in options):
+        # A debounced or throttled dispatch's singleton key names its burst or window.
+        if (
+            not policy.ledgered
+            and not options[0].flow_controlled
+            and any(item.singleton_key is not None for item in options)
+        ):
             self._policies.warn_ignored_singleton_key(definition.name)
         return policy
 
@@ -219,6 +235,15 @@ class Publisher:
         """Publish validated dispatches, in `caller`'s transaction when there is one, a
         chunk at a time: one insert and one pipelined send per chunk (`many`), or one
         dispatch on its own statements and its own send."""
+        if options[0].debounce_seconds is not None and self._sender.eager:
+            # Eager mode runs each publish at once, as Celery's ignores a countdown.
+            options = [replace(item, debounce_seconds=None) for item in options]
+        if options[0].throttle_seconds is not None and caller is not None:
+            raise PublishOptionsError(
+                "throttle_seconds cannot be used in a caller's transaction (session=, "
+                "connection=, or a Django atomic block): its window is taken in a "
+                "transaction of its own"
+            )
         policy = self.policy(definition, options, span)
         plan = planner.Plan(
             definition,
@@ -231,6 +256,8 @@ class Publisher:
             commit_hook=caller is None or caller.after_commit is not None,
         )
         conn = caller.connection if caller is not None else None
+        if options[0].flow_controlled:
+            return [self._publish_controlled(plan, index, caller) for index in range(len(bodies))]
         ids: list[str | None] = []
         for chunk in plan.chunks(BATCH_SIZE):
             inserted = self._insert(chunk.rows, conn, many)
@@ -247,6 +274,40 @@ class Publisher:
                     self.send_unledgered(definition.name, dispatch_id, body, item)
             ids += chunk.ids
         return ids
+
+    def _publish_controlled(
+        self, plan: planner.Plan, index: int, caller: CallerTransaction | None
+    ) -> str | None:
+        """One debounced or throttled item, on statements of its own (also in a bulk
+        publish: a burst or a window is decided one publish at a time)."""
+        route = plan.route(index)
+        new, item = route.new, plan.options[index]
+        assert new is not None  # such an item always has a row
+        conn = caller.connection if caller is not None else None
+        if item.debounce_seconds is not None:
+            assert item.debounce_max_seconds is not None
+            dispatch_id, inserted = self._ledger.debounce(
+                new,
+                key=item.flow_key,
+                debounce=item.debounce_seconds,
+                most=item.debounce_max_seconds,
+                conn=conn,
+            )
+            if dispatch_id is None:
+                report_suppressed(new)
+            elif inserted:
+                self._hand_over(_first_sent(new, route), caller)
+            return dispatch_id
+        assert item.throttle_seconds is not None and conn is None
+        taken = self._ledger.throttle(new, key=item.flow_key, window=item.throttle_seconds)
+        if taken == "accepted":
+            self._hand_over(_first_sent(new, route), caller)
+            return new.id
+        known = taken == "not inserted" and new.idempotency_key is not None
+        if known and self._ledger.exists(new.id):
+            return new.id  # a known key answers its id, before any throttle
+        report_suppressed(new, throttled=item.throttle_seconds if taken == "closed" else None)
+        return None
 
     def _insert(self, rows: list[NewDispatch], conn: Connection | None, many: bool) -> set[str]:
         """The ids of `rows` inserted: one statement for the chunk, or one dispatch's own."""

@@ -45,6 +45,8 @@ RETENTION_BUDGET_SECONDS = 0.5
 RETENTION_BATCH = 1000
 #: A rate permit unused this long (twice the longest window, an hour) holds nothing.
 SPENT_PERMIT_SECONDS = 7200.0
+#: A throttle window open again this long takes a publish as no window would: deleted.
+SPENT_WINDOW_SECONDS = 3600.0
 #: How often a relay tries again on a ledger whose schema is older than retention needs.
 RETENTION_RETRY_SECONDS = 300.0
 
@@ -115,13 +117,18 @@ class Retention:
             self._ledger.prune_permits(older_than=SPENT_PERMIT_SECONDS, limit=RETENTION_BATCH)
         except QuestpieError as exc:  # a schema before version 6 included
             log.debug("rate permits not pruned (%s); trying again later", exc)
+        try:
+            self._ledger.prune_throttle_windows(older_than=SPENT_WINDOW_SECONDS)
+        except QuestpieError as exc:  # a schema before version 7 included
+            log.debug("throttle windows not pruned (%s); trying again later", exc)
 
     def now_and_then(self) -> None:
         """The relay's retention step: at most every `RETENTION_EVERY_SECONDS`, within
         `RETENTION_BUDGET_SECONDS`. Never raises: a failure waits for the next time.
 
-        Rate permits unused for longer than any window are deleted too, whatever the
-        period (they are no history: a group's next start makes them again)."""
+        Rate permits unused for longer than any window, and throttle windows open again
+        for an hour, are deleted too, whatever the period (they are no history: a
+        group's next start, a key's next publish, makes them again)."""
         if time.monotonic() < self._next_run:
             return
         self._next_run = time.monotonic() + RETENTION_EVERY_SECONDS

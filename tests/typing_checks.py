@@ -48,6 +48,11 @@ def check_publish_keywords(questpie: Questpie) -> None:
     client.publish_many([{}], idempotency_keys=["a"], singleton_keys=None, priority=1)
     client.publish_many([{}], idempotency_key="a")  # type: ignore[call-arg]
     client.publish_many([{}], retry_delay="soon")  # type: ignore[arg-type]
+    client.publish({}, debounce_seconds=2, debounce_max_seconds=30.0, singleton_key="u")
+    client.publish({}, throttle_seconds=60)
+    client.publish({}, debounce_seconds="2s")  # type: ignore[arg-type]
+    client.publish_many([{}], singleton_keys=["u"], debounce_seconds=1.5)
+    client.publish_many([{}], throttle_seconds=None)
 
 
 async def check_async(questpie: Questpie) -> None:
@@ -60,6 +65,8 @@ async def check_async(questpie: Questpie) -> None:
     await client.apublish({"user_id": "u"}, idempotency="k")  # type: ignore[call-arg]
     await client.apublish({"user_id": "u"}, retry_limit="3")  # type: ignore[arg-type]
     await client.apublish_many([{}], countdown=5)  # type: ignore[call-arg]
+    await client.apublish({"user_id": "u"}, debounce_seconds=1, singleton_key="u")
+    await client.apublish_many([{}], throttle_seconds=10.0, singleton_keys=["a"])
 
 
 @dataclass

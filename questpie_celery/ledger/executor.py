@@ -1,7 +1,9 @@
 """How every ledger operation runs its statement: the one executor the concepts share.
 
 Each operation outside `migrate` is a single statement in autocommit: one round
-trip, atomic on its own, and no transaction left open to hold row locks. A
+trip, atomic on its own, and no transaction left open to hold row locks. The one
+exception is a throttled publish's, two statements in a transaction of their own
+(`_run_transaction`, with the same rerun and translation rules). A
 statement that meets a connection the server dropped (restart, failover,
 `pg_terminate_backend`, an idle timeout) runs once more on a fresh connection.
 Where that second run cannot tell whether the first one landed (a conditional
@@ -17,10 +19,10 @@ statements once per dialect in `_prepare`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import ColumnElement, Connection, Engine, Select, func, select, text
 from sqlalchemy.engine import RowMapping
@@ -40,6 +42,8 @@ from .errors import MIGRATE_COMMAND, Reruns, translate_errors
 from .rows import DispatchRow
 from .schema import dispatch_table, schema_version_table
 from .statements import by_id, db_time, in_own_transaction
+
+T = TypeVar("T")
 
 #: The logger the ledger always wrote under (operators filter on it): `store` made it.
 log = logging.getLogger("questpie_celery.ledger.store")
@@ -225,6 +229,24 @@ class Executor:
                 yield conn
             finally:
                 conn.execute(relax_again)
+
+    def _run_transaction(
+        self, work: Callable[[Connection], T], *, durable: bool = False
+    ) -> tuple[T, bool]:
+        """Run `work`'s statements in one transaction of their own (`_begin`), with
+        `_run`'s rules: once more on a fresh connection if its connection was found
+        dead (then `work` runs again from the start, and the flag returned says so),
+        errors translated. An exception `work` raises rolls the transaction back and
+        propagates. `durable`: committed to disk even on a relaxed PostgreSQL ledger."""
+        reruns = Reruns(after_rollback=True, log=log)
+        with translate_errors(self.migrate_command):
+            for attempt in reruns.attempts():
+                with attempt, self._begin() as conn:
+                    done = work(conn)
+                    if durable and self.relaxed and self.dialect == "postgresql":
+                        conn.execute(self._run_sql.commit_durably)
+                    return done, reruns.reconnected
+        raise AssertionError("unreachable: every attempt returns or raises")
 
     def _execute(self, stmt: Executable, params: Any) -> Any:
         return self._run(stmt, params)[0]

@@ -6,6 +6,7 @@ statement (autocommit, the one rerun, reading back) is `executor.py`'s:
 - `migration`: creating and upgrading the schema, the ledger's identity
 - `dispatches`: inserting rows (one, a batch, in a caller's transaction), reading them,
   recording the broker's acceptance
+- `debounce`, `throttle`: a debounced publish's burst, a throttled publish's window
 - `claims`: the fence's claim, its lease, and how an attempt ends
 - `cancels`: cancelling a dispatch (ended before it starts, or marked while it runs)
 - `slots`: parking runs, handing queue policy slots on
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 from .cancels import Cancels
 from .claims import Claims
+from .debounce import Debounce
 from .dispatches import Dispatches
 from .engine import create_ledger_engine
 from .limits import Limits
@@ -30,11 +32,14 @@ from .relay import Relay
 from .retention import Retention
 from .schedules import Schedules
 from .slots import Slots
+from .throttle import Throttle
 from .views import Views
 
 
 class Ledger(
     Migration,
+    Debounce,
+    Throttle,
     Dispatches,
     Claims,
     Cancels,

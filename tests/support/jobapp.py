@@ -363,6 +363,40 @@ JOBS = (
 )
 
 
+# --- debounce and throttle (tests/integration/test_debounce_throttle.py) ----------------
+
+
+class Burst(BaseModel):
+    tag: str
+    seq: str = ""  # which publish of a burst this payload was
+
+
+@job(
+    name="debounce.record",
+    schema=Burst,
+    options={"debounce_seconds": 1.0, "debounce_max_seconds": 3.0},
+)
+def debounce_record(payload: Burst, ctx: JobContext) -> None:
+    record(ctx, payload.tag, note=payload.seq)
+
+
+@job(
+    name="debounce.singleton",
+    schema=Work,
+    options={"debounce_seconds": 0.5, "queue_policy": "singleton"},
+)
+def debounce_singleton(payload: Work, ctx: JobContext) -> None:
+    policy_handler(payload, ctx)
+
+
+@job(name="throttle.record", schema=Work, options={"throttle_seconds": 2.0})
+def throttle_record(payload: Work, ctx: JobContext) -> None:
+    record(ctx, payload.tag)
+
+
+JOBS = (*JOBS, debounce_record, debounce_singleton, throttle_record)
+
+
 def build(
     *,
     broker: str,
