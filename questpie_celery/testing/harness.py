@@ -162,8 +162,8 @@ class Harness:
         return _of_seen(seen) if seen is not None else None
 
     def wait_for(self, dispatch_id: str | None, timeout: float = 10.0) -> Dispatch:
-        """Wait until the dispatch completed or failed for good, and return it; raises
-        `TimeoutError` (saying where it stands) after `timeout` seconds."""
+        """Wait until the dispatch completed, failed for good or was cancelled, and return
+        it; raises `TimeoutError` (saying where it stands) after `timeout` seconds."""
         if dispatch_id is None:
             raise ValueError("no dispatch to wait for: the publish was suppressed (None)")
         deadline = time.monotonic() + timeout
