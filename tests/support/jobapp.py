@@ -216,9 +216,7 @@ def watch_for_cancel(payload: Work, ctx: JobContext) -> None:
 
 #: Cancellation (tests/integration/test_cancel.py): a run that watches for its cancel,
 #: retried twice were it not cancelled.
-CANCEL_JOBS = (
-    job(name="cancel.watch", schema=Work, options={"retry_limit": 2})(watch_for_cancel),
-)
+CANCEL_JOBS = (job(name="cancel.watch", schema=Work, options={"retry_limit": 2})(watch_for_cancel),)
 
 
 POLICY_JOBS = tuple(
