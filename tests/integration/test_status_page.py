@@ -263,7 +263,8 @@ def test_the_metrics_tell_prometheus_what_the_ledger_holds(
     dispatches = figures["questpie_dispatches"]
     served = {(dict(k)["job"], dict(k)["status"]): v for k, v in dispatches.items()}
     assert {k: v for k, v in served.items() if v} == held
-    assert len(served) == 7 * len({job for job, _ in held})
+    assert len(served) == 8 * len({job for job, _ in held})  # every status, zeros included
+    assert served[("record", "cancelled")] == 0
     assert served[("record", "failed")] == 1
     assert served[("policy.stately", "active")] == served[("policy.stately", "parked")] == 1
 
