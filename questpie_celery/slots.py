@@ -152,6 +152,18 @@ class Slots:
             claimed.id, token, retry_in=plan.retry_in, relay_in=plan.relay_in
         )
         if row is None:
+            # Cancelled since its claim, or the claim was lost: a cancelled run ends here,
+            # unrun, as `cancelled` (the end of a marked run; a lost claim matches none).
+            now = self._ledger.get(claimed.id)
+            marked = now is not None and now.cancel_requested_at is not None
+            if marked and self._ledger.finish(claimed.id, token, "completed", None):
+                log.info(
+                    "dispatch %s of job %s: cancelled before it started; it never runs",
+                    claimed.id,
+                    claimed.job_name,
+                    extra={"dispatch_id": claimed.id, "job_name": claimed.job_name},
+                )
+                self.hand_on(claimed)
             return None
         log.info(
             "dispatch %s of job %s waits %.2fs for a start of its group %r (rate_limit)",

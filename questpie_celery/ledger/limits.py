@@ -137,15 +137,17 @@ class LimitStatements:
             "run_after": db_time(seconds("retry_in")),
             "next_send_at": db_time(seconds("relay_in")),
         }
+        # A run cancelled after its claim never goes back to waiting: its claimer ends it.
+        not_cancelled = t.cancel_requested_at.is_(None)
         self.wait_queued: Update = (
             update(dispatch_table)
-            .where(held, t.attempt == 1)
+            .where(held, not_cancelled, t.attempt == 1)
             .values(status="queued", seat=None, **back)
             .returning(*dispatch_table.c)
         )
         self.wait_retry: Update = (
             update(dispatch_table)
-            .where(held)
+            .where(held, not_cancelled)
             .values(status="retry", **back)
             .returning(*dispatch_table.c)
         )
@@ -294,7 +296,8 @@ class Limits(Executor):
     ) -> DispatchRow | None:
         """Set a claimed run back to wait `retry_in` s for its rate window, unrun and not
         an attempt; `relay_in` is when the relay sends it if its message is lost. The row
-        as it now is, or None when the claim is no longer ours."""
+        as it now is, or None when the claim is no longer ours or the run was cancelled
+        since its claim (then its claimer ends it: `Claims.finish` writes `cancelled`)."""
         params = {
             "dispatch_id": dispatch_id,
             "token": token,

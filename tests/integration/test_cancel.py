@@ -357,3 +357,21 @@ def test_a_cancelled_secret_row_keeps_no_key_and_its_receipt_says_cancelled(
     assert receipt.handled_at is not None and receipt.handled_at - row.created_at < timedelta(
         minutes=1
     )
+
+
+def test_a_run_cancelled_between_its_claim_and_its_rate_set_back_never_runs(
+    ledger: Ledger,
+) -> None:
+    # Review find: the rate limit sets a claimed run back unrun; a cancel in between
+    # finds it active and only marks it, so the set-back must not make it claimable.
+    new = _row(ledger)
+    claim = ledger.claim(new.id, "job", 1, 30)
+    assert claim.token is not None
+    assert Cancellation(ledger, None).cancel(new.id) is True  # found active: marked
+    assert ledger.wait_for_rate(new.id, claim.token, retry_in=0, relay_in=0) is None
+    assert ledger.get(new.id).status == "active"  # type: ignore[union-attr]
+    # The claimer ends it, unrun: the run side of that set-back.
+    assert ledger.finish(new.id, claim.token, "completed", None)
+    row = ledger.get(new.id)
+    assert row is not None and row.status == "cancelled"
+    assert ledger.claim(new.id, "job", 1, 30, any_time=True).outcome == "done"
