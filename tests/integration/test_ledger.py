@@ -1099,6 +1099,33 @@ def test_a_claim_before_the_row_is_due_is_early_and_touches_nothing(ledger: Ledg
     assert ledger.claim(new.id, JOB, 1, 60, any_time=True).outcome == "claimed"
 
 
+@pytest.mark.parametrize("concurrency", [None, 2], ids=["unlimited", "seated"])
+def test_a_row_due_between_the_claim_and_its_read_back_is_claimed(
+    ledger: Ledger, monkeypatch: pytest.MonkeyPatch, concurrency: int | None
+) -> None:
+    """A delivery a hair early (a debounced burst's message: its countdown is the
+    publisher's, its start the database's) finds the row not due; by the read that says
+    why, it is. That is neither stale (dropped, the row left to the relay for an hour)
+    nor, with a concurrency limit and every seat free, blocked: the claim goes again."""
+    start = ledger.now() + timedelta(seconds=0.3)
+    new = _new(run_after=start)
+    assert ledger.insert(new)
+    read_back = ledger._claims_sql.get_and_now
+    first = ledger._first
+
+    def slow_read_back(stmt: Any, params: Any) -> Any:
+        if stmt is read_back:
+            time.sleep(0.5)  # the row comes due between the claim and this read
+        return first(stmt, params)
+
+    monkeypatch.setattr(ledger, "_first", slow_read_back)
+    claim = ledger.claim(new.id, JOB, 1, 60, concurrency=concurrency)
+    assert claim.outcome == "claimed"
+    row = _row(ledger, new.id)
+    assert (row.status, row.attempt) == ("active", 1)
+    assert (row.seat is not None) == (concurrency is not None)
+
+
 def test_an_early_delivery_of_a_retry_makes_the_relay_send_it_when_due(ledger: Ledger) -> None:
     dispatch_id, token = _claimed(ledger)
     # A retry sent at once with its countdown: the relay looks only long after it is due.
