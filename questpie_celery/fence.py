@@ -223,8 +223,17 @@ class Fence:
             )
             delivery.set(outcome="parked")
             raise Ignore()
-        if claim.outcome == "claimed" and claim.row is not None and limits.rate is not None:
-            self._take_start(task, claim.row, token, limits.rate, back)
+        if claim.outcome == "claimed" and claim.row is not None:
+            if claim.row.cancel_requested_at is not None:
+                # Cancelled between its claim and this look (a claim whose reply was lost
+                # and read back, or a delivery sent back while the ledger was away): its
+                # handler has not begun, so it never does.
+                claimed = claim.row
+                self._waits.run(task, lambda: self._slots.end_unrun(claimed, token), back)
+                delivery.set(outcome="cancelled")
+                raise Ignore()
+            if limits.rate is not None:
+                self._take_start(task, claim.row, token, limits.rate, back)
         if claim.outcome == "early":
             self._drop_early(task, definition, attempt, claim, back)
         if claim.outcome != "claimed" or claim.row is None:

@@ -186,6 +186,15 @@ class Outbox:
         `carry` overrides the Celery options stored with the row (the delivery being
         retried has the newest).
         """
+        now = datetime.now(UTC)
+        if not self._sender.eager and self.is_far_off(row.run_after, now):
+            # Its start moved far ahead while it waited (a debounced burst that gathered
+            # while parked): it waits in the ledger, as a far-off publish does, and the
+            # relay sends it with an ETA inside the horizon.
+            assert row.run_after is not None
+            wait = (row.run_after - now).total_seconds() - ETA_HORIZON_SECONDS
+            self._due_soon([row.id], attempt, wait)
+            return True
         try:
             self._send(row, attempt=attempt, countdown=countdown, carry=carry)
         except BrokerError as exc:

@@ -140,6 +140,22 @@ class Slots:
             sent += self._outbox.send(row, attempt=row.attempt + 1)
         return sent
 
+    def end_unrun(self, claimed: DispatchRow, token: str) -> bool:
+        """End a claimed run that was cancelled before its handler began: `cancelled`,
+        never run, its slot and seat handed on. False when the claim was lost meanwhile
+        or no cancel marks it."""
+        ended = self._ledger.end_unrun(claimed.id, token)
+        if ended is None:
+            return False
+        log.info(
+            "dispatch %s of job %s: cancelled before it started; it never runs",
+            claimed.id,
+            claimed.job_name,
+            extra={"dispatch_id": claimed.id, "job_name": claimed.job_name},
+        )
+        self.hand_on(claimed)
+        return True
+
     def wait_for_rate(self, claimed: DispatchRow, token: str, rate: Rate) -> float | None:
         """Set a claimed run back, before its handler, to wait for a start of its group's
         rate limit; the seconds it waits, or None when the claim was lost meanwhile."""
@@ -153,17 +169,8 @@ class Slots:
         )
         if row is None:
             # Cancelled since its claim, or the claim was lost: a cancelled run ends here,
-            # unrun, as `cancelled` (the end of a marked run; a lost claim matches none).
-            now = self._ledger.get(claimed.id)
-            marked = now is not None and now.cancel_requested_at is not None
-            if marked and self._ledger.finish(claimed.id, token, "completed", None):
-                log.info(
-                    "dispatch %s of job %s: cancelled before it started; it never runs",
-                    claimed.id,
-                    claimed.job_name,
-                    extra={"dispatch_id": claimed.id, "job_name": claimed.job_name},
-                )
-                self.hand_on(claimed)
+            # unrun (a lost claim matches nothing).
+            self.end_unrun(claimed, token)
             return None
         log.info(
             "dispatch %s of job %s waits %.2fs for a start of its group %r (rate_limit)",

@@ -133,7 +133,10 @@ class ClaimStatements:
                 t.attempt == bindparam("previous"),
                 or_(t.next_send_at.is_(None), t.next_send_at > t.run_after),
             )
-            .values(next_send_at=t.run_after)
+            # A delivery reached a worker: the relay's budget of sends that found no
+            # worker starts again (a debounced burst's start, pushed back by a stream of
+            # publishes, can drop many early deliveries before it runs).
+            .values(next_send_at=t.run_after, send_count=0)
         )
         terminal = terminal_values()
         retrying: dict[str, Any] = {
@@ -150,6 +153,22 @@ class ClaimStatements:
         )
         not_cancelled = t.cancel_requested_at.is_(None)
         self.finish: Update = update(dispatch_table).where(held).values(status=ends_as, **terminal)
+        # A claimed run found cancelled before its handler began (the cancel came between
+        # the claim and the fence's look at it, or before its rate set-back): ended as
+        # `cancelled`, unrun. Its claim is undone in the record: the attempt it took is
+        # given back, a first attempt's start cleared, a retry's error kept.
+        self.end_unrun: Update = (
+            update(dispatch_table)
+            .where(held, t.cancel_requested_at.is_not(None))
+            .values(
+                status="cancelled",
+                claim_token=None,
+                attempt=t.attempt - 1,
+                started_at=case((t.attempt == 1, None), else_=t.started_at),
+                **{**terminal, "last_error": t.last_error},
+            )
+            .returning(*dispatch_table.c)
+        )
         self.retry: Update = update(dispatch_table).where(held, not_cancelled).values(**retrying)
         # Ending a lapsed lease is the relay's doing, not the holder's: it clears the token,
         # so a holder reading back after a failed write knows its own write did not land.
@@ -200,7 +219,7 @@ class ClaimStatements:
 #: The writes that carry a pooled ledger's settings (see `statements.add_preamble`).
 _CARRY_PREAMBLE = (
     "claim", "claim_seated", "renew", "finish", "retry", "lapse_retry", "lapse_fail",
-    "send_when_due", "send_unclaimed_now", "end_unclaimed",
+    "send_when_due", "send_unclaimed_now", "end_unclaimed", "end_unrun",
 )  # fmt: skip
 
 
@@ -327,6 +346,21 @@ class Claims(Executor):
         """
         params = {"dispatch_id": dispatch_id, "token": token, "new_status": status, "error": error}
         return self._held_write(self._claims_sql.finish, params, dispatch_id, token, status)
+
+    def end_unrun(self, dispatch_id: str, token: str) -> DispatchRow | None:
+        """End a claimed run whose cancel came before its handler began as `cancelled`,
+        its claim undone in the record; the row ended, or None when the claim was lost
+        or the run was not cancelled."""
+        params = {"dispatch_id": dispatch_id, "token": token}
+        rows, reran = self._run(self._claims_sql.end_unrun, params)
+        if rows:
+            return DispatchRow.from_mapping(rows[0])
+        if not reran:
+            return None
+        # Ambiguous: our first run may have landed, and cleared the token we would know
+        # it by; a cancelled row that ran nothing past its finish is ours to report.
+        now = self.get(dispatch_id)
+        return now if now is not None and now.status == "cancelled" else None
 
     def retry(
         self, dispatch_id: str, token: str, *, retry_in: float, relay_in: float, error: str

@@ -24,7 +24,7 @@ from .errors import translate_errors
 from .inserts import row_params
 from .rows import NewDispatch
 from .schema import WAITING, UTCDateTime, dispatch_table
-from .statements import add_preamble, db_time, seconds, smaller
+from .statements import add_preamble, larger, seconds, smaller, statement_time
 
 #: Rounds of update-then-insert before a publish that met neither a burst nor room for
 #: one counts as refused by its queue policy's slot (each lost round means a burst was
@@ -55,9 +55,12 @@ def _sqlite_after(element: time_after, compiler: SQLCompiler, **kw: Any) -> str:
 class DebounceStatements:
     def __init__(self, insert: Insert, preamble: ColumnElement[bool] | None) -> None:
         t = dispatch_table.c
-        # The earlier of the quiet period from now and the burst's
-        # longest start, measured from its first publish (the row's creation).
-        start = smaller(db_time(seconds("debounce")), time_after(t.created_at, seconds("most")))
+        # The earlier of the quiet period from now and the burst's longest start, measured
+        # from its first publish (the row's creation). "Now" is the publish's statement:
+        # in a caller's transaction open for a while, its start would be long past.
+        start = smaller(
+            statement_time(seconds("debounce")), time_after(t.created_at, seconds("most"))
+        )
         self.push_back: Update = (
             update(dispatch_table)
             .where(
@@ -68,18 +71,32 @@ class DebounceStatements:
             .values(
                 payload=bindparam("latest", type_=t.payload.type),
                 run_after=start,
-                # The relay sends it at its new start: the message already on its way
-                # arrives early, and the fence leaves the row to the relay. A parked run
-                # waits for its slot, and keeps the relay's time of its own.
-                next_send_at=case((t.status == "parked", t.next_send_at), else_=start),
+                # The relay's next send stays where it was unless the new start is
+                # later: a message on its way arrives early, and the fence then makes the
+                # row due for the relay at its start (`send_when_due`). Never earlier: a
+                # stream of publishes past the burst's longest start would otherwise undo
+                # the relay's backoff and send it again at every pass while no worker is
+                # free, until the relay gave up on it. A parked run waits for its slot,
+                # and keeps the relay's time of its own.
+                next_send_at=case(
+                    (t.status == "parked", t.next_send_at),
+                    else_=larger(t.next_send_at, start),
+                ),
             )
             .returning(t.id)
         )
         # The row of a new burst: a publish's insert, with its burst and its start by
         # the database's clock.
-        self.insert: Insert = insert.values(
-            debounce_key=bindparam("debounce_key"), run_after=db_time(seconds("debounce"))
-        )
+        values: dict[str, Any] = {
+            "debounce_key": bindparam("debounce_key"),
+            "run_after": statement_time(seconds("debounce")),
+        }
+        if preamble is None:
+            # The burst's first publish, from which its longest start counts. (With a
+            # pooled ledger's preamble, the column carries it; its own statements run in
+            # autocommit, where the two times are one.)
+            values["created_at"] = statement_time()
+        self.insert: Insert = insert.values(**values)
         add_preamble(self, preamble, ("push_back",))
 
 

@@ -69,6 +69,23 @@ def _pg_time(element: db_time, compiler: SQLCompiler, **kw: Any) -> str:
     return f"(now() + make_interval(secs => {compiler.process(args[0], **kw)}))"
 
 
+class statement_time(db_time):
+    """The time the current statement started, plus an optional offset in seconds: in a
+    caller's transaction, the moment of the write itself, not of the transaction's start
+    (which `db_time` gives, for one instant across a transaction's statements)."""
+
+    inherit_cache = True
+
+
+@compiles(statement_time, "postgresql")
+def _pg_statement_time(element: statement_time, compiler: SQLCompiler, **kw: Any) -> str:
+    args = list(element.clauses)
+    if not args:
+        return "statement_timestamp()"
+    offset = compiler.process(args[0], **kw)
+    return f"(statement_timestamp() + make_interval(secs => {offset}))"
+
+
 @compiles(db_time, "sqlite")
 def _sqlite_time(element: db_time, compiler: SQLCompiler, **kw: Any) -> str:
     # The text layout SQLAlchemy stores SQLite datetimes in, so comparisons stay textual.

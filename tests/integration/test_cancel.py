@@ -25,7 +25,9 @@ from questpie_celery.options import StoredOptions
 from questpie_celery.receipts import Receipt
 from questpie_celery.signals import dispatch_cancelled
 from tests.integration.conftest import StackFactory, new_stack
-from tests.support.faults import SHORT_LEASE
+from tests.support.brokers import deliver
+from tests.support.faultproxy import FaultProxy
+from tests.support.faults import SHORT_LEASE, held_dispatch
 from tests.support.stack import Stack, tag
 
 BROKERS = ["redis", "rabbitmq"]
@@ -359,19 +361,59 @@ def test_a_cancelled_secret_row_keeps_no_key_and_its_receipt_says_cancelled(
     )
 
 
+@pytest.mark.parametrize("attempt", [1, 2], ids=["first attempt", "a retry"])
 def test_a_run_cancelled_between_its_claim_and_its_rate_set_back_never_runs(
-    ledger: Ledger,
+    ledger: Ledger, attempt: int
 ) -> None:
-    # Review find: the rate limit sets a claimed run back unrun; a cancel in between
-    # finds it active and only marks it, so the set-back must not make it claimable.
+    # Review finds: the rate limit sets a claimed run back unrun; a cancel in between
+    # finds it active and only marks it, so the set-back must not make it claimable; and
+    # its end is the record of a run that never was (the attempt it took given back, a
+    # retry's error kept), not of a completion.
     new = _row(ledger)
-    claim = ledger.claim(new.id, "job", 1, 30)
-    assert claim.token is not None
+    if attempt == 2:
+        first = ledger.claim(new.id, "job", 1, 30)
+        assert first.token is not None
+        assert ledger.retry(new.id, first.token, retry_in=0, relay_in=3600, error="RuntimeError")
+    claim = ledger.claim(new.id, "job", attempt, 30)
+    assert claim.outcome == "claimed" and claim.token is not None
     assert Cancellation(ledger, None).cancel(new.id) is True  # found active: marked
     assert ledger.wait_for_rate(new.id, claim.token, retry_in=0, relay_in=0) is None
     assert ledger.get(new.id).status == "active"  # type: ignore[union-attr]
     # The claimer ends it, unrun: the run side of that set-back.
-    assert ledger.finish(new.id, claim.token, "completed", None)
-    row = ledger.get(new.id)
-    assert row is not None and row.status == "cancelled"
-    assert ledger.claim(new.id, "job", 1, 30, any_time=True).outcome == "done"
+    ended = ledger.end_unrun(new.id, claim.token)
+    assert ended is not None and ended.status == "cancelled"
+    assert ended.attempt == attempt - 1
+    assert ended.last_error == (None if attempt == 1 else "RuntimeError")
+    assert (ended.started_at is None) == (attempt == 1)
+    assert ended.finished_at is not None and ended.claim_token is None
+    assert ledger.claim(new.id, "job", attempt, 30, any_time=True).outcome == "done"
+    # Only a marked run's claimer ends it so: not an unmarked run, not a lost claim.
+    other = _row(ledger)
+    held = ledger.claim(other.id, "job", 1, 30)
+    assert held.token is not None
+    assert ledger.end_unrun(other.id, held.token) is None
+    assert ledger.end_unrun(new.id, claim.token) is None
+    assert ledger.get(other.id).status == "active"  # type: ignore[union-attr]
+
+
+def test_a_claim_read_back_after_a_cancel_marked_it_never_runs_its_handler(
+    proxy: FaultProxy, via_proxy: StackFactory
+) -> None:
+    """Review find: the claim commits, its reply is lost and the ledger stays out of reach
+    for seconds; meanwhile a cancel finds the row active, marks it and returns True. The
+    worker's next try reads its own claim back, with the mark on it: its handler has not
+    begun, so it never does, and the dispatch ends cancelled at its first attempt, unrun."""
+    stack = via_proxy("redis")
+    t = tag()
+    dispatch_id, message = held_dispatch(stack, t, retry_limit=0)
+    proxy.arm(dispatch_id.encode(), refuse_for=4.0)
+    deliver(stack, message)
+    assert proxy.fired.wait(20), "the worker never sent its claim"
+    stack.wait_status(dispatch_id, "active", timeout=5)
+    assert stack.runs(t) == []  # the handler has not begun
+    assert Cancellation(stack.ledger, None).cancel(dispatch_id) is True
+    ended = stack.wait_status(dispatch_id, "cancelled", timeout=40)
+    assert (ended.attempt, ended.started_at) == (0, None)
+    assert stack.runs(t) == []
+    told = stack.worker.log_about(dispatch_id)
+    assert any("cancelled before it started" in line for line in told)

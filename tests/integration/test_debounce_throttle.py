@@ -26,6 +26,7 @@ from questpie_celery import Questpie, QueuePolicy
 from questpie_celery.errors import PublishOptionsError
 from questpie_celery.ledger import Ledger, NewDispatch, dispatch_table
 from questpie_celery.ledger.schema import throttle_table
+from questpie_celery.ledger.statements import db_time
 from questpie_celery.options import StoredOptions
 from questpie_celery.signals import publish_suppressed
 from tests.integration.conftest import StackFactory
@@ -122,6 +123,55 @@ def test_a_parked_burst_keeps_its_relay_time(ledger: Ledger) -> None:
     )
     row = row_of(ledger, burst)
     assert row.payload == {"n": 4} and row.next_send_at is None
+
+
+def test_a_push_never_brings_the_relays_next_send_forward(ledger: Ledger) -> None:
+    """Review find: a stream of publishes past the burst's longest start set the relay's
+    next send back to that (past) start at every push, undoing the relay's backoff: while
+    no worker was free, the relay sent the burst again at every pass until it gave up on
+    it, and the burst, with every publish that returned its id, was lost."""
+    burst, _ = ledger.debounce(new_row(send_in=30.0), key="", debounce=0.2, most=0.2)
+    ledger.mark_queued([burst], redeliver_in=3600)  # its message is in the broker
+    time.sleep(0.3)  # past its longest start
+    queued = row_of(ledger, burst)
+    assert ledger.debounce(new_row(payload={"n": 1}), key="", debounce=0.2, most=0.2) == (
+        burst,
+        False,
+    )
+    pushed = row_of(ledger, burst)
+    assert pushed.payload == {"n": 1} and pushed.run_after == queued.run_after  # capped
+    assert pushed.next_send_at == queued.next_send_at  # an hour off, as the relay left it
+    assert (
+        ledger.take_due(10, max_sends=25, first_backoff=1, max_backoff=1, accepted_backoff=1) == []
+    )
+    # A later start still brings the relay's look along with it.
+    later, _ = ledger.debounce(new_row(), key="later", debounce=0.5, most=50.0)
+    with ledger.engine.begin() as conn:
+        conn.execute(
+            update(dispatch_table)
+            .where(dispatch_table.c.id == later)
+            .values(next_send_at=db_time())
+        )
+    ledger.debounce(new_row(), key="later", debounce=30.0, most=50.0)
+    moved = row_of(ledger, later)
+    assert moved.next_send_at == moved.run_after
+
+
+def test_an_early_delivery_gives_the_relay_its_sends_back(ledger: Ledger) -> None:
+    """A delivery that came before the row's start reached a worker: the relay's budget of
+    sends that found none starts again, so a burst pushed back by a long stream, whose
+    early deliveries are dropped one after another, is never given up on."""
+    burst, _ = ledger.debounce(new_row(), key="", debounce=30.0, most=300.0)
+    with ledger.engine.begin() as conn:
+        conn.execute(
+            update(dispatch_table)
+            .where(dispatch_table.c.id == burst)
+            .values(send_count=24, next_send_at=db_time(3600))
+        )
+    assert ledger.claim(burst, "debounced", 1, 30).outcome == "early"
+    assert ledger.send_when_due(burst, "debounced", 1) is True
+    row = row_of(ledger, burst)
+    assert (row.send_count, row.next_send_at) == (0, row.run_after)
 
 
 def test_a_debounced_row_under_a_taken_slot_is_refused(ledger: Ledger) -> None:
@@ -345,6 +395,74 @@ def test_a_debounced_singleton_job_gathers_a_burst_while_its_run_holds_the_slot(
     assert [e["dispatch_id"] for e in ends] == [held, burst]
 
 
+def test_a_parked_burst_whose_start_moved_far_off_waits_in_the_ledger(pg_redis: Stack) -> None:
+    """Review find: a parked burst keeps gathering, and its start moves with it; when its
+    slot frees it is handed on, but a start further off than the broker ETA horizon (60 s)
+    waits in the ledger for the relay, as a far-off publish does, not as an ETA a worker
+    holds (Redis redelivers one past its visibility timeout; RabbitMQ closes the channel
+    past its consumer timeout)."""
+    stack = pg_redis
+    t = tag()
+    client = stack.questpie.queue["debounce.singleton"]
+    gate = stack.gate()
+    held = client.publish({"tag": t, "gate": str(gate)})
+    assert held is not None
+    stack.wait_status(held, "active")
+    burst = client.publish({"tag": t})
+    assert burst is not None
+    stack.wait_status(burst, "parked")
+    assert client.publish({"tag": t}, debounce_seconds=600, debounce_max_seconds=6000) == burst
+    gate.open()
+    stack.wait_status(held, "completed")
+    row = stack.wait_status(burst, "queued")
+    assert row.next_send_at is not None and row.run_after is not None
+    # The relay's time: the start less the horizon, give or take the hosts' clocks.
+    relay_ahead = (row.run_after - row.next_send_at).total_seconds()
+    assert 55 < relay_ahead < 65, relay_ahead
+    scheduled = stack.celery_app.control.inspect(timeout=2).scheduled() or {}
+    held_ids = [e["request"]["id"] for entries in scheduled.values() for e in entries]
+    assert burst not in held_ids
+    assert stack.questpie.queue.cancel(burst) is True  # the job's slot, free for the next test
+
+
+@pytest.mark.parametrize(("broker", "ledger"), [("redis", "postgresql"), ("filesystem", "sqlite")])
+def test_a_stream_past_the_longest_start_while_no_worker_is_free_runs_once_later(
+    make_stack: StackFactory, broker: str, ledger: str
+) -> None:
+    """Review find: the queue's one worker process is busy while a steady stream of
+    debounced publishes goes on past the burst's longest start. Each burst must run once
+    the worker is free, as a plain dispatch does; before the fix each publish brought the
+    relay's next send back to the past start, the relay sent the burst at every pass, and
+    after its 25 sends recorded it failed: the burst and every publish of it lost."""
+    stack = make_stack(broker, ledger=ledger, concurrency=1, env={"QP_TEST_RELAY": "0.2"})
+    t = tag()
+    gate = stack.gate()
+    busy = stack.questpie.queue.record.publish(
+        {"tag": t + "-busy", "gate": str(gate)}, idempotency_key=t + "-busy"
+    )
+    assert busy is not None
+    stack.wait_status(busy, "active")
+    client = stack.questpie.queue["debounce.record"]
+    ids: list[str | None] = []
+    began = time.monotonic()
+    while time.monotonic() - began < 10.0:
+        ids.append(
+            client.publish(
+                {"tag": t, "seq": str(len(ids))}, debounce_seconds=0.5, debounce_max_seconds=0.5
+            )
+        )
+        time.sleep(0.3)
+    bursts = list(dict.fromkeys(ids))
+    assert None not in bursts and ids.count(bursts[0]) >= 3, ids
+    gate.open()
+    for dispatch_id in bursts:
+        assert dispatch_id is not None
+        row = stack.wait_status(dispatch_id, "completed", timeout=60)
+        assert row.last_error is None and row.attempt == 1
+    runs = [r["dispatch_id"] for r in stack.wait_runs(t, len(bursts))]
+    assert sorted(runs) == sorted(bursts)  # each once
+
+
 def test_publish_many_debounces_each_item_by_its_own_key(pg_redis: Stack) -> None:
     stack = pg_redis
     t = tag()
@@ -449,6 +567,36 @@ def test_a_debounced_publish_in_a_callers_transaction_joins_its_burst_at_commit(
     assert client.publish({"tag": t, "seq": "3"}, singleton_key=k) == first
     (run_,) = stack.wait_runs(t, 1)
     assert run_["dispatch_id"] == first and run_["note"] == "3"
+
+
+def test_a_publish_in_a_long_callers_transaction_starts_its_quiet_period_at_the_publish(
+    pg_redis: Stack, caller_engine: Engine
+) -> None:
+    """Review find: PostgreSQL's now() is the time the transaction began, so a debounced
+    publish in a caller's transaction open for a while set the burst's start long past,
+    earlier than a publish a moment before had set it: the burst ran at the commit. Its
+    quiet period counts from the publish's own statement."""
+    stack = pg_redis
+    t, k = tag(), uuid.uuid4().hex
+    client = stack.questpie.queue["debounce.record"]
+    options: dict[str, Any] = {"debounce_seconds": 5.0, "debounce_max_seconds": 50.0}
+    with Session(caller_engine) as session:
+        session.execute(select(1))  # the caller's transaction is open ...
+        time.sleep(6.0)  # ... doing its own work
+        burst = client.publish({"tag": t, "seq": "1"}, singleton_key=k, **options)
+        assert burst is not None
+        before = stack.row(burst).run_after
+        time.sleep(1.0)
+        again = client.publish({"tag": t, "seq": "2"}, singleton_key=k, session=session, **options)
+        assert again == burst
+        session.commit()
+    row = stack.row(burst)
+    assert row.payload == {"tag": t, "seq": "2"}
+    assert row.run_after is not None and before is not None
+    assert row.run_after > before  # later, never earlier
+    assert (row.run_after - stack.ledger.now()).total_seconds() > 3.5
+    (ran,) = stack.wait_runs(t, 1, timeout=20)
+    assert ran["note"] == "2"
 
 
 # --- a reply lost on a dropped connection ----------------------------------------------------

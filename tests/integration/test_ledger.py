@@ -42,7 +42,7 @@ from questpie_celery.ledger import (
 from questpie_celery.ledger.aio import AsyncLedger
 from questpie_celery.ledger.direct import DriverStatement
 from questpie_celery.ledger.engine import PG_LOCK_TIMEOUT_MS
-from questpie_celery.ledger.schema import UTCDateTime, schema_version_table
+from questpie_celery.ledger.schema import TERMINAL, UTCDateTime, schema_version_table
 from questpie_celery.ledger.statements import by_id, db_time
 from questpie_celery.options import RunOptions, StoredOptions
 from questpie_celery.policies import QueuePolicy
@@ -184,7 +184,10 @@ def check_times(row: DispatchRow) -> None:
     waits_for_relay = row.status in ("pending", "queued", "retry")
     assert (row.next_send_at is not None) == waits_for_relay, said
     assert (row.lease_expires_at is not None) == (row.status == "active"), said
-    assert (row.finished_at is not None) == (row.status in ("completed", "failed")), said
+    assert (row.finished_at is not None) == (row.status in TERMINAL), said
+    # A cancel marks only a running row, and its end is `cancelled`: nothing marked waits.
+    if row.cancel_requested_at is not None:
+        assert row.status in ("active", "cancelled"), said
     if row.status in ("queued", "parked", "active", "completed"):
         assert row.queued_at is not None, said
     if row.status in ("active", "retry", "completed"):
@@ -195,13 +198,15 @@ def check_times(row: DispatchRow) -> None:
 
 class Transitions(RuleBasedStateMachine):
     """A few dispatches of a singleton job (each its own slot, so it can park), moved
-    through the ledger's operations as workers, publishers and relays would."""
+    through the ledger's operations as workers, publishers, relays and cancels would."""
 
     def __init__(self, ledger: Ledger) -> None:
         super().__init__()
         self.ledger = ledger
         self.ids: list[str] = []
         self.tokens: dict[str, str] = {}
+        #: Cancelled before they started: the attempt each had then, for good.
+        self.cancelled_unstarted: dict[str, int] = {}
 
     def _pick(self, index: int) -> DispatchRow | None:
         if not self.ids:
@@ -285,10 +290,43 @@ class Transitions(RuleBasedStateMachine):
         if row is not None and row.status == "failed":
             self.ledger.requeue(row.id)
 
+    @rule(index=st.integers(0, 2))
+    def cancel(self, index: int) -> None:
+        row = self._pick(index)
+        if row is None:
+            return
+        done = self.ledger.cancel(row.id)
+        if done.outcome == "cancelled":
+            assert done.row is not None
+            self.cancelled_unstarted[row.id] = done.row.attempt
+
+    @rule(index=st.integers(0, 2), how=st.sampled_from(["rate set-back", "end unrun"]))
+    def claimed_but_not_run(self, index: int, how: str) -> None:
+        """A claimed run that does not start: set back for its rate window, or found
+        cancelled before its handler began."""
+        row = self._pick(index)
+        if row is None or row.status != "active":
+            return
+        token = self.tokens[row.id]
+        if how == "rate set-back":
+            self.ledger.wait_for_rate(row.id, token, retry_in=0, relay_in=0)
+            return
+        ended = self.ledger.end_unrun(row.id, token)
+        assert (ended is not None) == (row.cancel_requested_at is not None)
+        if ended is not None:
+            assert ended.status == "cancelled" and ended.attempt == row.attempt - 1
+            assert ended.last_error == row.last_error
+
     @invariant()
     def times_are_honest(self) -> None:
         for dispatch_id in self.ids:
             check_times(_row(self.ledger, dispatch_id))
+
+    @invariant()
+    def cancels_hold(self) -> None:
+        for dispatch_id, attempt in self.cancelled_unstarted.items():
+            row = _row(self.ledger, dispatch_id)
+            assert (row.status, row.attempt) == ("cancelled", attempt), row
 
 
 def test_claim_fences_every_kind_of_duplicate(ledger: Ledger) -> None:
