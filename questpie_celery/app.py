@@ -132,7 +132,6 @@ class Questpie:
         self._outbox = parts.outbox
         self._policies = parts.policies
         self._publisher = parts.publisher
-        self._apublisher = parts.apublisher
         self._sends = parts.sends
         self._retention = parts.retention
         self._relay = parts.relay
@@ -140,6 +139,7 @@ class Questpie:
         self._registry = parts.registry
         self._schedules = parts.schedules
         self._cancellation = parts.cancellation
+        self._client_for = parts.client_for
         self._tasks: dict[str, Any] = {}
         self.queue = parts.queue
         """The queue client: `questpie.queue.<job>.publish(...)`, `get_receipt(...)`."""
@@ -169,15 +169,7 @@ class Questpie:
                 raise JobDefinitionError(
                     f"expected a JobDefinition (made with @job), got {type(definition).__name__}"
                 )
-            client = JobClient(
-                definition,
-                self._publisher,
-                self._apublisher,
-                self._schedules,
-                self._celery_app,
-                self._cancellation,
-            )
-            if self._registry.add(client):
+            if self._registry.add(self._client_for(definition)):
                 self._tasks[definition.name] = self._runner.register(self._celery_app, definition)
                 definition.compiled_on(self._celery_app)
                 _REGISTERED.add(definition)

@@ -20,14 +20,8 @@ from .cancels import Cancellation
 from .errors import JobDefinitionError, PublishOptionsError, UnknownJobError
 from .ids import derive_dispatch_id
 from .jobs import JobDefinition, P, job_attribute_name
-from .options import (
-    DispatchOptions,
-    ManyOptions,
-    PublishOptions,
-    resolve_many_options,
-    resolve_options,
-    unknown_option_message,
-)
+from .keywords import ManyOptions, PublishOptions, unknown_option_message
+from .options import DispatchOptions, resolve_many_options, resolve_options
 from .publish import Publisher
 from .receipts import DispatchStatus, Receipt
 from .schedules import REFUSED_OPTIONS, Schedules

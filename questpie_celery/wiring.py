@@ -18,7 +18,7 @@ from .admission import Admission
 from .apublish import AsyncPublisher
 from .broker import Sender
 from .cancels import Cancellation
-from .client import JobRegistry, Lookups, QueueClient
+from .client import JobClient, JobRegistry, Lookups, QueueClient
 from .context import AppContext
 from .crypto import MIN_SECRET_BYTES, Keyring
 from .delivery_wait import DeliveryWait
@@ -58,7 +58,6 @@ class Parts:
     outbox: Outbox
     policies: PolicyBook
     publisher: Publisher
-    apublisher: AsyncPublisher
     sends: SendThreads
     retention: Retention
     relay: Relay
@@ -67,6 +66,8 @@ class Parts:
     schedules: Schedules
     cancellation: Cancellation
     queue: QueueClient
+    client_for: Callable[[JobDefinition[Any]], JobClient[Any]]
+    """A registered job's client (`questpie.queue.<job>`), made on the parts above."""
 
 
 def wire(settings: Settings, discover: Callable[[], None]) -> Parts:
@@ -130,7 +131,6 @@ def wire(settings: Settings, discover: Callable[[], None]) -> Parts:
         outbox=outbox,
         policies=policies,
         publisher=publisher,
-        apublisher=apublisher,
         sends=sends,
         retention=retention,
         relay=relay,
@@ -139,6 +139,9 @@ def wire(settings: Settings, discover: Callable[[], None]) -> Parts:
         schedules=schedules,
         cancellation=cancellation,
         queue=QueueClient(registry, _lookups(ledger, aledger), discover, cancellation),
+        client_for=lambda definition: JobClient(
+            definition, publisher, apublisher, schedules, celery_app, cancellation
+        ),
     )
 
 
