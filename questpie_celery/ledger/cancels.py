@@ -20,7 +20,7 @@ from ..errors import LedgerBusyError
 from .executor import Executor
 from .rows import DispatchRow
 from .schema import CANCELLABLE, TERMINAL, dispatch_table
-from .statements import add_preamble, by_id, db_time, terminal_values
+from .statements import add_preamble, by_id, cancelled_values, db_time
 
 #: How often one cancel reads the row again after it moved between the read and the write.
 CANCEL_TRIES = 10
@@ -47,13 +47,7 @@ class CancelStatements:
         self.cancel: Update = (
             update(dispatch_table)
             .where(seen, t.status.in_(CANCELLABLE))
-            .values(
-                status="cancelled",
-                claim_token=None,
-                waiting_for=None,
-                # The last attempt's error (a retry's) stays: the cancel is no error.
-                **{**terminal_values(), "last_error": t.last_error},
-            )
+            .values(**cancelled_values())
             .returning(*dispatch_table.c)
         )
         self.request: Update = (

@@ -35,6 +35,7 @@ from .schema import CLAIMABLE, LEASE_EXPIRED, TERMINAL, Status, dispatch_table
 from .statements import (
     add_preamble,
     by_id,
+    cancelled_values,
     claimable,
     db_time,
     deliverable,
@@ -161,11 +162,9 @@ class ClaimStatements:
             update(dispatch_table)
             .where(held, t.cancel_requested_at.is_not(None))
             .values(
-                status="cancelled",
-                claim_token=None,
                 attempt=t.attempt - 1,
                 started_at=case((t.attempt == 1, None), else_=t.started_at),
-                **{**terminal, "last_error": t.last_error},
+                **cancelled_values(),
             )
             .returning(*dispatch_table.c)
         )

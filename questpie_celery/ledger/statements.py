@@ -58,32 +58,27 @@ class db_time(FunctionElement[Any]):
 
     type = UTCDateTime()
     inherit_cache = True
-
-
-@compiles(db_time, "postgresql")
-def _pg_time(element: db_time, compiler: SQLCompiler, **kw: Any) -> str:
-    # now() is the statement's start in autocommit: one instant for the whole statement.
-    args = list(element.clauses)
-    if not args:
-        return "now()"
-    return f"(now() + make_interval(secs => {compiler.process(args[0], **kw)}))"
+    #: PostgreSQL's clock: now() is the transaction's start, in autocommit the statement's,
+    #: one instant for the whole statement (and across a transaction's statements).
+    pg_clock = "now()"
 
 
 class statement_time(db_time):
     """The time the current statement started, plus an optional offset in seconds: in a
     caller's transaction, the moment of the write itself, not of the transaction's start
-    (which `db_time` gives, for one instant across a transaction's statements)."""
+    (which `db_time` gives, for one instant across a transaction's statements). SQLite's
+    clock is the statement's in both."""
 
     inherit_cache = True
+    pg_clock = "statement_timestamp()"
 
 
-@compiles(statement_time, "postgresql")
-def _pg_statement_time(element: statement_time, compiler: SQLCompiler, **kw: Any) -> str:
+@compiles(db_time, "postgresql")
+def _pg_time(element: db_time, compiler: SQLCompiler, **kw: Any) -> str:
     args = list(element.clauses)
     if not args:
-        return "statement_timestamp()"
-    offset = compiler.process(args[0], **kw)
-    return f"(statement_timestamp() + make_interval(secs => {offset}))"
+        return element.pg_clock
+    return f"({element.pg_clock} + make_interval(secs => {compiler.process(args[0], **kw)}))"
 
 
 @compiles(db_time, "sqlite")
@@ -199,6 +194,20 @@ def terminal_values() -> dict[str, Any]:
         # Key erasure is part of the terminal write, never a second step.
         "secret_ciphertext": None,
         "secret_wrapped_key": None,
+    }
+
+
+def cancelled_values() -> dict[str, Any]:
+    """What a write that ends a dispatch as `cancelled` before its run sets: the terminal
+    values, its claim and its wait left behind, and the last attempt's error kept (a
+    cancel is no error)."""
+    t = dispatch_table.c
+    return {
+        **terminal_values(),
+        "status": "cancelled",
+        "claim_token": None,
+        "waiting_for": None,
+        "last_error": t.last_error,
     }
 
 
