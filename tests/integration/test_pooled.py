@@ -41,6 +41,7 @@ from questpie_celery.options import RunOptions, StoredOptions
 from tests.integration.conftest import POOLED_SECRET, StackFactory
 from tests.support import jobapp
 from tests.support.brokers import capture, deliver, idle_queue
+from tests.support.faults import held_dispatch
 from tests.support.services import PgBouncerServer, PostgresServer, free_port
 from tests.support.stack import Stack, tag
 
@@ -486,6 +487,32 @@ def test_a_secret_dispatch_runs_and_its_key_is_erased(pooled_stack: Stack) -> No
     assert (row.payload, row.secret_ciphertext, row.secret_wrapped_key) == (None, None, None)
     [run] = stack.runs(t)
     assert run["note"] == hashlib.sha256(link.encode()).hexdigest()
+
+
+def test_a_cancel_through_the_pooler_holds_against_its_own_and_replayed_messages(
+    pooled_stack: Stack,
+) -> None:
+    """Through PgBouncer in transaction mode: a cancelled dispatch's own message and two
+    byte-identical copies of it reach the worker; each is acknowledged and nothing runs.
+    A gated run cancelled while it runs goes on, is not retried, and ends cancelled."""
+    stack, t = pooled_stack, tag()
+    dispatch_id, message = held_dispatch(stack, t, retry_limit=0)
+    assert stack.questpie.queue.cancel(dispatch_id) is True
+    deliver(stack, message, copies=3)
+    stack.wait_log(dispatch_id, "skipped (done)")
+    assert stack.questpie.queue.record.cancel(idempotency_key=t) is False
+    gate = stack.gate()
+    running = stack.questpie.queue.record.publish(
+        {"tag": t + "-run", "gate": str(gate), "fail_times": 1}, idempotency_key=t + "-run"
+    )
+    assert running is not None
+    stack.wait_status(running, "active")
+    assert stack.questpie.queue.cancel(running) is True
+    gate.open()
+    ended = stack.wait_status(running, "cancelled")
+    assert ended.attempt == 1 and ended.cancel_requested_at is not None
+    assert stack.runs(t) == [] and len(stack.runs(t + "-run")) == 1
+    assert stack.row(dispatch_id).status == "cancelled"
 
 
 def test_a_callers_open_transaction_makes_rival_publishes_fail_not_hang(
