@@ -33,6 +33,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from queue import Empty, SimpleQueue
 from typing import Any
 
 import psycopg
@@ -44,11 +45,14 @@ sys.path.insert(0, str(ROOT))
 from bench.run import BARE_INSERT, until_sent  # noqa: E402
 from questpie_celery import Questpie  # noqa: E402
 from questpie_celery.ids import random_dispatch_id  # noqa: E402
+from questpie_celery.send_behind import GATHER_ROWS, GATHER_SECONDS  # noqa: E402
 from tests.support.services import PostgresServer, RedisServer  # noqa: E402
 
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "7"))
 BURST = int(os.environ.get("BENCH_BURST", "1000"))
 THREADS = 8
+BEHIND = "floor: driver INSERT, raw sends behind on a second thread"
+RELAXED_BEHIND = "the same floor, relaxed (synchronous_commit off)"
 
 
 def in_threads(burst: Callable[[int], object]) -> Callable[[], object]:
@@ -112,6 +116,53 @@ def bursts(app: Any, relaxed: Questpie, pg_url: str) -> dict[str, list[float]]:
         for i in range(count):
             driver.execute(BARE_INSERT, (random_dispatch_id(), f'{{"n": {i}}}')).fetchone()
 
+    relaxed_driver = psycopg.connect(pg_url.replace("postgresql+psycopg://", "postgresql://"))
+    relaxed_driver.autocommit = True
+    relaxed_driver.execute("SET synchronous_commit TO off")
+
+    def behind(connection: psycopg.Connection[Any]) -> Callable[[int], None]:
+        """The design's own floor: the caller's thread commits each row through the bare
+        driver and goes on, while a second thread of the process sends what was committed,
+        gathered and pipelined as `publish()`'s send thread does it, over one producer:
+        no validation, no planning, no SQLAlchemy, nothing of ours."""
+
+        def burst(count: int) -> None:
+            committed: SimpleQueue[int | None] = SimpleQueue()
+
+            def sender() -> None:
+                with app.celery_app.producer_or_acquire() as producer:
+                    while True:
+                        items = [committed.get()]
+                        # Gathered as the send thread gathers: up to GATHER_ROWS, for up
+                        # to GATHER_SECONDS.
+                        until = time.monotonic() + GATHER_SECONDS
+                        while items[-1] is not None and len(items) < GATHER_ROWS:
+                            left = until - time.monotonic()
+                            try:
+                                items.append(
+                                    committed.get(timeout=left)
+                                    if left > 0
+                                    else committed.get_nowait()
+                                )
+                            except Empty:
+                                break
+                        sends = [item for item in items if item is not None]
+                        with producer.batch(max_size=max(len(sends), 1)):
+                            for i in sends:
+                                app.raw.apply_async(args=[{"n": i}], queue=queue, producer=producer)
+                        if len(sends) < len(items):
+                            return  # the end mark, always last
+
+            thread = threading.Thread(target=sender)
+            thread.start()
+            for i in range(count):
+                connection.execute(BARE_INSERT, (random_dispatch_id(), f'{{"n": {i}}}')).fetchone()
+                committed.put(i)
+            committed.put(None)
+            thread.join()
+
+        return burst
+
     def flushed(burst: Callable[[], object], questpie: Questpie) -> Callable[[], None]:
         def run() -> None:
             burst()
@@ -128,6 +179,8 @@ def bursts(app: Any, relaxed: Questpie, pg_url: str) -> dict[str, list[float]]:
         ),
         "floor: driver INSERT, then raw apply_async": lambda: floor(BURST),
         "floor: driver INSERT alone": lambda: commits(BURST),
+        BEHIND: lambda: behind(driver)(BURST),
+        RELAXED_BEHIND: lambda: behind(relaxed_driver)(BURST),
         f"raw apply_async, {THREADS} threads": in_threads(raw),
         f"publish, new key, {THREADS} threads, until sent": flushed(
             in_threads(keyed(durable_client)), app.questpie
@@ -145,6 +198,7 @@ def bursts(app: Any, relaxed: Questpie, pg_url: str) -> dict[str, list[float]]:
             CPU.setdefault(name, []).append(time.process_time() - cpu)
     app.celery_app.connection_for_write().default_channel.client.delete(queue)
     driver.close()
+    relaxed_driver.close()
     return samples
 
 
@@ -159,6 +213,8 @@ def report(samples: dict[str, list[float]]) -> None:
         "publish, new key, relaxed, until sent": "raw apply_async",
         "floor: driver INSERT, then raw apply_async": "raw apply_async",
         "floor: driver INSERT alone": "raw apply_async",
+        BEHIND: "raw apply_async",
+        RELAXED_BEHIND: "raw apply_async",
         f"publish, new key, {THREADS} threads, until sent": f"raw apply_async, {THREADS} threads",
     }
     floor = samples["floor: driver INSERT, then raw apply_async"]

@@ -32,6 +32,7 @@ from .options import DispatchOptions
 from .outbox import Outbox
 from .policies import QueuePolicy
 from .recorded_policy import PolicyBook
+from .shared_inserts import SharedInserts
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,8 @@ class Publisher:
         self._sender = sender
         self._policies = policies
         self._keyring = keyring  # the keyring a secret publish seals with, or why not
+        # Concurrent single publishes of this process share a multi-row insert.
+        self._shared = SharedInserts(ledger.insert, ledger.insert_many)
 
     def publish(
         self,
@@ -313,6 +316,8 @@ class Publisher:
         """The ids of `rows` inserted: one statement for the chunk, or one dispatch's own."""
         if many:
             return self._ledger.insert_many(rows, conn)
+        if conn is None and self._ledger.inserts_in_batches:
+            return {row.id for row in rows if self._shared.insert(row)}
         return {row.id for row in rows if self._ledger.insert(row, conn)}
 
     def _existing(self, ids: list[str], conn: Connection | None, many: bool) -> set[str]:

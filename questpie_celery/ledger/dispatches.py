@@ -238,6 +238,12 @@ class Dispatches(Executor):
         """The publishing statements of this ledger's dialect (for `aio.AsyncLedger`)."""
         return self._sql
 
+    @property
+    def inserts_in_batches(self) -> bool:
+        """Whether `insert_many` is one statement (PostgreSQL), so that rows of concurrent
+        publishes gain by sharing it; on SQLite it runs the insert per row."""
+        return self._sql.insert_batch is not None
+
     def insert(self, new: NewDispatch, conn: Connection | None = None) -> bool:
         """Insert the row unless its id (or its policy slot) is taken; True if inserted.
 

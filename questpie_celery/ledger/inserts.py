@@ -156,11 +156,7 @@ def row_params(new: NewDispatch) -> dict[str, Any]:
 def batch_params(batch: Sequence[NewDispatch]) -> dict[str, Any]:
     """`insert_batch`'s parameters: the values the rows share once, the others as arrays."""
     first = batch[0]
-    shared = (first.job_name, first.status, first.options, first.run_after, first.next_send_at)
-    if any(
-        (new.job_name, new.status, new.options, new.run_after, new.next_send_at) != shared
-        for new in batch
-    ):
+    if not all(same_statement(first, new) for new in batch):
         # Storing one row's options under another's id would be a silent corruption.
         raise ValueError("the rows of a batch must share job, status, options and times")
     params = {name: value for name, value in row_params(first).items() if name in _SHARED}
@@ -168,6 +164,26 @@ def batch_params(batch: Sequence[NewDispatch]) -> dict[str, Any]:
     for name in _PER_ROW:
         params[f"{name}s"] = [getattr(new, name) for new in batch]
     return params
+
+
+def same_statement(first: NewDispatch, other: NewDispatch) -> bool:
+    """Whether `other` can go in `first`'s multi-row insert: everything but its id, keys,
+    slot, payload and secret is the same, and both are first attempts (the statement
+    writes attempt 0)."""
+    return first.attempt == other.attempt == 0 and _shape(first) == _shape(other)
+
+
+def _shape(new: NewDispatch) -> tuple[Any, ...]:
+    return (
+        new.job_name,
+        new.status,
+        new.policy if new.slot is not None else None,
+        new.secret_ciphertext is not None,
+        new.options,
+        new.run_after,
+        new.next_send_at,
+        new.send_in,
+    )
 
 
 _SHARED = ("job_name", "status", "secret", "options", "run_after", "next_send_at", "send_in")

@@ -1,0 +1,153 @@
+"""Concurrent publishes of one process share an insert: a group commit.
+
+A keyed publish returns once its row is on disk, so each waits for a commit. When
+threads of one process publish at the same moment, each would otherwise send its own
+statement and wait for its own commit in turn. Here a publish that finds another's insert
+in flight waits for that one to end, and then goes into one multi-row insert with every
+row that queued meanwhile: one statement and one commit for all of them. A publish that
+finds nothing in flight inserts its row at once, so a thread publishing alone never waits
+for another.
+
+The rows of one statement are decided in the order their publishes arrived, as that many
+publishes one after another would decide them: a key inserted earlier in the statement
+comes back not inserted (that publish answers with the key's id), and a policy slot taken
+earlier in it is refused. Rows that cannot share a statement (another job, other options,
+a start of their own) go in statements of their own, in the same order. An error of a
+shared statement is raised by each publish whose row was in it; none of them returns an
+id for a row it cannot vouch for.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from .errors import LedgerError
+from .forking import reset_in_child
+from .ledger.inserts import same_statement
+from .ledger.rows import NewDispatch
+
+InsertOne = Callable[[NewDispatch], bool]
+InsertMany = Callable[[Sequence[NewDispatch]], set[str]]
+
+
+@dataclass(eq=False)
+class _Queued:
+    """One publish's row, waiting for a statement."""
+
+    row: NewDispatch
+    ended: threading.Event = field(default_factory=threading.Event)
+    inserted: bool = False
+    error: BaseException | None = None
+    answered: bool = False
+    #: Set on the first row queued when the statement before it ended: its publish runs
+    #: the statement of these rows (itself among them).
+    leads: list[_Queued] | None = None
+
+
+class SharedInserts:
+    """One process's inserts of single publishes (see the module's text)."""
+
+    _lock: threading.Lock
+    _busy: bool  # a statement is in flight
+    _queue: list[_Queued]
+
+    def __init__(self, insert_one: InsertOne, insert_many: InsertMany) -> None:
+        self._insert_one = insert_one
+        self._insert_many = insert_many
+        self._forked()
+        reset_in_child(self._forked)
+
+    def _forked(self) -> None:
+        # A child forked while a statement was in flight inherits neither that statement's
+        # thread nor the publishes waiting for it: it starts with nothing in flight.
+        self._lock = threading.Lock()
+        self._busy = False
+        self._queue = []
+
+    def insert(self, row: NewDispatch) -> bool:
+        """Insert `row` as `Ledger.insert` does (True if inserted), in a statement shared
+        with the rows of concurrent publishes when one is already in flight."""
+        with self._lock:
+            queued = _Queued(row) if self._busy else None
+            if queued is not None:
+                self._queue.append(queued)
+            else:
+                self._busy = True
+        if queued is None:
+            try:
+                return self._insert_one(row)
+            finally:
+                self._hand_on()
+        queued.ended.wait()
+        if queued.leads is not None:
+            self._run(queued.leads)
+        if queued.error is not None:
+            raise queued.error
+        return queued.inserted
+
+    def _hand_on(self) -> None:
+        """The statement in flight ended: the rows queued meanwhile go in the next one, run
+        by the first of their publishes; with none queued, nothing is in flight."""
+        with self._lock:
+            if not self._queue:
+                self._busy = False
+                return
+            rows, self._queue = self._queue, []
+        rows[0].leads = rows
+        rows[0].ended.set()
+
+    def _run(self, rows: list[_Queued]) -> None:
+        """Insert `rows` (a statement for each run of rows that can share one), give each
+        publish its answer, then hand on. Runs in the first row's publish."""
+        try:
+            for group in _groups(rows):
+                try:
+                    if len(group) == 1:
+                        group[0].inserted = self._insert_one(group[0].row)
+                    else:
+                        inserted = self._insert_many([queued.row for queued in group])
+                        for queued in group:
+                            queued.inserted = queued.row.id in inserted
+                except BaseException as exc:
+                    for queued in group:
+                        queued.error = exc if queued is rows[0] else _copied(exc)
+                    if not isinstance(exc, Exception):
+                        raise  # what ends a thread ends this one, once the others know
+                for queued in group:
+                    queued.answered = True
+        finally:
+            for queued in rows:
+                if not queued.answered and queued.error is None:
+                    # Its statement never ran: the publish running them was interrupted.
+                    queued.error = LedgerError(
+                        "this dispatch was not written: the publish that was writing it "
+                        "with others was interrupted; publish it again"
+                    )
+            for queued in rows[1:]:
+                queued.ended.set()
+            self._hand_on()
+
+
+def _groups(rows: list[_Queued]) -> list[list[_Queued]]:
+    """Consecutive rows that can share one statement, in order."""
+    groups: list[list[_Queued]] = []
+    for queued in rows:
+        if groups and same_statement(groups[-1][0].row, queued.row):
+            groups[-1].append(queued)
+        else:
+            groups.append([queued])
+    return groups
+
+
+def _copied(error: BaseException) -> BaseException:
+    """Each publish raises an exception of its own: one object raised in several threads
+    would gather all their tracebacks."""
+    try:
+        clone = copy.copy(error)
+    except Exception:
+        return error
+    clone.__cause__ = error.__cause__
+    return clone
