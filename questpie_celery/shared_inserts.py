@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .errors import LedgerError
 from .forking import reset_in_child
@@ -38,19 +38,21 @@ class _Queued:
     """One publish's row, waiting for a statement."""
 
     row: NewDispatch
-    ended: threading.Event = field(default_factory=threading.Event)
     inserted: bool = False
     error: BaseException | None = None
     answered: bool = False
-    #: Set on the first row queued when the statement before it ended: its publish runs
-    #: the statement of these rows (itself among them).
-    leads: list[_Queued] | None = None
 
 
 class SharedInserts:
-    """One process's inserts of single publishes (see the module's text)."""
+    """One process's inserts of single publishes (see the module's text).
 
-    _lock: threading.Lock
+    No publish is ever named to run another's statement: whoever finds nothing in flight
+    runs every row queued at that moment, its own among them, and wakes the others when
+    it ends. So a publish interrupted while it waits (a KeyboardInterrupt) only takes its
+    own row out of the queue, and leaves nobody waiting for it.
+    """
+
+    _changed: threading.Condition
     _busy: bool  # a statement is in flight
     _queue: list[_Queued]
 
@@ -63,45 +65,40 @@ class SharedInserts:
     def _forked(self) -> None:
         # A child forked while a statement was in flight inherits neither that statement's
         # thread nor the publishes waiting for it: it starts with nothing in flight.
-        self._lock = threading.Lock()
+        self._changed = threading.Condition(threading.Lock())
         self._busy = False
         self._queue = []
 
     def insert(self, row: NewDispatch) -> bool:
         """Insert `row` as `Ledger.insert` does (True if inserted), in a statement shared
         with the rows of concurrent publishes when one is already in flight."""
-        with self._lock:
-            queued = _Queued(row) if self._busy else None
-            if queued is not None:
-                self._queue.append(queued)
-            else:
-                self._busy = True
-        if queued is None:
+        queued = _Queued(row)
+        with self._changed:
+            self._queue.append(queued)
             try:
-                return self._insert_one(row)
+                while self._busy and not queued.answered:
+                    self._changed.wait()
+            except BaseException:
+                if queued in self._queue:  # not taken into a statement: not written
+                    self._queue.remove(queued)
+                raise
+            if not queued.answered:
+                rows, self._queue = self._queue, []
+                self._busy = True
+        if not queued.answered:
+            try:
+                self._run(rows, queued)
             finally:
-                self._hand_on()
-        queued.ended.wait()
-        if queued.leads is not None:
-            self._run(queued.leads)
+                with self._changed:
+                    self._busy = False
+                    self._changed.notify_all()
         if queued.error is not None:
             raise queued.error
         return queued.inserted
 
-    def _hand_on(self) -> None:
-        """The statement in flight ended: the rows queued meanwhile go in the next one, run
-        by the first of their publishes; with none queued, nothing is in flight."""
-        with self._lock:
-            if not self._queue:
-                self._busy = False
-                return
-            rows, self._queue = self._queue, []
-        rows[0].leads = rows
-        rows[0].ended.set()
-
-    def _run(self, rows: list[_Queued]) -> None:
-        """Insert `rows` (a statement for each run of rows that can share one), give each
-        publish its answer, then hand on. Runs in the first row's publish."""
+    def _run(self, rows: list[_Queued], mine: _Queued) -> None:
+        """Insert `rows` (a statement for each run of rows that can share one) and give
+        each its answer; `mine` is the row of the publish running them."""
         try:
             for group in _groups(rows):
                 try:
@@ -113,22 +110,21 @@ class SharedInserts:
                             queued.inserted = queued.row.id in inserted
                 except BaseException as exc:
                     for queued in group:
-                        queued.error = exc if queued is rows[0] else _copied(exc)
+                        queued.error = exc if queued is mine else _copied(exc)
                     if not isinstance(exc, Exception):
                         raise  # what ends a thread ends this one, once the others know
-                for queued in group:
-                    queued.answered = True
+                finally:
+                    for queued in group:
+                        queued.answered = True
         finally:
             for queued in rows:
-                if not queued.answered and queued.error is None:
+                if not queued.answered:
                     # Its statement never ran: the publish running them was interrupted.
                     queued.error = LedgerError(
                         "this dispatch was not written: the publish that was writing it "
                         "with others was interrupted; publish it again"
                     )
-            for queued in rows[1:]:
-                queued.ended.set()
-            self._hand_on()
+                    queued.answered = True
 
 
 def _groups(rows: list[_Queued]) -> list[list[_Queued]]:
