@@ -55,6 +55,7 @@ class SharedInserts:
     _changed: threading.Condition
     _busy: bool  # a statement is in flight
     _queue: list[_Queued]
+    _running: int | None
 
     def __init__(self, insert_one: InsertOne, insert_many: InsertMany) -> None:
         self._insert_one = insert_one
@@ -68,10 +69,15 @@ class SharedInserts:
         self._changed = threading.Condition(threading.Lock())
         self._busy = False
         self._queue = []
+        self._running: int | None = None  # the thread running the statement in flight
 
     def insert(self, row: NewDispatch) -> bool:
         """Insert `row` as `Ledger.insert` does (True if inserted), in a statement shared
         with the rows of concurrent publishes when one is already in flight."""
+        if self._running == threading.get_ident():
+            # A publish made while this thread runs the statement in flight (a signal
+            # handler's): waiting for that statement to end would wait for ever.
+            return self._insert_one(row)
         queued = _Queued(row)
         with self._changed:
             self._queue.append(queued)
@@ -85,12 +91,14 @@ class SharedInserts:
             if not queued.answered:
                 rows, self._queue = self._queue, []
                 self._busy = True
+                self._running = threading.get_ident()
         if not queued.answered:
             try:
                 self._run(rows, queued)
             finally:
                 with self._changed:
                     self._busy = False
+                    self._running = None
                     self._changed.notify_all()
         if queued.error is not None:
             raise queued.error

@@ -210,6 +210,26 @@ def test_a_publish_interrupted_while_it_waits_leaves_nobody_waiting_for_it() -> 
     assert ledger.statements[-1] == [after.id]
 
 
+def test_a_publish_made_while_its_thread_runs_the_statement_goes_alone() -> None:
+    """A publish from inside the running statement (a signal handler's) would otherwise
+    wait for that statement to end: for ever."""
+    ledger = Ledger()
+    inner = new_dispatch()
+    outer = new_dispatch()
+    nested: list[bool] = []
+    plain_insert = ledger.insert
+
+    def insert_publishing_again(row: NewDispatch) -> bool:
+        if row is outer:
+            nested.append(shared.insert(inner))
+        return plain_insert(row)
+
+    shared = SharedInserts(insert_publishing_again, ledger.insert_many)
+    assert shared.insert(outer) is True
+    assert nested == [True]
+    assert ledger.statements == [[inner.id], [outer.id]]
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
 def test_a_child_forked_while_an_insert_is_in_flight_inserts_at_once() -> None:
     ledger = Ledger()
