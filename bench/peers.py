@@ -52,13 +52,15 @@ LEDGER_NEW_FLOOR = "floor: driver INSERT, then raw apply_async"
 LEDGER_REPEAT_FLOOR = "floor: driver conflicting INSERT"
 LOCK_NEW_FLOOR = "floor: Redis SET NX, then raw apply_async"
 LOCK_REPEAT_FLOOR = "floor: Redis SET NX of a held key"
+REPEATED = "publish, repeated key"
+RELAXED_NEW = "publish, new key, relaxed durability"
 FLOOR_OF = {  # each measure and the floor it is held against
     "celery-once, new args": LOCK_NEW_FLOOR,
     "celery-once, locked args (AlreadyQueued)": LOCK_REPEAT_FLOOR,
     "celery-singleton, new args": LOCK_NEW_FLOOR,
     "celery-singleton, locked args": LOCK_REPEAT_FLOOR,
     "publish, new key": LEDGER_NEW_FLOOR,
-    "publish, repeated key": LEDGER_REPEAT_FLOOR,
+    REPEATED: LEDGER_REPEAT_FLOOR,
 }
 
 
@@ -186,7 +188,7 @@ def publish_costs(app: Any, pg_url: str, redis_url: str) -> dict[str, list[float
 
     modes: dict[str, Callable[[int], object]] = {
         RAW: lambda i: raw_task.apply_async(args=[{"n": i}], queue=queue),
-        "publish, new key, relaxed durability": lambda i: relaxed.publish(
+        RELAXED_NEW: lambda i: relaxed.publish(
             {"n": i}, idempotency_key=f"{run}-{uuid.uuid4().hex}", queue=queue
         ),
         "celery-once, new args": lambda i: once.apply_async(args=[{"n": next(fresh)}], queue=queue),
@@ -198,9 +200,7 @@ def publish_costs(app: Any, pg_url: str, redis_url: str) -> dict[str, list[float
         "publish, new key": lambda i: client.publish(
             {"n": i}, idempotency_key=f"{run}-{uuid.uuid4().hex}", queue=queue
         ),
-        "publish, repeated key": lambda i: client.publish(
-            {"n": i}, idempotency_key=repeated_key, queue=queue
-        ),
+        REPEATED: lambda i: client.publish({"n": i}, idempotency_key=repeated_key, queue=queue),
         LEDGER_NEW_FLOOR: lambda i: (
             driver_insert(i),
             raw_task.apply_async(args=[{"n": i}], queue=queue),
@@ -248,6 +248,18 @@ def print_table(samples: dict[str, list[float]]) -> None:
         floor = FLOOR_OF.get(name)
         against = f"{ratio(name, floor)} of {floor.removeprefix('floor: ')}" if floor else ""
         print(f"| {name} | {us(name)} | {ratio(name, RAW)} | {against} |")
+
+    def head_to_head(ours: str, peers: list[str]) -> str:
+        faster = [min(values) for values in zip(*(samples[peer] for peer in peers), strict=True)]
+        per_round = [a / b for a, b in zip(samples[ours], faster, strict=True)]
+        return f"{statistics.median(per_round):.2f}x ({min(per_round):.2f}-{max(per_round):.2f})"
+
+    # The goals compare within each round, where both ran on the same moment of the machine.
+    print("\nHead to head, the ratio of each round (median, min-max):")
+    locked = ["celery-once, locked args (AlreadyQueued)", "celery-singleton, locked args"]
+    print(f"- publish, repeated key / the faster lock held: {head_to_head(REPEATED, locked)}")
+    new = ["celery-once, new args"]
+    print(f"- publish, new key, relaxed / celery-once, new args: {head_to_head(RELAXED_NEW, new)}")
 
 
 if __name__ == "__main__":
