@@ -240,9 +240,12 @@ class Dispatches(Executor):
 
     @property
     def inserts_in_batches(self) -> bool:
-        """Whether `insert_many` is one statement (PostgreSQL), so that rows of concurrent
-        publishes gain by sharing it; on SQLite it runs the insert per row."""
-        return self._sql.insert_batch is not None
+        """Whether rows of concurrent publishes gain by sharing `insert_many`, and may: it
+        is one statement (PostgreSQL; on SQLite it runs the insert per row), on
+        connections that belong to no thread. Django's are each thread's own, and may be
+        in that thread's transaction (`set_autocommit(False)`): another thread's row
+        written there would be that transaction's, and undone by its rollback."""
+        return self._sql.insert_batch is not None and self._borrowed is None
 
     def insert(self, new: NewDispatch, conn: Connection | None = None) -> bool:
         """Insert the row unless its id (or its policy slot) is taken; True if inserted.

@@ -440,6 +440,25 @@ def test_keys_policies_secrets_and_schedules_on_djangos_connection(
     assert len(project.runs(f"{tag}-s")) == 1
 
 
+def test_threads_publishing_at_once_each_write_on_their_own_connection(
+    project: DjangoProject,
+) -> None:
+    """Django's connections are each thread's own, and may be in that thread's
+    transaction: threads publishing at the same moment never share a statement there (a
+    row written on another thread's connection would be undone by that thread's
+    rollback). Each publish is a write transaction of its own, and each row is there."""
+    tag = f"h{uuid.uuid4().hex[:8]}"
+    seen = project.scenario("threads", tag)
+    ids = seen["ids"]
+    assert len(ids) == 200 and None not in ids and len(set(ids)) == 200
+    if seen["writes"] is not None:  # PostgreSQL
+        assert seen["writes"] >= len(ids)
+    for dispatch_id in ids:
+        assert project.ledger.get(dispatch_id) is not None
+    for dispatch_id in ids[-5:]:
+        project.wait_status(dispatch_id, "completed")
+
+
 def test_a_schedule_fires_once_on_djangos_connection(project: DjangoProject) -> None:
     tag = f"s{uuid.uuid4().hex[:8]}"
     seen = project.scenario("fire", tag)

@@ -14,13 +14,14 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import uuid
 from typing import Any
 
 import pytest
 from celery.signals import before_task_publish
 from kombu import Connection, Exchange, Queue
-from sqlalchemy import text
+from sqlalchemy import create_engine, text
 
 from tests.integration.conftest import StackFactory
 from tests.support import jobapp
@@ -186,29 +187,29 @@ def next_transaction_id(stack: Stack) -> int:
 def test_threads_publishing_at_once_share_their_inserts_and_commits(
     make_stack: StackFactory,
 ) -> None:
-    """Eight threads of one process publishing new keys at once: a publish that finds
-    another's insert in flight goes into the next multi-row insert, so the rows take far
-    fewer write transactions (commits) than there are publishes, and every one of them
-    is written, sent and answered with its own id."""
+    """Eight threads of one process publishing at once, each key from two of them: a
+    publish that finds another's insert in flight goes into the next multi-row insert, so
+    the rows take fewer write transactions (commits) than there are publishes; each key
+    is written, sent once (a key twice in one statement is the first publish's) and
+    answered with one id."""
     stack = make_stack("redis", start_worker=False)
     queue = idle_queue()
     client = stack.questpie.queue.record
     threads_, each = 8, 50
+    keys = [f"k-{uuid.uuid4().hex[:8]}-{n}" for n in range(threads_ * each // 2)]
     barrier = threading.Barrier(threads_)
-    answers: list[str | None] = []
+    answers: dict[str, set[str | None]] = {key: set() for key in keys}
 
-    def publish() -> None:
+    def publish(number: int) -> None:
+        mine = [keys[(number * each // 2 + n) % len(keys)] for n in range(each)]
         barrier.wait()
-        mine = [
-            client.publish({"tag": tag()}, idempotency_key=uuid.uuid4().hex, queue=queue)
-            for _ in range(each)
-        ]
-        answers.extend(mine)
+        for key in mine:
+            answers[key].add(client.publish({"tag": tag()}, idempotency_key=key, queue=queue))
 
     client.publish({"tag": tag()}, idempotency_key=uuid.uuid4().hex, queue=queue)
     assert stack.questpie.flush(30)
     first = next_transaction_id(stack)
-    threads = [threading.Thread(target=publish) for _ in range(threads_)]
+    threads = [threading.Thread(target=publish, args=(n,)) for n in range(threads_)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -216,10 +217,45 @@ def test_threads_publishing_at_once_share_their_inserts_and_commits(
     assert stack.questpie.flush(30)
     writes = next_transaction_id(stack) - first
     published = threads_ * each
-    assert len(answers) == published and None not in answers
-    assert len(set(answers)) == published
+    assert all(len(ids) == 1 and None not in ids for ids in answers.values())
+    ids = [str(next(iter(answers[key]))) for key in keys]
+    assert len(set(ids)) == len(keys)
     # Each publish alone would be a write transaction of its own, and the broker's
     # acceptance is recorded in more; shared, the inserts take a fraction of that.
     assert writes < published, writes
-    assert queue_depth(stack, queue) == published + 1
-    assert {stack.row(str(i)).status for i in answers} == {"queued"}
+    assert queue_depth(stack, queue) == len(keys) + 1  # one message per key
+    assert {stack.row(i).status for i in ids} == {"queued"}
+
+
+def test_a_publish_held_up_by_a_row_lock_holds_up_no_other_publish(
+    make_stack: StackFactory,
+) -> None:
+    """A key's row held by a caller's open transaction: a publish of that key outside it
+    waits for that transaction, and a publish of another key, behind it in the process,
+    goes on meanwhile on its own statement instead of waiting (and failing) with it."""
+    stack = make_stack("redis", start_worker=False)
+    queue = idle_queue()
+    client = stack.questpie.queue.record
+    held, other = f"held-{uuid.uuid4().hex[:8]}", f"other-{uuid.uuid4().hex[:8]}"
+    outcome: list[str | None] = []
+    caller = create_engine(stack.ledger.engine.url)  # a project's own engine: transactions
+    with caller.connect() as conn, conn.begin() as transaction:
+        client.publish({"tag": tag()}, idempotency_key=held, queue=queue, connection=conn)
+        blocked = threading.Thread(
+            target=lambda: outcome.append(
+                client.publish({"tag": tag()}, idempotency_key=held, queue=queue)
+            )
+        )
+        blocked.start()
+        deadline = time.monotonic() + 10
+        while not stack.questpie._publisher._shared._busy:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        # The other publish, while the held key's statement waits for the lock.
+        other_id = client.publish({"tag": tag()}, idempotency_key=other, queue=queue)
+        assert blocked.is_alive()  # still waiting for the open transaction
+        assert other_id is not None and stack.row(other_id).idempotency_key == other
+        transaction.commit()
+    caller.dispose()
+    blocked.join(30)
+    assert len(outcome) == 1 and outcome[0] is not None

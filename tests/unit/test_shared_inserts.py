@@ -1,23 +1,29 @@
 """Concurrent single publishes sharing one insert: who runs which statement, in what
-order, with which answer, and what an error or a fork does to the others.
+order, with which answer, and what a failing or held statement, an interruption, a
+signal handler's publish or a fork does to the others.
 
 The inserts here are recording functions; the same rules on a real PostgreSQL (keys and
-policies decided as one thread would) are in tests/integration/test_send_behind.py and
-tests/integration/test_policies.py.
+policies decided as one thread would, commits shared) are in
+tests/integration/test_send_behind.py and tests/integration/test_policies.py.
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import os
 import signal
+import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from types import FrameType
 from typing import Any
 
 import pytest
 
-from questpie_celery.errors import LedgerError, LedgerUnavailableError
+from questpie_celery import shared_inserts
+from questpie_celery.errors import LedgerBusyError, LedgerUnavailableError
 from questpie_celery.ledger.rows import NewDispatch
 from questpie_celery.shared_inserts import SharedInserts
 from tests.unit.helpers import new_dispatch
@@ -35,24 +41,35 @@ class Ledger:
         self.hold.set()
         self.entered = threading.Event()
         self.fail_many_with: BaseException | None = None
+        self.refused: set[str] = set()  # ids whose statement fails, alone or shared
         self._lock = threading.Lock()
 
     def insert(self, row: NewDispatch) -> bool:
         self._record([row])
         self.entered.set()
         assert self.hold.wait(10)
+        if row.id in self.refused:
+            raise LedgerBusyError("a row lock is held")
         return row.id not in self.taken
 
     def insert_many(self, rows: Sequence[NewDispatch]) -> set[str]:
         self._record(rows)
         if self.fail_many_with is not None:
             raise self.fail_many_with
+        if any(row.id in self.refused for row in rows):
+            raise LedgerBusyError("a row lock is held")
         return {row.id for row in rows if row.id not in self.taken}
 
     def _record(self, rows: Sequence[NewDispatch]) -> None:
         with self._lock:
             self.statements.append([row.id for row in rows])
             self.threads.append(threading.current_thread().name)
+
+
+@pytest.fixture
+def patient(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Publishes wait for a held statement as long as a test holds it."""
+    monkeypatch.setattr(shared_inserts, "WAIT_SECONDS", 30.0)
 
 
 def queued(shared: SharedInserts) -> int:
@@ -68,29 +85,36 @@ def wait_for(check: Callable[[], bool]) -> None:
 
 def publish_behind_a_held_insert(
     ledger: Ledger, shared: SharedInserts, rows: list[NewDispatch]
-) -> tuple[dict[str, Any], list[threading.Thread]]:
+) -> tuple[dict[int, Any], list[threading.Thread]]:
     """A first publish held inside its insert, then `rows` published one by one from
     threads of their own (each queued before the next starts). Returns each publish's
-    answer (or error) by row id, filled in once the threads are joined, and the threads."""
-    answers: dict[str, Any] = {}
+    answer (or error) by its row's position in `rows` (the first's is -1), filled in once
+    the threads are joined, and the threads."""
+    answers: dict[int, Any] = {}
     ledger.hold.clear()
-    first = new_dispatch()
 
-    def publish(row: NewDispatch) -> None:
+    def publish(number: int, row: NewDispatch) -> None:
         try:
-            answers[row.id] = shared.insert(row)
+            answers[number] = shared.insert(row)
         except BaseException as exc:  # the answer under test
-            answers[row.id] = exc
+            answers[number] = exc
 
-    threads = [threading.Thread(target=publish, args=(first,), name="first")]
+    threads = [threading.Thread(target=publish, args=(-1, new_dispatch()), name="first")]
     threads[0].start()
     assert ledger.entered.wait(10)
     for number, row in enumerate(rows):
-        thread = threading.Thread(target=publish, args=(row,), name=f"t{number}")
+        thread = threading.Thread(target=publish, args=(number, row), name=f"t{number}")
         thread.start()
         threads.append(thread)
         wait_for(lambda number=number: queued(shared) == number + 1)
     return answers, threads
+
+
+def release(ledger: Ledger, threads: list[threading.Thread]) -> None:
+    ledger.hold.set()
+    for thread in threads:
+        thread.join(10)
+    assert not any(thread.is_alive() for thread in threads)
 
 
 def test_a_publish_alone_inserts_at_once_on_its_own_statement() -> None:
@@ -103,22 +127,35 @@ def test_a_publish_alone_inserts_at_once_on_its_own_statement() -> None:
     assert queued(shared) == 0 and shared._busy is False
 
 
-def test_publishes_behind_one_in_flight_share_the_next_statement_in_arrival_order() -> None:
+def test_publishes_behind_one_in_flight_share_the_next_statement_in_arrival_order(
+    patient: None,
+) -> None:
     rows = [new_dispatch() for _ in range(5)]
     ledger = Ledger(taken={rows[2].id})
     shared = SharedInserts(ledger.insert, ledger.insert_many)
     answers, threads = publish_behind_a_held_insert(ledger, shared, rows)
-    ledger.hold.set()
-    for thread in threads:
-        thread.join(10)
+    release(ledger, threads)
     assert ledger.statements[1:] == [[row.id for row in rows]]
     # One of them ran it; each got its own answer.
     assert ledger.threads[1] in {f"t{number}" for number in range(len(rows))}
-    assert [answers[row.id] for row in rows] == [True, True, False, True, True]
+    assert [answers[number] for number in range(5)] == [True, True, False, True, True]
     assert shared._busy is False and queued(shared) == 0
 
 
-def test_rows_that_cannot_share_a_statement_get_their_own_in_order() -> None:
+def test_a_key_twice_in_one_statement_is_inserted_by_its_first_publish(patient: None) -> None:
+    """As one after the other: the second publish of a key answers with its id and sends
+    nothing (two `True`s would send its message twice)."""
+    first = new_dispatch()
+    again = NewDispatch(**{**vars(new_dispatch()), "id": first.id})
+    ledger = Ledger()
+    shared = SharedInserts(ledger.insert, ledger.insert_many)
+    answers, threads = publish_behind_a_held_insert(ledger, shared, [first, again])
+    release(ledger, threads)
+    assert ledger.statements[1:] == [[first.id, first.id]]
+    assert [answers[0], answers[1]] == [True, False]
+
+
+def test_rows_that_cannot_share_a_statement_get_their_own_in_order(patient: None) -> None:
     a1, a2 = new_dispatch("a"), new_dispatch("a")
     b1 = new_dispatch("b")
     a3 = new_dispatch("a")
@@ -126,54 +163,97 @@ def test_rows_that_cannot_share_a_statement_get_their_own_in_order() -> None:
     ledger = Ledger()
     shared = SharedInserts(ledger.insert, ledger.insert_many)
     answers, threads = publish_behind_a_held_insert(ledger, shared, [a1, a2, b1, a3, later])
-    ledger.hold.set()
-    for thread in threads:
-        thread.join(10)
+    release(ledger, threads)
     assert ledger.statements[1:] == [[a1.id, a2.id], [b1.id], [a3.id], [later.id]]
-    assert all(answers[row.id] is True for row in (a1, a2, b1, a3, later))
+    assert [answers[number] for number in range(5)] == [True] * 5
 
 
-def test_an_error_of_a_shared_statement_is_raised_by_each_of_its_publishes() -> None:
+def test_a_failed_shared_statement_sends_each_row_back_to_be_inserted_on_its_own(
+    patient: None,
+) -> None:
+    """Another row's lock must not fail a publish: each row of a statement that failed
+    is inserted again by its own publish, which gets its own answer or its own error."""
+    rows = [new_dispatch() for _ in range(4)]
+    ledger = Ledger()
+    ledger.refused = {rows[1].id}
+    shared = SharedInserts(ledger.insert, ledger.insert_many)
+    answers, threads = publish_behind_a_held_insert(ledger, shared, rows)
+    release(ledger, threads)
+    assert ledger.statements[1] == [row.id for row in rows]
+    assert sorted(ledger.statements[2:]) == sorted([row.id] for row in rows)
+    assert isinstance(answers[1], LedgerBusyError)
+    assert [answers[0], answers[2], answers[3]] == [True, True, True]
+    assert shared._busy is False and queued(shared) == 0
+
+
+def test_a_ledger_that_is_down_fails_each_publish_on_its_own(patient: None) -> None:
     rows = [new_dispatch() for _ in range(3)]
     ledger = Ledger()
     ledger.fail_many_with = LedgerUnavailableError("the ledger is down")
+    ledger.refused = {row.id for row in rows}
     shared = SharedInserts(ledger.insert, ledger.insert_many)
     answers, threads = publish_behind_a_held_insert(ledger, shared, rows)
-    ledger.hold.set()
-    for thread in threads:
-        thread.join(10)
-    errors = [answers[row.id] for row in rows]
-    assert all(isinstance(error, LedgerUnavailableError) for error in errors)
-    assert all(str(error) == "the ledger is down" for error in errors)
+    release(ledger, threads)
+    errors = [answers[number] for number in range(3)]
+    assert all(isinstance(error, LedgerBusyError) for error in errors)
     assert len({id(error) for error in errors}) == 3  # one each: no shared traceback
-    # Nothing is left in flight: the next publish inserts at once.
     ledger.fail_many_with = None
+    ledger.refused = set()
     row = new_dispatch()
     assert shared.insert(row) is True
     assert ledger.statements[-1] == [row.id]
 
 
-def test_an_interrupted_shared_statement_fails_the_publishes_it_did_not_write() -> None:
+def test_an_interrupted_statement_leaves_the_other_rows_to_their_own_publishes(
+    patient: None,
+) -> None:
+    """The interruption is the publish's own that ran the statement (a KeyboardInterrupt,
+    a signal handler's error): the others insert their rows on their own."""
     rows = [new_dispatch("a"), new_dispatch("a"), new_dispatch("b")]
     ledger = Ledger()
     ledger.fail_many_with = KeyboardInterrupt()
     shared = SharedInserts(ledger.insert, ledger.insert_many)
     answers, threads = publish_behind_a_held_insert(ledger, shared, rows)
-    ledger.hold.set()
-    for thread in threads:
-        thread.join(10)
-    assert not any(thread.is_alive() for thread in threads)
-    # The publishes of the interrupted statement get the interruption (one of them the
-    # original, the others a copy). The row whose statement never ran is not written: its
-    # publish says so, or (when it was the one running the statements) is interrupted.
-    assert isinstance(answers[rows[0].id], KeyboardInterrupt)
-    assert isinstance(answers[rows[1].id], KeyboardInterrupt)
-    last = answers[rows[2].id]
-    assert isinstance(last, KeyboardInterrupt) or (
-        isinstance(last, LedgerError) and "not written" in str(last)
-    )
-    assert [rows[2].id] not in ledger.statements
+    release(ledger, threads)
+    interrupted = [n for n in range(3) if isinstance(answers[n], KeyboardInterrupt)]
+    assert len(interrupted) == 1
+    others = [rows[n] for n in range(3) if n not in interrupted]
+    assert [answers[n] for n in range(3) if n not in interrupted] == [True, True]
+    alone = [statement for statement in ledger.statements[2:] if len(statement) == 1]
+    assert sorted(alone) == sorted([row.id] for row in others)
     assert shared._busy is False and queued(shared) == 0
+
+
+def test_a_statement_held_up_by_a_lock_does_not_hold_up_the_next_publishes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A statement in flight for long waits for a lock another transaction holds: a
+    publish behind it takes its row out and inserts it on its own meanwhile."""
+    monkeypatch.setattr(shared_inserts, "WAIT_SECONDS", 0.05)
+    ledger = Ledger()
+    shared = SharedInserts(ledger.insert, ledger.insert_many)
+    ledger.hold.clear()
+    first = threading.Thread(target=shared.insert, args=(new_dispatch(),))
+    first.start()
+    assert ledger.entered.wait(10)
+    ledger.hold.set = lambda: None  # type: ignore[method-assign]  # stays held below
+    done: list[bool] = []
+    row = new_dispatch()
+
+    def go_alone(row: NewDispatch) -> bool:
+        ledger._record([row])
+        return True
+
+    shared._insert_one = go_alone
+    later = threading.Thread(target=lambda: done.append(shared.insert(row)))
+    later.start()
+    later.join(10)
+    assert done == [True]  # while the first statement is still held
+    assert first.is_alive()
+    assert ledger.statements[-1] == [row.id] and queued(shared) == 0
+    threading.Event.set(ledger.hold)
+    first.join(10)
+    assert shared._busy is False
 
 
 class Interrupted(Exception):
@@ -181,7 +261,9 @@ class Interrupted(Exception):
 
 
 @pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="setitimer")
-def test_a_publish_interrupted_while_it_waits_leaves_nobody_waiting_for_it() -> None:
+def test_a_publish_interrupted_while_it_waits_leaves_nobody_waiting_for_it(
+    patient: None,
+) -> None:
     ledger = Ledger()
     shared = SharedInserts(ledger.insert, ledger.insert_many)
     behind = [new_dispatch() for _ in range(2)]
@@ -200,14 +282,86 @@ def test_a_publish_interrupted_while_it_waits_leaves_nobody_waiting_for_it() -> 
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
     assert queued(shared) == len(behind)  # its row left the queue; theirs wait on
-    ledger.hold.set()
-    for thread in threads:
-        thread.join(10)
-    assert [answers[row.id] for row in behind] == [True, True]
+    release(ledger, threads)
+    assert [answers[0], answers[1]] == [True, True]
     assert all(mine.id not in statement for statement in ledger.statements)
     after = new_dispatch()
     assert shared.insert(after) is True
     assert ledger.statements[-1] == [after.id]
+
+
+def line_of(method: Callable[..., Any], text: str) -> int:
+    """The number of the first line of `method` containing `text`."""
+    source, first = inspect.getsourcelines(method)
+    return next(first + number for number, line in enumerate(source) if text in line)
+
+
+@contextlib.contextmanager
+def at_line(method: Callable[..., Any], text: str, act: Callable[[], None]) -> Iterator[None]:
+    """Run `act` once, in this thread, when `method` reaches its line containing `text`:
+    what a signal handler arriving there would do."""
+    code = inspect.unwrap(method).__code__
+    line = line_of(method, text)
+    fired: list[bool] = []
+
+    def local(frame: FrameType, event: str, arg: object) -> Any:
+        if event == "line" and frame.f_lineno == line and not fired:
+            fired.append(True)
+            act()
+        return local
+
+    def calls(frame: FrameType, event: str, arg: object) -> Any:
+        return local if frame.f_code is code else None
+
+    sys.settrace(calls)
+    try:
+        yield
+    finally:
+        sys.settrace(None)
+    assert fired, f"line {line} was not reached"
+
+
+@pytest.mark.parametrize(
+    "where", ["self._queue.append(queued)", "rows, self._queue", "self._run(rows)"]
+)
+def test_a_signal_handler_publishing_while_its_thread_is_in_a_publish_goes_alone(
+    where: str,
+) -> None:
+    """Wherever the handler lands (the thread holding the lock, or about to run the
+    statement), its publish neither waits for its own thread nor joins its statement."""
+    ledger = Ledger()
+    shared = SharedInserts(ledger.insert, ledger.insert_many)
+    nested = new_dispatch()
+    answers: list[bool] = []
+    outer = new_dispatch()
+    with at_line(SharedInserts._take_turn, where, lambda: answers.append(shared.insert(nested))):
+        assert shared.insert(outer) is True
+    assert answers == [True]
+    assert ledger.statements == [[nested.id], [outer.id]]
+    assert shared._busy is False and queued(shared) == 0
+
+
+@pytest.mark.parametrize("where", ["rows, self._queue", "self._busy = True", "self._run(rows)"])
+def test_an_interruption_as_a_publish_takes_the_lead_leaves_nothing_in_flight(
+    where: str,
+) -> None:
+    ledger = Ledger()
+    shared = SharedInserts(ledger.insert, ledger.insert_many)
+
+    def interrupt() -> None:
+        raise KeyboardInterrupt
+
+    with at_line(SharedInserts._take_turn, where, interrupt), pytest.raises(KeyboardInterrupt):
+        shared.insert(new_dispatch())
+    assert shared._busy is False and queued(shared) == 0
+    # Another thread's publish goes through (it would wait for ever on a statement
+    # marked in flight that nobody runs).
+    done: list[bool] = []
+    row = new_dispatch()
+    thread = threading.Thread(target=lambda: done.append(shared.insert(row)))
+    thread.start()
+    thread.join(10)
+    assert done == [True]
 
 
 def test_a_publish_made_while_its_thread_runs_the_statement_goes_alone() -> None:
@@ -231,7 +385,7 @@ def test_a_publish_made_while_its_thread_runs_the_statement_goes_alone() -> None
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
-def test_a_child_forked_while_an_insert_is_in_flight_inserts_at_once() -> None:
+def test_a_child_forked_while_an_insert_is_in_flight_inserts_at_once(patient: None) -> None:
     ledger = Ledger()
     shared = SharedInserts(ledger.insert, ledger.insert_many)
     answers, threads = publish_behind_a_held_insert(ledger, shared, [new_dispatch()])
@@ -246,8 +400,6 @@ def test_a_child_forked_while_an_insert_is_in_flight_inserts_at_once() -> None:
         finally:
             os._exit(2)
     _, status = os.waitpid(pid, 0)
-    ledger.hold.set()
-    for thread in threads:
-        thread.join(10)
+    release(ledger, threads)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
     assert all(answer is True for answer in answers.values())

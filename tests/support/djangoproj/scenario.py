@@ -177,6 +177,44 @@ def publish(tag: str) -> dict[str, Any]:
     return {"id": questpie.queue["shop.record"].publish({"tag": tag}, idempotency_key=tag)}
 
 
+def next_transaction_id() -> int | None:
+    """The id PostgreSQL gives the next transaction that writes; None on SQLite."""
+    from django.db import connection  # noqa: PLC0415
+
+    if connection.vendor != "postgresql":
+        return None
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint")
+        return int(cursor.fetchone()[0])
+
+
+def threads(tag: str) -> dict[str, Any]:
+    """Eight threads publishing new keys at once, each on its own Django connection."""
+    record = questpie.queue["shop.record"]
+    ids: list[str | None] = []
+    barrier = threading.Barrier(8)
+
+    def publish(number: int) -> None:
+        try:
+            barrier.wait()
+            ids.extend(
+                record.publish({"tag": tag}, idempotency_key=f"{tag}-{number}-{n}")
+                for n in range(25)
+            )
+        finally:
+            connections.close_all()
+
+    before = next_transaction_id()
+    workers = [threading.Thread(target=publish, args=(number,)) for number in range(8)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    after = next_transaction_id()
+    writes = None if after is None or before is None else after - before
+    return {"ids": ids, "writes": writes}
+
+
 def listens(tag: str) -> dict[str, Any]:
     """Whether this project's relays would hold a LISTEN (not behind a pooler)."""
     return {"listens": questpie._ledger.send_wakeups() is not None}
@@ -184,6 +222,7 @@ def listens(tag: str) -> dict[str, Any]:
 
 if __name__ == "__main__":
     scenario = {
-        f.__name__: f for f in (atomic, features, receipt, die, publish, swallowed, fire, listens)
+        f.__name__: f
+        for f in (atomic, features, receipt, die, publish, swallowed, fire, listens, threads)
     }[sys.argv[1]]
     print(json.dumps(scenario(sys.argv[2])), flush=True)
