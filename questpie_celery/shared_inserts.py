@@ -38,13 +38,20 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from .errors import LedgerError
 from .forking import reset_in_child
 from .ledger.inserts import same_statement
 from .ledger.rows import NewDispatch
 
-InsertOne = Callable[[NewDispatch], bool]
+
+class InsertOne(Protocol):
+    """`Ledger.insert` without a caller's connection."""
+
+    def __call__(self, new: NewDispatch, *, again: bool = False) -> bool: ...
+
+
 InsertMany = Callable[[Sequence[NewDispatch]], set[str]]
 
 #: How long a publish waits for the statement in flight before inserting on its own. A
@@ -59,7 +66,8 @@ class _Queued:
     row: NewDispatch
     inserted: bool = False
     error: BaseException | None = None
-    #: Its statement failed, or never ran: its publish inserts it on its own.
+    #: Its statement failed, or never ran: its publish inserts it on its own, counting
+    #: the row found under its id as its own (a failed statement may have written it).
     alone: bool = False
     answered: bool = False
 
@@ -97,8 +105,10 @@ class SharedInserts:
         inside.inside = True
         try:
             queued = self._take_turn(row)
-            if queued is None or queued.alone:
+            if queued is None:
                 return self._insert_one(row)
+            if queued.alone:
+                return self._insert_one(row, again=True)
             if queued.error is not None:
                 raise queued.error
             return queued.inserted

@@ -247,16 +247,20 @@ class Dispatches(Executor):
         written there would be that transaction's, and undone by its rollback."""
         return self._sql.insert_batch is not None and self._borrowed is None
 
-    def insert(self, new: NewDispatch, conn: Connection | None = None) -> bool:
+    def insert(
+        self, new: NewDispatch, conn: Connection | None = None, *, again: bool = False
+    ) -> bool:
         """Insert the row unless its id (or its policy slot) is taken; True if inserted.
 
         One statement, so concurrent publishers of one key race inside the database:
         exactly one of them gets True. With `conn`, it runs in the caller's transaction.
+        `again`: a statement that failed may have written this row already (a shared
+        insert's), so the row found under its id counts as inserted, as after a rerun.
         """
         if len(new.id) > UUID_LENGTH:
             self._check_wide_ids()
         if conn is None:
-            return self._drive(inserts.insert(self._sql, new))
+            return self._drive(inserts.insert(self._sql, new, again=again))
         # The caller's connection reaches the ledger's own database (checked by
         # transactions.caller_connection), so the ledger's statements fit its dialect.
         with translate_errors(self.migrate_command):

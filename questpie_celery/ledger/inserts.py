@@ -82,8 +82,9 @@ async def adrive(plan: Plan[T], run: Callable[[Run], Awaitable[Ran]]) -> T:
             return _answer(plan, done)
 
 
-def insert(sql: Statements, new: NewDispatch) -> Plan[bool]:
-    """Insert the row unless its id (or its policy slot) is taken; True if inserted."""
+def insert(sql: Statements, new: NewDispatch, *, again: bool = False) -> Plan[bool]:
+    """Insert the row unless its id (or its policy slot) is taken; True if inserted.
+    `again`: an earlier statement that failed may have written it (see `Ledger.insert`)."""
     # A secret's ciphertext exists nowhere else: a relaxed ledger still waits for the
     # disk before the publisher is told it is accepted.
     secret = new.secret_ciphertext is not None
@@ -93,7 +94,7 @@ def insert(sql: Statements, new: NewDispatch) -> Plan[bool]:
     # A retried insert that now conflicts may have been our own first try. A row under a
     # random id can only be ours; for a key's derived id, a second send of another
     # publisher's row is harmless (the fence drops the duplicate).
-    return reran and (yield from exists(sql, new.id))
+    return (reran or again) and (yield from exists(sql, new.id))
 
 
 def insert_many(sql: Statements, batch: Sequence[NewDispatch]) -> Plan[set[str]]:

@@ -103,6 +103,17 @@ def test_insert_is_insert_or_nothing(ledger: Ledger) -> None:
     assert [r.id for r in ledger.get_many([new.id, random_dispatch_id()])] == [new.id]
 
 
+def test_an_insert_made_again_counts_the_row_under_its_id_as_its_own(ledger: Ledger) -> None:
+    """After a shared statement that failed, perhaps after writing the row: the row found
+    under its id is this publish's (else an unkeyed policy row would be taken for a
+    refusal, answered None, and run)."""
+    new = _new()
+    assert ledger.insert(new, again=True) is True  # not written before: inserted now
+    assert ledger.insert(new, again=True) is True  # written before: counted as ours
+    assert ledger.insert(new) is False
+    assert ledger.insert(_new(), again=True) is True
+
+
 def test_mark_queued_records_broker_acceptance(ledger: Ledger) -> None:
     new = _new()
     ledger.insert(new)

@@ -42,15 +42,22 @@ class Ledger:
         self.entered = threading.Event()
         self.fail_many_with: BaseException | None = None
         self.refused: set[str] = set()  # ids whose statement fails, alone or shared
+        self.written: set[str] = set()
+        self.fail_after_writing = False  # a shared statement raises once it wrote its rows
         self._lock = threading.Lock()
 
-    def insert(self, row: NewDispatch) -> bool:
+    def insert(self, row: NewDispatch, *, again: bool = False) -> bool:
         self._record([row])
         self.entered.set()
         assert self.hold.wait(10)
         if row.id in self.refused:
             raise LedgerBusyError("a row lock is held")
-        return row.id not in self.taken
+        if row.id in self.taken:
+            return False
+        if row.id in self.written:
+            return again  # written by a statement that failed after: ours, if told so
+        self.written.add(row.id)
+        return True
 
     def insert_many(self, rows: Sequence[NewDispatch]) -> set[str]:
         self._record(rows)
@@ -58,7 +65,11 @@ class Ledger:
             raise self.fail_many_with
         if any(row.id in self.refused for row in rows):
             raise LedgerBusyError("a row lock is held")
-        return {row.id for row in rows if row.id not in self.taken}
+        inserted = {row.id for row in rows if row.id not in self.taken | self.written}
+        self.written |= inserted
+        if self.fail_after_writing:
+            raise LedgerUnavailableError("the connection dropped during the commit")
+        return inserted
 
     def _record(self, rows: Sequence[NewDispatch]) -> None:
         with self._lock:
@@ -186,6 +197,24 @@ def test_a_failed_shared_statement_sends_each_row_back_to_be_inserted_on_its_own
     assert shared._busy is False and queued(shared) == 0
 
 
+def test_rows_of_a_shared_statement_that_failed_after_writing_them_count_as_inserted(
+    patient: None,
+) -> None:
+    """Its error may come after its commit (a connection lost then): each publish inserts
+    its row again on its own, and the row found under its id is its own, so it is sent
+    (a random id's row would otherwise be taken for a policy's refusal, and answered
+    None while it runs)."""
+    rows = [new_dispatch() for _ in range(3)]
+    ledger = Ledger()
+    ledger.fail_after_writing = True
+    shared = SharedInserts(ledger.insert, ledger.insert_many)
+    answers, threads = publish_behind_a_held_insert(ledger, shared, rows)
+    release(ledger, threads)
+    assert ledger.statements[1] == [row.id for row in rows]
+    assert sorted(ledger.statements[2:]) == sorted([row.id] for row in rows)
+    assert [answers[number] for number in range(3)] == [True, True, True]
+
+
 def test_a_ledger_that_is_down_fails_each_publish_on_its_own(patient: None) -> None:
     rows = [new_dispatch() for _ in range(3)]
     ledger = Ledger()
@@ -240,7 +269,7 @@ def test_a_statement_held_up_by_a_lock_does_not_hold_up_the_next_publishes(
     done: list[bool] = []
     row = new_dispatch()
 
-    def go_alone(row: NewDispatch) -> bool:
+    def go_alone(row: NewDispatch, *, again: bool = False) -> bool:
         ledger._record([row])
         return True
 
@@ -373,10 +402,10 @@ def test_a_publish_made_while_its_thread_runs_the_statement_goes_alone() -> None
     nested: list[bool] = []
     plain_insert = ledger.insert
 
-    def insert_publishing_again(row: NewDispatch) -> bool:
+    def insert_publishing_again(row: NewDispatch, *, again: bool = False) -> bool:
         if row is outer:
             nested.append(shared.insert(inner))
-        return plain_insert(row)
+        return plain_insert(row, again=again)
 
     shared = SharedInserts(insert_publishing_again, ledger.insert_many)
     assert shared.insert(outer) is True
