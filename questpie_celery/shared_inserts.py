@@ -29,7 +29,12 @@ What one publish cannot do to another:
   handler's) inserts on its own.
 
 Only connections that belong to no thread may carry another thread's row: on Django's
-connections, each publish keeps its own statement (`Ledger.inserts_in_batches`).
+connections, each publish keeps its own statement (`Ledger.inserts_in_batches`). And only
+the ledger's own engines share, whose statements give up on a row lock after the lock
+timeout (5 s): a row in a shared statement cannot leave it, so a thread whose own open
+transaction holds a key another thread publishes at that moment waits that long for a
+publish of its own outside that transaction, where an engine without the timeout would
+wait for ever.
 """
 
 from __future__ import annotations
@@ -147,6 +152,8 @@ class SharedInserts:
                         # publish inserts it.
                         other.alone = other.answered = True
                 with self._changed:
+                    if self._queue is rows:  # interrupted while taking them: taken
+                        self._queue = []
                     if queued in self._queue:  # interrupted before it took the rows
                         self._queue.remove(queued)
                     self._busy = False

@@ -35,6 +35,7 @@ from sqlalchemy.sql import Executable
 
 from ..errors import LedgerError
 from . import inserts
+from .engine import runs_in_autocommit
 from .errors import schema_missing, translate_errors
 from .executor import Executor
 from .inserts import batch_params, row_params
@@ -244,8 +245,15 @@ class Dispatches(Executor):
         is one statement (PostgreSQL; on SQLite it runs the insert per row), on
         connections that belong to no thread. Django's are each thread's own, and may be
         in that thread's transaction (`set_autocommit(False)`): another thread's row
-        written there would be that transaction's, and undone by its rollback."""
-        return self._sql.insert_batch is not None and self._borrowed is None
+        written there would be that transaction's, and undone by its rollback. And only
+        the ledger's own engines, whose statements give up on a row lock after the lock
+        timeout: a shared statement meeting a row a publishing thread's own open
+        transaction holds would otherwise hold that thread up for good."""
+        return (
+            self._sql.insert_batch is not None
+            and self._borrowed is None
+            and runs_in_autocommit(self.engine)
+        )
 
     def insert(
         self, new: NewDispatch, conn: Connection | None = None, *, again: bool = False

@@ -1208,3 +1208,18 @@ def test_the_acceptance_mark_after_a_dropped_early_delivery_keeps_it_due_at_star
     other = _row(ledger, untouched.id)
     assert other.status == "queued" and other.next_send_at is not None
     assert other.next_send_at > other.run_after + timedelta(seconds=3000)
+
+
+def test_only_the_ledgers_own_postgresql_engines_share_inserts(pg_db: str) -> None:
+    """A shared statement cannot let a row go: on an engine without the ledger's lock
+    timeout, one meeting a row that a publishing thread's own open transaction holds would
+    hold that thread up for good. So threads share inserts on the ledger's own engines
+    only (and never on SQLite, whose multi-row insert is an insert per row)."""
+    own = open_ledger(pg_db)
+    passed_in = Ledger(create_engine(pg_db))
+    try:
+        assert own.inserts_in_batches is True
+        assert passed_in.inserts_in_batches is False
+    finally:
+        own.close()
+        passed_in.close()
