@@ -15,7 +15,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from types import FrameType
 from typing import Any
@@ -26,7 +25,7 @@ from questpie_celery import shared_inserts
 from questpie_celery.errors import LedgerBusyError, LedgerUnavailableError
 from questpie_celery.ledger.rows import NewDispatch
 from questpie_celery.shared_inserts import SharedInserts
-from tests.unit.helpers import new_dispatch
+from tests.unit.helpers import new_dispatch, wait_until
 
 
 class Ledger:
@@ -87,13 +86,6 @@ def queued(shared: SharedInserts) -> int:
     return len(shared._queue)
 
 
-def wait_for(check: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + 10
-    while not check():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.001)
-
-
 def publish_behind_a_held_insert(
     ledger: Ledger, shared: SharedInserts, rows: list[NewDispatch]
 ) -> tuple[dict[int, Any], list[threading.Thread]]:
@@ -117,7 +109,7 @@ def publish_behind_a_held_insert(
         thread = threading.Thread(target=publish, args=(number, row), name=f"t{number}")
         thread.start()
         threads.append(thread)
-        wait_for(lambda number=number: queued(shared) == number + 1)
+        wait_until(lambda number=number: queued(shared) == number + 1, "the row queued", 10, 0.001)
     return answers, threads
 
 
