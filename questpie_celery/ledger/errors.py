@@ -120,6 +120,11 @@ class Reruns:
         if error is None:
             self._done = True
             return False
+        return self.after(error)
+
+    def after(self, error: BaseException) -> bool:
+        """Whether a run that failed with `error` is followed by another; raises
+        `SlotTaken` for a queue-policy slot index's refusal."""
         if isinstance(error, exc.IntegrityError):
             # Only the queue-policy slot indexes and the seat index can refuse the ledger's
             # statements.

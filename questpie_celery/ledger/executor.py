@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from datetime import datetime
 from typing import Any, TypeVar
 
-from sqlalchemy import ColumnElement, Connection, Engine, Select, func, select, text
+from sqlalchemy import ColumnElement, Connection, Engine, Select, exc, func, select, text
 from sqlalchemy.engine import RowMapping
 from sqlalchemy.sql import ClauseElement, Executable
 from sqlalchemy.sql.elements import TextClause
@@ -194,20 +194,35 @@ class Executor:
         `rerun_if_rolled_back` runs it again when the server undid it to break a
         deadlock: a multi-row insert meeting another in the opposite order can.
         """
-        reruns = Reruns(after_rollback=rerun_if_rolled_back, log=log)
         direct = None if durable and self.relaxed else self._direct.get(id(stmt))
+        reruns = None
+        if direct is not None and not direct.observed():
+            # The hottest statements' common case: one try, with none of the rerun
+            # machinery below around it (on a busy worker it cost more than the driver's
+            # own work); a failure is decided by the same rules, then left to it.
+            try:
+                with self._autocommit.connect() as conn:
+                    try:
+                        return direct.run(conn, params), False
+                    except LeftToSQLAlchemy:
+                        return self._through_sqlalchemy(conn, stmt, params), False
+            except exc.SQLAlchemyError as error:
+                reruns = Reruns(after_rollback=rerun_if_rolled_back, log=log)
+                with translate_errors(self.migrate_command):
+                    if not reruns.after(error):  # raises SlotTaken for a slot index
+                        raise
+        if reruns is None:
+            reruns = Reruns(after_rollback=rerun_if_rolled_back, log=log)
         with translate_errors(self.migrate_command):
             for attempt in reruns.attempts():
                 with attempt, self._connected(durable) as conn:
-                    if direct is not None and not direct.observed():
-                        try:
-                            return direct.run(conn, params), reruns.reconnected
-                        except LeftToSQLAlchemy:
-                            pass  # its execution below finds what is wrong, as for any
-                    result = conn.execute(stmt, params)
-                    rows = result.mappings().all() if result.returns_rows else result.rowcount
-                    return rows, reruns.reconnected
+                    return self._through_sqlalchemy(conn, stmt, params), reruns.reconnected
         raise AssertionError("unreachable: every attempt returns or raises")
+
+    @staticmethod
+    def _through_sqlalchemy(conn: Connection, stmt: Executable, params: Any) -> Any:
+        result = conn.execute(stmt, params)
+        return result.mappings().all() if result.returns_rows else result.rowcount
 
     @contextmanager
     def _connected(self, durable: bool) -> Iterator[Connection]:
