@@ -57,24 +57,48 @@ def secret(payload: Payload, ctx: JobContext) -> None:
 
 _driver: list[Any] = []
 
+#: In a worker started with BENCH_FENCELESS=1, `bench.noop` is a plain Celery task that
+#: makes the floor's two writes for the message's dispatch: questpie's messages as they
+#: are (header, payload, time limits), run without the fence (bench/worker.py).
+FENCELESS = os.environ.get("BENCH_FENCELESS") == "1"
+RELAXED = os.environ.get("BENCH_DURABILITY") == "relaxed"
 
-@celery_app.task(name="bench.raw_two_writes")
-def raw_two_writes(dispatch_id: str) -> None:
-    """A raw task that makes the two durable writes a fenced run makes (its claim and its
-    outcome) through the bare driver: the floor of a fenced run."""
+
+def two_writes(dispatch_id: str) -> None:
+    """The two durable writes a fenced run makes (its claim and its outcome), through the
+    bare driver: the floor of a fenced run. On a relaxed worker, not waiting for the
+    disk, as a relaxed ledger's are."""
     if not _driver:
         url = os.environ["BENCH_LEDGER"].replace("postgresql+psycopg://", "postgresql://")
-        _driver.append(psycopg.connect(url, autocommit=True))
+        options = "-c synchronous_commit=off" if RELAXED else ""
+        _driver.append(psycopg.connect(url, autocommit=True, options=options))
     conn = _driver[0]
     conn.execute(CLAIM, (dispatch_id,))
     conn.execute(FINISH, (dispatch_id,))
+
+
+@celery_app.task(name="bench.raw_two_writes")
+def raw_two_writes(dispatch_id: str) -> None:
+    """A raw task that makes the floor's two writes."""
+    two_writes(dispatch_id)
     bump("bench:raw_two_writes")
+
+
+if FENCELESS:
+
+    @celery_app.task(name="bench.noop", bind=True)
+    def noop_fenceless(self: Any, payload: Any = None) -> None:
+        """A questpie message of `bench.noop`, run as a plain task making the floor's
+        two writes for its dispatch."""
+        del payload
+        two_writes(self.request.id)
+        bump("bench:noop")
 
 
 questpie = Questpie(
     celery_app,
     ledger_url=os.environ.get("BENCH_LEDGER", "sqlite://"),
-    durability="relaxed" if os.environ.get("BENCH_DURABILITY") == "relaxed" else "durable",
-    jobs=[noop, exclusive, secret],
+    durability="relaxed" if RELAXED else "durable",
+    jobs=[exclusive, secret] if FENCELESS else [noop, exclusive, secret],
     secret="bench-secret-" + "0" * 32,  # a benchmark's throwaway key
 )

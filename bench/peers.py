@@ -11,7 +11,8 @@ measure, so no measure always runs first): raw `apply_async`; celery-once's `Que
 and celery-singleton's `Singleton` with new arguments and with arguments whose lock is
 held; `publish()` with a new and a repeated idempotency key; and the floors: for the
 ledger, a bare psycopg `INSERT ... ON CONFLICT DO NOTHING RETURNING` of a new row (then a
-raw send) and of a conflicting row; for the locks, a bare Redis `SET NX` of a new key
+raw send) and of a conflicting row, and the cheapest answer PostgreSQL gives about a row (a
+`SELECT` by primary key); for the locks, a bare Redis `SET NX` of a new key
 (then a raw send) and of a held key. Each figure is the median over the rounds with its
 min-max; the ratio to raw `apply_async` is the median of the per-round ratios, with their
 min-max.
@@ -50,6 +51,7 @@ PUBLISHES = int(os.environ.get("BENCH_PUBLISHES", "300"))
 RAW = "raw apply_async"
 LEDGER_NEW_FLOOR = "floor: driver INSERT, then raw apply_async"
 LEDGER_REPEAT_FLOOR = "floor: driver conflicting INSERT"
+LEDGER_READ_FLOOR = "floor: driver SELECT of a row by id"
 LOCK_NEW_FLOOR = "floor: Redis SET NX, then raw apply_async"
 LOCK_REPEAT_FLOOR = "floor: Redis SET NX of a held key"
 REPEATED = "publish, repeated key"
@@ -62,6 +64,9 @@ FLOOR_OF = {  # each measure and the floor it is held against
     "publish, new key": LEDGER_NEW_FLOOR,
     REPEATED: LEDGER_REPEAT_FLOOR,
 }
+
+
+READ_BY_ID = "SELECT id FROM questpie_queue_dispatch WHERE id = %s"
 
 
 def main() -> None:
@@ -208,6 +213,8 @@ def publish_costs(app: Any, pg_url: str, redis_url: str) -> dict[str, list[float
         LEDGER_REPEAT_FLOOR: lambda i: driver.execute(
             BARE_INSERT, (existing, f'{{"n": {i}}}')
         ).fetchone(),
+        # The cheapest answer PostgreSQL gives about a row: a primary-key lookup.
+        LEDGER_READ_FLOOR: lambda i: driver.execute(READ_BY_ID, (existing,)).fetchone(),
         LOCK_NEW_FLOOR: lambda i: (
             locks.set(f"bench-lock-{run}-{uuid.uuid4().hex}", "x", nx=True, ex=3600),
             raw_task.apply_async(args=[{"n": i}], queue=queue),
@@ -254,10 +261,25 @@ def print_table(samples: dict[str, list[float]]) -> None:
         per_round = [a / b for a, b in zip(samples[ours], faster, strict=True)]
         return f"{statistics.median(per_round):.2f}x ({min(per_round):.2f}-{max(per_round):.2f})"
 
+    def above(name: str, floor: str) -> str:
+        per_round = [(a - b) * 1e6 for a, b in zip(samples[name], samples[floor], strict=True)]
+        return f"{statistics.median(per_round):.0f} ({min(per_round):.0f}-{max(per_round):.0f})"
+
     # The goals compare within each round, where both ran on the same moment of the machine.
     print("\nHead to head, the ratio of each round (median, min-max):")
     locked = ["celery-once, locked args (AlreadyQueued)", "celery-singleton, locked args"]
     print(f"- publish, repeated key / the faster lock held: {head_to_head(REPEATED, locked)}")
+    print(
+        "- a repeated call above its floor, µs, round by round: publish "
+        f"{above(REPEATED, LEDGER_REPEAT_FLOOR)}; celery-once "
+        f"{above(locked[0], LOCK_REPEAT_FLOOR)}; celery-singleton "
+        f"{above(locked[1], LOCK_REPEAT_FLOOR)}"
+    )
+    print(
+        "- the floors: PostgreSQL's cheapest answer (SELECT by id) / Redis SET NX of a held "
+        f"key: {ratio(LEDGER_READ_FLOOR, LOCK_REPEAT_FLOOR)}; the conflicting INSERT / the "
+        f"SELECT: {ratio(LEDGER_REPEAT_FLOOR, LEDGER_READ_FLOOR)}"
+    )
     new = ["celery-once, new args"]
     print(f"- publish, new key, relaxed / celery-once, new args: {head_to_head(RELAXED_NEW, new)}")
 

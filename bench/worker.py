@@ -10,8 +10,13 @@ it, for each kind in turn (interleaved, so a slow moment of the machine hits the
 - `floor`: a plain Celery task that makes, through the bare driver, the two durable
   writes a fenced run makes (the claim and the outcome): what any fence on a durable
   ledger costs at least;
+- `floor, our messages`: questpie's own messages (the same `publish_many` as `fenced`:
+  header, payload, per-message time limits), run by a worker in which the job is that
+  plain two-write task: what the messages cost Celery's worker, without the fence;
 - `fenced`: a questpie job, every delivery claimed and recorded in the ledger;
-- `fenced, relaxed`: the same with `durability="relaxed"` on the worker.
+- `floor, our messages, relaxed` and `fenced, relaxed`: the same two on a worker whose
+  writes do not wait for the disk (`durability="relaxed"`; the floor's driver with
+  `synchronous_commit=off`).
 
 Rates count from the first finished run to the last (worker start-up excluded); each is
 reported as the median over the rounds with its min-max, and as a ratio to `raw`. Over the
@@ -41,12 +46,26 @@ from tests.support.services import PostgresServer, RedisServer, Worker, child_pi
 
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "3"))
 DRAIN = int(os.environ.get("BENCH_DRAIN", "2000"))
-KINDS = ("raw", "floor", "fenced", "fenced, relaxed")
+KINDS = (
+    "raw",
+    "floor",
+    "floor, our messages",
+    "fenced",
+    "floor, our messages, relaxed",
+    "fenced, relaxed",
+)
 COUNTERS = {
     "raw": "bench:raw",
     "floor": "bench:raw_two_writes",
+    "floor, our messages": "bench:noop",
     "fenced": "bench:noop",
+    "floor, our messages, relaxed": "bench:noop",
     "fenced, relaxed": "bench:noop",
+}
+#: Each kind's own floor: its messages, the fence taken out.
+OWN_FLOOR = {
+    "fenced": "floor, our messages",
+    "fenced, relaxed": "floor, our messages, relaxed",
 }
 
 
@@ -78,7 +97,7 @@ def fill(bench_app: Any, kind: str, queue: str) -> None:
     client = bench_app.questpie.queue.bench_noop
     payloads = [{"n": i} for i in range(DRAIN)]
     keys = [f"{uuid.uuid4().hex}-{i}" for i in range(DRAIN)]
-    if kind.startswith("fenced"):
+    if kind.startswith(("fenced", "floor, our messages")):
         client.publish_many(payloads, idempotency_keys=keys, queue=queue)
         return
     producer_app = bench_app.celery_app
@@ -117,8 +136,10 @@ def drain(
     # drain starts.
     bench_app.questpie.flush(120)
     env = {"BENCH_BROKER": redis_url, "BENCH_LEDGER": pg_url}
-    if kind == "fenced, relaxed":
+    if kind.endswith("relaxed"):
         env["BENCH_DURABILITY"] = "relaxed"
+    if kind.startswith("floor, our messages"):
+        env["BENCH_FENCELESS"] = "1"
     worker = Worker(env, concurrency=2, queues=queue, app="bench.app:celery_app")
     worker.start()
     assert worker.proc is not None and redis_server.proc is not None
@@ -149,16 +170,20 @@ def drain(
 
 def print_table(rates: dict[str, list[float]]) -> None:
     raw = statistics.median(rates["raw"])
+    floor = statistics.median(rates["floor"])
     print(
         f"\n{ROUNDS} interleaved rounds, {DRAIN} no-op messages each, one prefork worker "
         "(-c 2); PostgreSQL with default durability, Redis"
     )
-    print("| kind | runs/s, median (min-max) | / raw |")
-    print("|---|---|---|")
+    print("| kind | runs/s, median (min-max) | / raw | / floor | / its own floor |")
+    print("|---|---|---|---|---|")
     for kind, values in rates.items():
         median = statistics.median(values)
+        own = OWN_FLOOR.get(kind)
+        mine = f"{median / statistics.median(rates[own]):.2f}x" if own else ""
         print(
-            f"| {kind} | {median:.0f} ({min(values):.0f}-{max(values):.0f}) | {median / raw:.2f}x |"
+            f"| {kind} | {median:.0f} ({min(values):.0f}-{max(values):.0f}) "
+            f"| {median / raw:.2f}x | {median / floor:.2f}x | {mine} |"
         )
 
 
