@@ -13,10 +13,15 @@ clock read around each round. Interleaved round by round:
 - `raw`: a plain Celery task (the benchmark's Redis counter, which every kind bumps);
 - `floor`: a plain task making the two durable writes of a fenced run through the bare
   driver (bench/floor.py);
-- `fenced`: questpie's messages of a no-op job, every delivery claimed and recorded.
+- `fenced`: questpie's messages of a no-op job, every delivery claimed and recorded;
+- `lean fence`: the same messages through `bench.app.LeanFence`, the least a fence does
+  (the header read, the ledger's own claim and outcome statements on the bare driver,
+  the row read, the payload validated, the handler run with its context), with nothing
+  for leases, outages, tracing or errors.
 
 PostgreSQL runs with its default durability. Each figure is the median CPU µs per run
-over the rounds (min-max); `fenced - floor` is what the fence costs above its two writes.
+over the rounds (min-max); `fenced - floor` is what the fence costs above its two writes,
+and `fenced - lean fence` what it costs above the least a fence does.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from tests.support.services import PostgresServer, RedisServer  # noqa: E402
 
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "7"))
 RUNS = int(os.environ.get("BENCH_RUNS", "1000"))
-KINDS = ("raw", "floor", "fenced")
+KINDS = ("raw", "floor", "lean fence", "fenced")
 HOST = "bench@localhost"
 
 Message = tuple[str, str, list[Any], dict[str, Any], dict[str, Any]]
@@ -77,7 +82,7 @@ def received(bench_app: Any, broker: redis.Redis, kind: str) -> list[Message]:
     off the queue as a worker receives them (the request Celery's strategy builds)."""
     drain.DRAIN = RUNS
     queue = f"bench-cpu-{uuid.uuid4().hex[:6]}"
-    drain.fill(bench_app, kind, queue)
+    drain.fill(bench_app, "fenced" if kind == "lean fence" else kind, queue)
     bench_app.questpie.flush(120)
     messages: list[Message] = []
     while (raw := broker.rpop(queue)) is not None:
@@ -96,7 +101,8 @@ def received(bench_app: Any, broker: redis.Redis, kind: str) -> list[Message]:
             "is_eager": False,
             **(embed or {}),
         }
-        messages.append((headers["task"], headers["id"], args, kwargs, request))
+        task = "bench.lean_fence" if kind == "lean fence" else headers["task"]
+        messages.append((task, headers["id"], args, kwargs, request))
     assert len(messages) == RUNS, f"{len(messages)} of {RUNS} messages on the queue"
     return messages
 
@@ -125,11 +131,12 @@ def print_table(cpu: dict[str, list[float]]) -> None:
     print("|---|---|")
     for kind, values in cpu.items():
         print(f"| {kind} | {statistics.median(values):.0f} ({min(values):.0f}-{max(values):.0f}) |")
-    above = [fenced - floor for fenced, floor in zip(cpu["fenced"], cpu["floor"], strict=True)]
-    print(
-        f"| fenced - floor, round by round | {statistics.median(above):.0f} "
-        f"({min(above):.0f}-{max(above):.0f}) |"
-    )
+    for ours, floor in (("fenced", "floor"), ("lean fence", "floor"), ("fenced", "lean fence")):
+        above = [a - b for a, b in zip(cpu[ours], cpu[floor], strict=True)]
+        print(
+            f"| {ours} - {floor}, round by round | {statistics.median(above):.0f} "
+            f"({min(above):.0f}-{max(above):.0f}) |"
+        )
 
 
 if __name__ == "__main__":

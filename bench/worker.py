@@ -13,10 +13,14 @@ it, for each kind in turn (interleaved, so a slow moment of the machine hits the
 - `floor, our messages`: questpie's own messages (the same `publish_many` as `fenced`:
   header, payload, per-message time limits), run by a worker in which the job is that
   plain two-write task: what the messages cost Celery's worker, without the fence;
+- `lean fence`: the same messages through `bench.app.LeanFence`, the least a fence does
+  (the header read, the ledger's own claim and outcome statements on the bare driver,
+  the row read, the payload validated, the handler run with its context; nothing for
+  leases, outages, tracing or errors);
 - `fenced`: a questpie job, every delivery claimed and recorded in the ledger;
-- `floor, our messages, relaxed` and `fenced, relaxed`: the same two on a worker whose
-  writes do not wait for the disk (`durability="relaxed"`; the floor's driver with
-  `synchronous_commit=off`).
+- `floor, our messages, relaxed`, `lean fence, relaxed` and `fenced, relaxed`: the same
+  three on a worker whose writes do not wait for the disk (`durability="relaxed"`; the
+  bare driver with `synchronous_commit=off`).
 
 Rates count from the first finished run to the last (worker start-up excluded); each is
 reported as the median over the rounds with its min-max, and as a ratio to `raw`. Over the
@@ -50,21 +54,27 @@ KINDS = (
     "raw",
     "floor",
     "floor, our messages",
+    "lean fence",
     "fenced",
     "floor, our messages, relaxed",
+    "lean fence, relaxed",
     "fenced, relaxed",
 )
 COUNTERS = {
     "raw": "bench:raw",
     "floor": "bench:raw_two_writes",
     "floor, our messages": "bench:noop",
+    "lean fence": "bench:noop",
     "fenced": "bench:noop",
     "floor, our messages, relaxed": "bench:noop",
+    "lean fence, relaxed": "bench:noop",
     "fenced, relaxed": "bench:noop",
 }
 #: Each kind's own floor: its messages, the fence taken out.
 OWN_FLOOR = {
+    "lean fence": "floor, our messages",
     "fenced": "floor, our messages",
+    "lean fence, relaxed": "floor, our messages, relaxed",
     "fenced, relaxed": "floor, our messages, relaxed",
 }
 
@@ -97,7 +107,7 @@ def fill(bench_app: Any, kind: str, queue: str) -> None:
     client = bench_app.questpie.queue.bench_noop
     payloads = [{"n": i} for i in range(DRAIN)]
     keys = [f"{uuid.uuid4().hex}-{i}" for i in range(DRAIN)]
-    if kind.startswith(("fenced", "floor, our messages")):
+    if kind.startswith(("fenced", "floor, our messages", "lean")):
         client.publish_many(payloads, idempotency_keys=keys, queue=queue)
         return
     producer_app = bench_app.celery_app
@@ -139,7 +149,9 @@ def drain(
     if kind.endswith("relaxed"):
         env["BENCH_DURABILITY"] = "relaxed"
     if kind.startswith("floor, our messages"):
-        env["BENCH_FENCELESS"] = "1"
+        env["BENCH_NOOP"] = "floor"
+    if kind.startswith("lean fence"):
+        env["BENCH_NOOP"] = "lean"
     worker = Worker(env, concurrency=2, queues=queue, app="bench.app:celery_app")
     worker.start()
     assert worker.proc is not None and redis_server.proc is not None
