@@ -80,9 +80,8 @@ def main() -> None:
 def received(bench_app: Any, broker: redis.Redis, kind: str) -> list[Message]:
     """`RUNS` messages of `kind`, published as bench/worker.py publishes them and taken
     off the queue as a worker receives them (the request Celery's strategy builds)."""
-    drain.DRAIN = RUNS
     queue = f"bench-cpu-{uuid.uuid4().hex[:6]}"
-    drain.fill(bench_app, "fenced" if kind == "lean fence" else kind, queue)
+    drain.fill(bench_app, "fenced" if kind == "lean fence" else kind, queue, RUNS)
     bench_app.questpie.flush(120)
     messages: list[Message] = []
     while (raw := broker.rpop(queue)) is not None:

@@ -103,10 +103,10 @@ def main() -> None:
     print_cpu(cpu)
 
 
-def fill(bench_app: Any, kind: str, queue: str) -> None:
+def fill(bench_app: Any, kind: str, queue: str, count: int = DRAIN) -> None:
     client = bench_app.questpie.queue.bench_noop
-    payloads = [{"n": i} for i in range(DRAIN)]
-    keys = [f"{uuid.uuid4().hex}-{i}" for i in range(DRAIN)]
+    payloads = [{"n": i} for i in range(count)]
+    keys = [f"{uuid.uuid4().hex}-{i}" for i in range(count)]
     if kind.startswith(("fenced", "floor, our messages", "lean")):
         client.publish_many(payloads, idempotency_keys=keys, queue=queue)
         return
@@ -117,13 +117,13 @@ def fill(bench_app: Any, kind: str, queue: str) -> None:
         ids = client.publish_many(payloads, idempotency_keys=keys, queue=idle)
         bench_app.questpie.flush(120)  # their sends made before the queue is dropped
         producer_app.connection_for_write().default_channel.client.delete(idle)
-        with producer_app.producer_or_acquire() as producer, producer.batch(max_size=DRAIN):
+        with producer_app.producer_or_acquire() as producer, producer.batch(max_size=count):
             for dispatch_id in ids:
                 bench_app.raw_two_writes.apply_async(
                     args=[dispatch_id], queue=queue, producer=producer
                 )
         return
-    with producer_app.producer_or_acquire() as producer, producer.batch(max_size=DRAIN):
+    with producer_app.producer_or_acquire() as producer, producer.batch(max_size=count):
         for payload in payloads:
             bench_app.raw.apply_async(args=[payload], queue=queue, producer=producer)
 
