@@ -17,6 +17,9 @@ A plan's items are taken a chunk at a time (one insert, one pipelined send each)
         inserted = insert(chunk.rows)
         contested = chunk.contested(inserted)
         settled = chunk.settle(inserted, existing(contested))
+
+A single publish, the most frequent call, is decided by the same rules on its one row,
+with none of a chunk's bookkeeping (`Route`, `contested`, `refused`, `first_sent`).
 """
 
 from __future__ import annotations
@@ -51,6 +54,19 @@ def validate(
     return bodies
 
 
+def contested(new: NewDispatch) -> bool:
+    """Whether a row that was not inserted is a repeat or a suppression, told apart by
+    whether its key's row exists: a keyed row under a policy. Any other row that was not
+    inserted is a repeat of its key (no policy), or refused by its policy's slot (no key)."""
+    return new.slot is not None and new.idempotency_key is not None
+
+
+def refused(new: NewDispatch, known: bool) -> bool:
+    """Whether a row that was not inserted was refused by a taken policy slot. `known`:
+    its key's row exists, which answers the publish with its id before any policy."""
+    return new.slot is not None and not known
+
+
 #: The first send of a route or a chunk that has no row (immutable, so shared).
 _NO_ROW = FirstSend(False)
 
@@ -81,6 +97,17 @@ class Settled:
     undecided: list[int]
 
 
+def first_sent(new: NewDispatch, route: Route) -> Settled:
+    """What to do with one newly inserted row, sent as its route says."""
+    sends = route.first.publisher_sends
+    return Settled(
+        send=[new] if sends else [],
+        wake_relays=not sends and route.first.wake_relays,
+        suppressed=[],
+        undecided=[],
+    )
+
+
 @dataclass
 class Chunk:
     """Items of a publish inserted in one statement: ids in order (None once
@@ -108,11 +135,7 @@ class Chunk:
     def contested(self, inserted: set[str]) -> list[str]:
         """Keyed rows under a policy that were not inserted: repeats or suppressions,
         told apart by whether their key's row exists."""
-        return [
-            new.id
-            for new in self.news.values()
-            if new.id not in inserted and new.slot is not None and new.idempotency_key is not None
-        ]
+        return [new.id for new in self.news.values() if new.id not in inserted and contested(new)]
 
     def settle(self, inserted: set[str], known: set[str] | None) -> Settled:
         """Decide each ledgered item: inserted, or not (a key already in the ledger or
@@ -130,7 +153,7 @@ class Chunk:
                 inserted_rows.setdefault(row.id, row)
             elif row.id in contested:
                 undecided.append(index)
-            elif row.slot is not None and row.id not in (known or ()):
+            elif refused(row, row.id in (known or ())):
                 self.ids[index] = None
                 suppressed.append(row)
         rows = list(inserted_rows.values())

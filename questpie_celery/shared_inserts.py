@@ -108,7 +108,15 @@ class SharedInserts:
             # the lock, or run the statement in flight; waiting would be for itself.
             return self._insert_one(row)
         inside.inside = True
+        alone = False
         try:
+            with self._changed:
+                if not self._busy and not self._queue:
+                    # Nothing in flight or waiting: this row's statement is the one in
+                    # flight now, with no queue entry of its own to take or answer.
+                    self._busy = alone = True
+            if alone:
+                return self._insert_one(row)  # at once: its statement is the one in flight
             queued = self._take_turn(row)
             if queued is None:
                 return self._insert_one(row)
@@ -118,6 +126,10 @@ class SharedInserts:
                 raise queued.error
             return queued.inserted
         finally:
+            if alone:
+                with self._changed:
+                    self._busy = False
+                    self._changed.notify_all()  # rows that queued meanwhile: one leads
             inside.inside = False
 
     def _take_turn(self, row: NewDispatch) -> _Queued | None:

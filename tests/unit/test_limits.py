@@ -4,6 +4,7 @@ reaches the rows, and the ledger's seats, waits and counts on SQLite."""
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from datetime import UTC, datetime
 from typing import Any
@@ -131,6 +132,9 @@ def test_a_parked_run_is_sent_on_when_a_seat_frees_and_counted_meanwhile(ledger:
     rows = [new_dispatch(job_name, group_key="g", status="queued") for _ in range(3)]
     for new in rows:
         assert ledger.insert(new)
+        # Waiting runs go first come, first served by their rows' creation time, which
+        # SQLite's clock gives in milliseconds (rows of one millisecond go by id).
+        time.sleep(0.002)
     first = ledger.claim(rows[0].id, job_name, 1, 30, concurrency=1)
     assert first.outcome == "claimed" and first.token is not None
     blocked = ledger.claim(rows[1].id, job_name, 1, 30, concurrency=1)

@@ -38,6 +38,7 @@ class Ledger:
         self.taken = taken or set()  # ids "already in the ledger": not inserted
         self.hold = threading.Event()
         self.hold.set()
+        self.hold_only: str | None = None  # the one id held, when not every one is
         self.entered = threading.Event()
         self.fail_many_with: BaseException | None = None
         self.refused: set[str] = set()  # ids whose statement fails, alone or shared
@@ -48,7 +49,8 @@ class Ledger:
     def insert(self, row: NewDispatch, *, again: bool = False) -> bool:
         self._record([row])
         self.entered.set()
-        assert self.hold.wait(10)
+        if self.hold_only in (None, row.id):
+            assert self.hold.wait(10)
         if row.id in self.refused:
             raise LedgerBusyError("a row lock is held")
         if row.id in self.taken:
@@ -342,11 +344,55 @@ def at_line(method: Callable[..., Any], text: str, act: Callable[[], None]) -> I
     assert fired, f"line {line} was not reached"
 
 
-@pytest.mark.parametrize(
-    "where", ["self._queue.append(queued)", "rows, self._queue", "self._run(rows)"]
-)
+@contextlib.contextmanager
+def nothing_in_flight(ledger: Ledger, shared: SharedInserts) -> Iterator[list[str]]:
+    """This thread's publish finds nothing in flight: it runs its statement at once."""
+    yield []
+
+
+@contextlib.contextmanager
+def one_in_flight(ledger: Ledger, shared: SharedInserts) -> Iterator[list[str]]:
+    """Another thread's publish is in flight, and ends once this thread's row has queued
+    behind it: this thread's publish then takes the lead. Yields the other's row id."""
+    first = new_dispatch()
+    ledger.hold_only = first.id
+    ledger.hold.clear()
+    publishing = threading.Thread(target=shared.insert, args=(first,))
+    publishing.start()
+    assert ledger.entered.wait(10)
+
+    left = threading.Event()  # this thread's publish ended (before its row queued, maybe)
+
+    def end_it() -> None:
+        wait_until(lambda: queued(shared) == 1 or left.is_set(), "a row queued", 10, 0.001)
+        ledger.hold.set()
+
+    ending = threading.Thread(target=end_it)
+    ending.start()
+    try:
+        yield [first.id]
+    finally:
+        left.set()
+        for thread in (publishing, ending):
+            thread.join(10)
+
+
+#: Where a publish can be when a signal arrives: with nothing in flight (it runs its own
+#: statement at once), or behind another's statement (it queues, then leads the next).
+PLACES = [
+    (SharedInserts.insert, "if alone:", nothing_in_flight),
+    (SharedInserts.insert, "at once: its statement is the one in flight", nothing_in_flight),
+    (SharedInserts._take_turn, "self._queue.append(queued)", one_in_flight),
+    (SharedInserts._take_turn, "rows, self._queue", one_in_flight),
+    (SharedInserts._take_turn, "self._busy = True", one_in_flight),
+    (SharedInserts._take_turn, "self._run(rows)", one_in_flight),
+]
+PLACE_IDS = ["alone", "alone, running", "queueing", "taking the rows", "leading", "running"]
+
+
+@pytest.mark.parametrize(("method", "where", "situation"), PLACES, ids=PLACE_IDS)
 def test_a_signal_handler_publishing_while_its_thread_is_in_a_publish_goes_alone(
-    where: str,
+    patient: None, method: Callable[..., Any], where: str, situation: Any
 ) -> None:
     """Wherever the handler lands (the thread holding the lock, or about to run the
     statement), its publish neither waits for its own thread nor joins its statement."""
@@ -355,16 +401,20 @@ def test_a_signal_handler_publishing_while_its_thread_is_in_a_publish_goes_alone
     nested = new_dispatch()
     answers: list[bool] = []
     outer = new_dispatch()
-    with at_line(SharedInserts._take_turn, where, lambda: answers.append(shared.insert(nested))):
+
+    def publish_nested() -> None:
+        answers.append(shared.insert(nested))
+
+    with situation(ledger, shared) as before, at_line(method, where, publish_nested):
         assert shared.insert(outer) is True
     assert answers == [True]
-    assert ledger.statements == [[nested.id], [outer.id]]
+    assert ledger.statements == [*([row] for row in before), [nested.id], [outer.id]]
     assert shared._busy is False and queued(shared) == 0
 
 
-@pytest.mark.parametrize("where", ["rows, self._queue", "self._busy = True", "self._run(rows)"])
-def test_an_interruption_as_a_publish_takes_the_lead_leaves_nothing_in_flight(
-    where: str,
+@pytest.mark.parametrize(("method", "where", "situation"), PLACES, ids=PLACE_IDS)
+def test_an_interruption_in_a_publish_leaves_nothing_in_flight(
+    patient: None, method: Callable[..., Any], where: str, situation: Any
 ) -> None:
     ledger = Ledger()
     shared = SharedInserts(ledger.insert, ledger.insert_many)
@@ -372,7 +422,11 @@ def test_an_interruption_as_a_publish_takes_the_lead_leaves_nothing_in_flight(
     def interrupt() -> None:
         raise KeyboardInterrupt
 
-    with at_line(SharedInserts._take_turn, where, interrupt), pytest.raises(KeyboardInterrupt):
+    with (
+        situation(ledger, shared),
+        at_line(method, where, interrupt),
+        pytest.raises(KeyboardInterrupt),
+    ):
         shared.insert(new_dispatch())
     assert shared._busy is False and queued(shared) == 0
     # Another thread's publish goes through (it would wait for ever on a statement
