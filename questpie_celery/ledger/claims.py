@@ -228,11 +228,13 @@ class Claims(Executor):
     def _prepare(self, dialect: str, preamble: ColumnElement[bool] | None) -> None:
         super()._prepare(dialect, preamble)
         self._claims_sql = ClaimStatements(dialect, preamble)
-        # Every fenced run makes these two; the lease thread renews with the third.
+        # Every fenced run makes a claim and an outcome (a retry's, when it failed); the
+        # lease thread renews.
         self._run_on_driver(
             self._claims_sql.claim,
             self._claims_sql.claim_seated,
             self._claims_sql.finish,
+            self._claims_sql.retry,
             self._claims_sql.renew,
         )
 

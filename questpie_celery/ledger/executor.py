@@ -39,6 +39,7 @@ from .engine import (
     statement_settings,
 )
 from .errors import MIGRATE_COMMAND, Reruns, translate_errors
+from .hot import HotConnection
 from .rows import DispatchRow
 from .schema import dispatch_table, schema_version_table
 from .statements import by_id, db_time, in_own_transaction
@@ -80,6 +81,8 @@ class RunStatements:
 class Executor:
     """The connection to the ledger's database, and how one statement runs on it."""
 
+    _hot: HotConnection  # where the statements on the driver's cursor run (see `hot.py`)
+
     def __init__(self, engine: Engine, *, relaxed: bool = False, pooled: bool = False) -> None:
         #: Commits may not be on disk when they return (see `create_ledger_engine`): the
         #: fence then takes back a delivery whose row a database crash lost.
@@ -96,6 +99,8 @@ class Executor:
         """Talk to the database of `engine` from now on, forgetting what was read from
         the previous one. For tests (see `Questpie.rebind_ledger`): every part of a
         `Questpie` shares this object, so rebinding it moves them all."""
+        if hasattr(self, "_hot"):  # a rebind: the kept connection goes back to its pool
+            self._hot.close()
         self.engine = engine
         self._autocommit: Engine
         self._transactional: Engine
@@ -120,6 +125,7 @@ class Executor:
             # caller's transaction are built without them: it must not keep them.
             preamble = in_own_transaction(statement_settings(relaxed=self.relaxed))
         self._prepare(engine.dialect.name, preamble)
+        self._hot = HotConnection(self._autocommit)
         dispose_in_children(engine)
 
     def _prepare(self, dialect: str, preamble: ColumnElement[bool] | None) -> None:
@@ -164,6 +170,7 @@ class Executor:
 
     def close(self) -> None:
         """Release the pool's connections."""
+        self._hot.close()
         self.engine.dispose()
 
     def idle(self) -> None:
@@ -201,11 +208,12 @@ class Executor:
             # machinery below around it (on a busy worker it cost more than the driver's
             # own work); a failure is decided by the same rules, then left to it.
             try:
-                with self._autocommit.connect() as conn:
+                with self._hot.connect() as conn:
                     try:
                         return direct.run(conn, params), False
                     except LeftToSQLAlchemy:
-                        return self._through_sqlalchemy(conn, stmt, params), False
+                        with conn:  # for SQLAlchemy to look at: back to the pool after
+                            return self._through_sqlalchemy(conn, stmt, params), False
             except exc.SQLAlchemyError as error:
                 reruns = Reruns(after_rollback=rerun_if_rolled_back, log=log)
                 with translate_errors(self.migrate_command):

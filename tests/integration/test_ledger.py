@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -21,6 +22,7 @@ from sqlalchemy import (
     create_engine,
     delete,
     event,
+    func,
     insert,
     inspect,
     select,
@@ -732,6 +734,55 @@ def test_each_operation_survives_a_dropped_connection(
         _drop_connections(postgres, pg_ledger)
         pg_ledger.mark_queued([queued.id], 60)
         assert _row(pg_ledger, queued.id).status == "queued"
+
+
+class _Interrupted(Exception):
+    """What a signal handler raises in the middle of a statement (a soft time limit)."""
+
+
+def test_a_statement_interrupted_on_the_kept_connection_leaves_it_to_the_pool(
+    pg_ledger: Ledger,
+) -> None:
+    """The hottest statements share one connection the process keeps (ledger/hot.py). A
+    statement interrupted while the server still works on it must not leave that
+    connection to the next statement, which would read the interrupted one's answer."""
+    assert pg_ledger.insert(_new()) is True  # the kept connection now exists
+    contested = _new()
+    caller = pg_ledger.engine.execution_options(isolation_level="READ COMMITTED")
+
+    def interrupt(*_: object) -> None:
+        raise _Interrupted
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    with caller.connect() as holder:
+        transaction = holder.begin()
+        # Another transaction's uncommitted row under the same id: the insert waits for it.
+        assert pg_ledger.insert(contested, holder) is True
+        signal.setitimer(signal.ITIMER_REAL, 0.5)
+        try:
+            with pytest.raises(_Interrupted):
+                pg_ledger.insert(contested)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+        # While the interrupted insert still waits on the server: each next statement
+        # gets its own answer.
+        other = _new(idempotency_key="other")
+        assert pg_ledger.insert(other) is True
+        assert _row(pg_ledger, other.id).idempotency_key == "other"
+        dispatch_id, token = _claimed(pg_ledger)
+        assert pg_ledger.finish(dispatch_id, token, "completed", None) is True
+        transaction.rollback()
+    # The interrupted insert may still land once the lock is gone: never twice.
+    assert pg_ledger.insert(contested) in (True, False)
+    with pg_ledger.engine.connect() as conn:
+        rows = conn.execute(
+            select(func.count())
+            .select_from(dispatch_table)
+            .where(dispatch_table.c.id == contested.id)
+        ).scalar()
+    assert rows == 1
+    assert _row(pg_ledger, dispatch_id).status == "completed"
 
 
 @contextmanager

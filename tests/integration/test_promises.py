@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
+import threading
 import time
 import uuid
 from datetime import timedelta
+
+import pytest
 
 from questpie_celery import derive_dispatch_id
 from tests.integration.conftest import StackFactory
@@ -56,24 +61,53 @@ def test_a_retry_delayed_beyond_a_minute_waits_in_the_ledger(make_stack: StackFa
     assert queue_depth(stack, idle) == 0
 
 
-def test_the_ledger_pool_is_not_shared_across_fork(postgres: PostgresServer) -> None:
+def test_the_ledger_pool_is_not_shared_across_fork(
+    postgres: PostgresServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A parent and the child it forked publish at the same time, each on connections of
+    its own: on a shared socket, one would read the other's answers, or wait for ever."""
     url = postgres.create_database()
     _, questpie = jobapp.build(broker="memory://", ledger=url)
     questpie.migrate()
-    # The pool now holds a connection; a child inheriting it would share its socket.
-    assert questpie.queue.record.publish({"tag": "p"}, idempotency_key="before-fork")
+    publish = questpie.queue.record.publish
+    # The pool now holds a connection, and the hottest statements keep one of their own;
+    # a child inheriting either would share its socket.
+    assert publish({"tag": "p"}, idempotency_key="before-fork")
+    each = 300
     pid = os.fork()
     if pid == 0:  # the child: publish on the inherited Questpie, then leave at once
+        signal.alarm(60)  # a child stuck on a shared socket dies, and the test says so
         try:
-            ok = questpie.queue.record.publish({"tag": "c"}, idempotency_key="in-child")
+            ok = all(
+                publish({"tag": "c"}, idempotency_key=f"child-{n}")
+                == derive_dispatch_id("record", f"child-{n}")
+                for n in range(each)
+            )
             questpie.close()
             os._exit(0 if ok else 1)
         except BaseException:
             os._exit(2)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
-    # The parent's own connection is unharmed by the child's use and exit.
-    for n in range(3):
-        assert questpie.queue.record.publish({"tag": "p"}, idempotency_key=f"after-{n}")
-    assert questpie.queue.get_status(derive_dispatch_id("record", "in-child")) is not None
+    answers: list[bool] = []
+
+    def parent() -> None:
+        answers.extend(
+            publish({"tag": "p"}, idempotency_key=f"parent-{n}")
+            == derive_dispatch_id("record", f"parent-{n}")
+            for n in range(each)
+        )
+
+    with caplog.at_level(logging.INFO, logger="questpie_celery.ledger.store"):
+        publishing = threading.Thread(target=parent, daemon=True)
+        publishing.start()
+        publishing.join(60)
+        assert not publishing.is_alive(), "the parent's publishes hung"
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        # And after the child's exit, no statement of the parent meets its connection
+        # dropped.
+        for n in range(3):
+            assert publish({"tag": "p"}, idempotency_key=f"after-{n}")
+    assert answers == [True] * each
+    assert not any("reconnecting" in record.getMessage() for record in caplog.records)
+    assert questpie.queue.get_status(derive_dispatch_id("record", f"child-{each - 1}"))
     questpie.close()
