@@ -22,7 +22,10 @@ def derive_dispatch_id(job_name: str, idempotency_key: str) -> str:
     )
     digest[6] = (digest[6] & 0x0F) | 0x50  # version 5
     digest[8] = (digest[8] & 0x3F) | 0x80  # RFC 4122 variant
-    return str(uuid.UUID(bytes=bytes(digest)))
+    # A UUID's text, as str(uuid.UUID(bytes=...)) writes it, without making one (every
+    # keyed publish derives its id).
+    h = digest.hex()
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
 def random_dispatch_id() -> str:

@@ -848,6 +848,43 @@ def test_the_fences_statements_on_the_drivers_cursor_are_sqlalchemys_own(
     assert _row(pg_ledger, fresh.id).status == "completed"
 
 
+@pytest.mark.parametrize(
+    "name",
+    [
+        "before_execute",
+        "after_execute",
+        "before_cursor_execute",
+        "after_cursor_execute",
+        "begin",
+        "commit",
+        "rollback",
+        "handle_error",
+    ],
+)
+def test_a_listener_of_any_execution_event_sees_the_hottest_statements(
+    pg_ledger: Ledger, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """Tracing and error listeners see every statement: none takes the driver's cursor
+    past them."""
+    direct_runs: list[str] = []
+    real_run = DriverStatement.run
+
+    def counted(self: DriverStatement, conn: Any, params: Any) -> Any:
+        direct_runs.append(self.sql)
+        return real_run(self, conn, params)
+
+    monkeypatch.setattr(DriverStatement, "run", counted)
+    assert pg_ledger.insert(_new()) is True
+    assert len(direct_runs) == 1  # unwatched: on the driver's cursor
+    heard: list[object] = []
+    with _listening(pg_ledger, name, lambda *args, **_: heard.append(args)):
+        dispatch_id, token = _claimed(pg_ledger)
+        assert pg_ledger.finish(dispatch_id, token, "completed", None) is True
+    assert len(direct_runs) == 1, f"a statement skipped the {name} listener"
+    if name.endswith("execute"):  # (nothing failed, and autocommit commits nothing)
+        assert heard
+
+
 def test_a_failure_on_the_drivers_cursor_is_sqlalchemys_to_handle(
     postgres: PostgresServer, pg_ledger: Ledger, caplog: pytest.LogCaptureFixture
 ) -> None:
