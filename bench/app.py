@@ -125,7 +125,7 @@ class LeanFence:
         url = os.environ["BENCH_LEDGER"].replace("postgresql+psycopg://", "postgresql://")
         options = "-c synchronous_commit=off" if RELAXED else ""
         driver = psycopg.connect(url, autocommit=True, options=options)
-        self._bare = SimpleNamespace(connection=SimpleNamespace(driver_connection=driver, info={}))
+        self._bare = SimpleNamespace(connection=SimpleNamespace(dbapi_connection=driver, info={}))
         engine = create_engine(os.environ["BENCH_LEDGER"])  # its dialect, for compiling
         statements = ClaimStatements(engine.dialect.name, None)
         self._claim = DriverStatement(statements.claim, engine)

@@ -234,7 +234,7 @@ def publish_costs(app: Any, pg_url: str, redis_url: str) -> dict[str, list[float
     insert = DriverStatement(
         DispatchStatements("postgresql").insert, create_engine(pg_url)
     )  # compiled for the dialect
-    bare = SimpleNamespace(connection=SimpleNamespace(driver_connection=driver, info={}))
+    bare = SimpleNamespace(connection=SimpleNamespace(dbapi_connection=driver, info={}))
     stored_options = resolve_options(app.noop_job.options, {"queue": queue}).stored()
 
     def least_repeated(i: int) -> object:

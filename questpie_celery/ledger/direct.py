@@ -121,7 +121,9 @@ class DriverStatement:
         except Exception:
             raise LeftToSQLAlchemy() from None  # nothing sent: SQLAlchemy says what is wrong
         pooled = conn.connection
-        driver = pooled.driver_connection
+        # psycopg's own connection (what `driver_connection` names too, unless the
+        # connection was detached from the pool: see hot.py).
+        driver: Any = pooled.dbapi_connection
         assert driver is not None  # a checked-out connection always has one
         # One cursor per connection, made once: making one per statement cost a tenth of
         # the statement's CPU. Put back only after a statement that went through (the

@@ -1,24 +1,27 @@
-"""One pooled connection kept out of the pool for the hottest statements.
+"""One connection kept open for the hottest statements.
 
 A keyed publish makes one statement on the driver's cursor, a fenced run two (see
 `direct.py`). Checking a connection out of SQLAlchemy's pool and back in around each
 cost about as much CPU again as running the statement, most of it after the thread had
-waited on the server's answer. So the process keeps one connection checked out between
-those statements, for whichever thread runs one next: a thread that finds it in use by
-another takes a connection from the pool, as every statement did before.
+waited on the server's answer. So the process keeps one connection open between those
+statements, for whichever thread runs one next: a thread that finds it in use by another
+takes a connection from the pool, as every statement did before.
 
-The connection goes back to the pool (which resets it, or finds it dead and drops it) as
-soon as a statement on it raises anything, or is handed to SQLAlchemy's execution: what
-is kept has only ever run statements that succeeded on the driver's cursor, in
-autocommit, so it holds no transaction and no lock. A connection the server closed while
-it was kept is found by the next statement as an idle pooled one would be: dead, rerun on
-a fresh connection (`Executor._run`).
+The kept connection is the process's own, outside the pool (detached from it when
+opened): one more connection than the pool's, for as long as the process runs them. It
+is closed as soon as a statement on it raises anything, or is handed to SQLAlchemy's
+execution: what is kept has only ever run statements that succeeded on the driver's
+cursor, in autocommit, so it holds no transaction and no lock, and an interrupted
+statement that the server still works on is never followed by another on it. A
+connection the server closed while it was kept is found by the next statement as an idle
+pooled one would be: dead, and the statement rerun on a fresh connection
+(`Executor._run`).
 
-A child process never touches its parent's connection (a rollback sent on the shared
-socket would corrupt the parent's session): it forgets it, and opens its own. The kept
-connection goes back to the pool when the ledger closes, and when it is collected or the
-interpreter exits without that (a checked-out connection collected unreturned makes
-SQLAlchemy warn, and the server's session would end without a goodbye).
+Nothing here waits for a lock: a signal's exception (Celery's soft time limit) landing
+anywhere in it costs at most the short cut, never a hang. A forked child drops its
+parent's connection without a word on the socket (psycopg closes only what its own
+process opened) and without touching the pool, which another thread of the parent may
+have held locked at the fork.
 """
 
 from __future__ import annotations
@@ -32,11 +35,14 @@ from sqlalchemy import Connection, Engine
 
 from ..forking import reset_in_child
 
+#: In a forked child, the connections its parent kept: never used, closed or collected.
+_INHERITED: list[Connection] = []
+
 
 class HotConnection:
     """The connection `engine`'s hottest statements run on (see the module's text)."""
 
-    _lock: threading.Lock
+    _turn: threading.Lock
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
@@ -45,46 +51,52 @@ class HotConnection:
         self._kept: list[Connection] = []
         self._forked()
         reset_in_child(self._forked)
-        weakref.finalize(self, _give_back, self._kept)
+        weakref.finalize(self, _close_all, self._kept)
 
     def _forked(self) -> None:
-        # Also the first set-up. A fork may come while another thread runs a statement on
-        # the kept connection: the child starts with the lock free and no connection.
-        # The parent's is taken out of the pool's care without a word on its socket: once
-        # collected, neither the pool nor psycopg (which closes only connections its own
-        # process opened) sends anything on it.
-        while self._kept:
-            self._kept.pop().detach()
-        self._lock = threading.Lock()
+        # Also the first set-up. A fork may come while another thread has the turn: the
+        # child starts with it free. The parent's connection is left as it is, referenced
+        # so that nothing of it runs in the child, not even its collection.
+        _INHERITED.extend(self._kept)
+        self._kept.clear()
+        self._turn = threading.Lock()
 
     @contextmanager
     def connect(self) -> Iterator[Connection]:
         """A connection for one statement: the kept one unless another thread has it,
         else one from the pool. Kept afterwards only if the block ended without an
-        exception and left it open; a caller that closes it gives it back to the pool."""
-        if not self._lock.acquire(blocking=False):
+        exception and left it open; a caller that closes it lets it go."""
+        if not self._turn.acquire(blocking=False):
             with self._engine.connect() as conn:
                 yield conn
             return
         try:
-            conn = self._kept.pop() if self._kept else self._engine.connect()
+            conn = self._kept.pop() if self._kept else self._open()
             try:
                 yield conn
             except BaseException:
-                conn.close()  # back to the pool, which resets it or drops it
+                conn.close()
                 raise
             if not conn.closed:
                 self._kept.append(conn)
         finally:
-            self._lock.release()
+            self._turn.release()
+
+    def _open(self) -> Connection:
+        conn = self._engine.connect()
+        conn.detach()  # the process's own from now on: closed, not pooled, when let go
+        return conn
 
     def close(self) -> None:
-        """Give the kept connection back to the pool (before the pool is disposed)."""
-        with self._lock:
-            _give_back(self._kept)
+        """Close the kept connection (a statement running on it now keeps it until the
+        object is collected, or the interpreter exits)."""
+        _close_all(self._kept)
 
 
-def _give_back(box: list[Connection]) -> None:
-    """Give the connection in `box` (if any) back to its pool."""
-    while box:
-        box.pop().close()
+def _close_all(kept: list[Connection]) -> None:
+    while kept:
+        try:
+            conn = kept.pop()
+        except IndexError:  # taken meanwhile by a statement, which keeps it
+            return
+        conn.close()

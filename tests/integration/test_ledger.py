@@ -44,13 +44,14 @@ from questpie_celery.ledger import (
 from questpie_celery.ledger.aio import AsyncLedger
 from questpie_celery.ledger.direct import DriverStatement
 from questpie_celery.ledger.engine import PG_LOCK_TIMEOUT_MS
+from questpie_celery.ledger.hot import HotConnection
 from questpie_celery.ledger.schema import TERMINAL, UTCDateTime, schema_version_table
 from questpie_celery.ledger.statements import by_id, db_time
 from questpie_celery.options import RunOptions, StoredOptions
 from questpie_celery.policies import QueuePolicy
 from questpie_celery.receipts import DispatchDetail
 from tests.support.services import PostgresServer, free_port
-from tests.unit.helpers import wait_until
+from tests.unit.helpers import at_line, wait_until
 
 JOB = "record"
 
@@ -783,6 +784,39 @@ def test_a_statement_interrupted_on_the_kept_connection_leaves_it_to_the_pool(
         ).scalar()
     assert rows == 1
     assert _row(pg_ledger, dispatch_id).status == "completed"
+
+
+@pytest.mark.parametrize(
+    "where",
+    [
+        "try:",  # the turn taken, before anything can give it back: the narrowest window
+        "conn = self._kept.pop() if self._kept else self._open()",
+        "if not conn.closed:",
+        "self._turn.release()",
+    ],
+)
+def test_a_signal_anywhere_in_taking_the_kept_connection_never_hangs(
+    pg_ledger: Ledger, where: str
+) -> None:
+    """A signal's exception (a soft time limit) can land on any line of the short cut:
+    afterwards the statements still get their answers, and closing the ledger (which
+    `Questpie.close()` and the test plugin's rebinding do) returns."""
+    known = _new()
+    assert pg_ledger.insert(known) is True
+
+    def interrupt() -> None:
+        raise _Interrupted
+
+    with at_line(HotConnection.connect, where, interrupt), pytest.raises(_Interrupted):
+        pg_ledger.exists(known.id)
+    for _ in range(3):  # (a turn the signal took away leaves them to the pool)
+        assert pg_ledger.exists(known.id) is True
+        assert pg_ledger.exists(random_dispatch_id()) is False
+    closing = threading.Thread(target=pg_ledger.close, daemon=True)
+    closing.start()
+    closing.join(10)
+    assert not closing.is_alive(), "closing the ledger hung"
+    assert pg_ledger.insert(_new()) is True
 
 
 @contextmanager

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import signal
 import threading
 import time
@@ -13,6 +14,7 @@ from datetime import timedelta
 import pytest
 
 from questpie_celery import derive_dispatch_id
+from questpie_celery.ledger import open_ledger
 from tests.integration.conftest import StackFactory
 from tests.support import jobapp
 from tests.support.brokers import capture, deliver, queue_depth
@@ -59,6 +61,49 @@ def test_a_retry_delayed_beyond_a_minute_waits_in_the_ledger(make_stack: StackFa
     assert row.run_after - row.started_at > timedelta(seconds=590)
     stack.wait_log(dispatch_id, "the relay sends its retry in 600s")
     assert queue_depth(stack, idle) == 0
+
+
+def test_a_child_forked_while_other_threads_use_the_pool_starts(
+    postgres: PostgresServer,
+) -> None:
+    """Forking never waits on a lock of the parent's: a thread of the parent may hold the
+    pool's at that moment, and no thread of the child would ever release it. So the
+    child's reset of the ledger (and of the connection its hottest statements keep) must
+    not touch the pool."""
+    ledger = open_ledger(postgres.create_database())
+    ledger.migrate()
+    stop = threading.Event()
+
+    def churn() -> None:  # check pool connections out and in, as busy threads do
+        while not stop.is_set():
+            with ledger.engine.connect():
+                pass
+
+    threads = [threading.Thread(target=churn, daemon=True) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    stuck = 0
+    try:
+        for n in range(30):
+            assert ledger.exists(derive_dispatch_id("record", f"{n}")) is False  # kept
+            ready, told = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # the child: past the fork's hooks, it says so and leaves
+                os.write(told, b"x")
+                os._exit(0)
+            os.close(told)
+            started, _, _ = select.select([ready], [], [], 5)
+            os.close(ready)
+            if not started:
+                stuck += 1
+                os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(10)
+    assert stuck == 0, f"{stuck} of 30 children never got past the fork"
+    ledger.close()
 
 
 def test_the_ledger_pool_is_not_shared_across_fork(

@@ -10,13 +10,10 @@ tests/integration/test_send_behind.py and tests/integration/test_policies.py.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import os
 import signal
-import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from types import FrameType
 from typing import Any
 
 import pytest
@@ -25,7 +22,7 @@ from questpie_celery import shared_inserts
 from questpie_celery.errors import LedgerBusyError, LedgerUnavailableError
 from questpie_celery.ledger.rows import NewDispatch
 from questpie_celery.shared_inserts import SharedInserts
-from tests.unit.helpers import new_dispatch, wait_until
+from tests.unit.helpers import at_line, new_dispatch, wait_until
 
 
 class Ledger:
@@ -311,37 +308,6 @@ def test_a_publish_interrupted_while_it_waits_leaves_nobody_waiting_for_it(
     after = new_dispatch()
     assert shared.insert(after) is True
     assert ledger.statements[-1] == [after.id]
-
-
-def line_of(method: Callable[..., Any], text: str) -> int:
-    """The number of the first line of `method` containing `text`."""
-    source, first = inspect.getsourcelines(method)
-    return next(first + number for number, line in enumerate(source) if text in line)
-
-
-@contextlib.contextmanager
-def at_line(method: Callable[..., Any], text: str, act: Callable[[], None]) -> Iterator[None]:
-    """Run `act` once, in this thread, when `method` reaches its line containing `text`:
-    what a signal handler arriving there would do."""
-    code = inspect.unwrap(method).__code__
-    line = line_of(method, text)
-    fired: list[bool] = []
-
-    def local(frame: FrameType, event: str, arg: object) -> Any:
-        if event == "line" and frame.f_lineno == line and not fired:
-            fired.append(True)
-            act()
-        return local
-
-    def calls(frame: FrameType, event: str, arg: object) -> Any:
-        return local if frame.f_code is code else None
-
-    sys.settrace(calls)
-    try:
-        yield
-    finally:
-        sys.settrace(None)
-    assert fired, f"line {line} was not reached"
 
 
 @contextlib.contextmanager
