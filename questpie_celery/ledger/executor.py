@@ -99,7 +99,7 @@ class Executor:
         """Talk to the database of `engine` from now on, forgetting what was read from
         the previous one. For tests (see `Questpie.rebind_ledger`): every part of a
         `Questpie` shares this object, so rebinding it moves them all."""
-        if hasattr(self, "_hot"):  # a rebind: the kept connection goes back to its pool
+        if hasattr(self, "_hot"):  # a rebind: the previous engine's kept connection closes
             self._hot.close()
         self.engine = engine
         self._autocommit: Engine
@@ -212,7 +212,7 @@ class Executor:
                     try:
                         return direct.run(conn, params), False
                     except LeftToSQLAlchemy:
-                        with conn:  # for SQLAlchemy to look at: back to the pool after
+                        with conn:  # for SQLAlchemy to look at; not kept after
                             return self._through_sqlalchemy(conn, stmt, params), False
             except exc.SQLAlchemyError as error:
                 reruns = Reruns(after_rollback=rerun_if_rolled_back, log=log)
