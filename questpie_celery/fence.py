@@ -183,9 +183,14 @@ class Fence:
         # make it wait.
         eager = bool(task.request.is_eager)
         limits = NO_LIMITS if eager else definition.limits
+        # When the latest claim statement was sent: the lease it takes runs from no
+        # earlier, which is what a stall of this process is measured against.
+        claimed_at = time.monotonic()
         with telemetry.span("questpie.claim", attempt=attempt) as claiming:
 
             def claim_it() -> Claim:
+                nonlocal claimed_at
+                claimed_at = time.monotonic()
                 return self._ledger.claim(
                     dispatch_id,
                     definition.name,
@@ -251,7 +256,7 @@ class Fence:
         delivery.set(policy=str(row.policy or "standard"))
         cap = renewal_cap(row.options.run.expire_in_seconds, _hard_limit_left(task))
         with self._leases.hold(
-            dispatch_id, token, cap.seconds, ends_process=cap.ends_process
+            dispatch_id, token, cap.seconds, claimed_at=claimed_at, ends_process=cap.ends_process
         ) as lease:
             # Inside the hold: a result backend that stalls must not let the lease lapse.
             mark_started(task)
@@ -368,6 +373,7 @@ class Fence:
                 attempt=row.attempt,
                 retry_limit=row.options.run.retry_limit,
                 singleton_key=row.singleton_key,
+                fencing_token=row.claim_generation or 0,
                 _cancelled=cancelled,
             )
             result = self._context.call(definition, model, ctx, secret=row.secret, held=held)

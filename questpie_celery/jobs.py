@@ -52,6 +52,12 @@ class JobContext(Generic[AppT_co]):
     # factory is; with one, the run sets `app` to what the factory built.
     app: AppT_co = None  # type: ignore[assignment]
     """What `Questpie(context=...)` built for this run; None without a factory."""
+    fencing_token: int = 0
+    """Grows with every claim of the dispatch: a run started later has a larger one.
+    Hand it to a store you control with each write, and have the store refuse a write
+    with a smaller token than one it has seen, so that a run which stood still past its
+    lease and woke beside its retry cannot write over the retry. 0 for a run the ledger
+    does not fence (an unkeyed delivery of a `standard` job)."""
     _cancelled: Callable[[], bool] = dataclasses.field(
         default=lambda: False, repr=False, compare=False
     )

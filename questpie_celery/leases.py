@@ -12,6 +12,19 @@ may not make it (stalled, or in its broker reconnect loop, where its event loop 
 no timers): a run still going at the end of that age ends its own process, so its
 claim lapses only after it. The thread survives any error (a dead renewer would let
 every long run in the process be run twice) and is restarted if it ever dies.
+
+A process that stalls (stopped by a signal or a debugger, a paused VM or container, a
+swap storm) renews nothing while it stands still: its claim may lapse, the relay may
+end it and a retry may start elsewhere. So the run stops when its process wakes and
+finds that its claim may have lapsed meanwhile: past two thirds of a lease since the
+last renewal that succeeded, with no failed renewal to explain it (or a renewal thread
+that woke more than a renewal interval late), or a renewal that found the claim gone.
+A prefork pool process then ends itself at once, before it renews or records anything:
+its run may be another's by now. The renewal thread sees the stall as soon as it runs
+again, and a stopped process that is continued (SIGCONT) checks in its main thread,
+the handler's, before any more of the handler's Python runs. Pools that run handlers
+in threads of the worker itself cannot end one run alone: there the run goes on, its
+outcome is not recorded, and `ctx.fencing_token` is what keeps its late writes out.
 """
 
 from __future__ import annotations
@@ -21,6 +34,7 @@ import os
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -36,6 +50,9 @@ log = logging.getLogger(__name__)
 
 #: How soon a renewal that failed is tried again.
 RENEW_RETRY_SECONDS = 1.0
+#: Past this share of a lease since the last renewal that succeeded, a claim is in doubt:
+#: renewals come every third of a lease, so this is one whole renewal missed.
+DOUBT_AFTER_LEASE_SHARE = 2 / 3
 #: How long past a run's hard time limit a prefork pool process goes on renewing its
 #: claim: the pool kills the process at the limit, so renewals end with it; the margin
 #: covers a kill the pool's event loop makes late, and bounds the claim of a process
@@ -57,6 +74,30 @@ def _worker_starts(**_: Any) -> None:
 def _pool_process_starts(**_: Any) -> None:
     global _in_prefork_child  # noqa: PLW0603
     _in_prefork_child = os.getpid() != _worker_pid
+    if _in_prefork_child:
+        _watch_for_continue()
+
+
+#: The lease keepers of this process, told when the process is continued after a stop.
+_keepers: weakref.WeakSet[LeaseKeeper] = weakref.WeakSet()
+
+
+def _watch_for_continue() -> None:
+    """Check every held claim as soon as this process is continued after a stop: Python
+    runs a signal handler in the main thread, which in a prefork pool process is the one
+    that runs the handler, so the check comes before any more of its Python does. Any
+    handler the application had is called after ours."""
+    if not hasattr(signal, "SIGCONT"):
+        return
+    before = signal.getsignal(signal.SIGCONT)
+
+    def continued(signum: int, frame: Any) -> None:
+        for keeper in list(_keepers):
+            keeper.stop_if_stalled()
+        if callable(before):
+            before(signum, frame)
+
+    signal.signal(signal.SIGCONT, continued)
 
 
 worker_init.connect(_worker_starts, weak=False)
@@ -90,6 +131,9 @@ class Lease:
     dispatch_id: str
     token: str
     deadline: float  # monotonic time after which the claim is no longer renewed
+    #: Monotonic time at which the last renewal that succeeded (or the claim) was sent:
+    #: the ledger's lease runs from no earlier than this.
+    renewed_at: float = 0.0
     lost: bool = False
     #: A cancel reached the run (its renewal said so): `ctx.cancel_requested`.
     cancel_requested: bool = False
@@ -119,15 +163,34 @@ class LeaseKeeper:
         self._held = {}
         self._lock = threading.Lock()
         self._thread = None
+        self._wake_at = float("inf")  # when the renewal thread's sleep should end
+        _keepers.add(self)
+
+    @property
+    def _interval(self) -> float:
+        """How often the renewal thread renews every claim."""
+        return max(self.lease_seconds / 3, 0.05)
 
     @contextmanager
     def hold(
-        self, dispatch_id: str, token: str, max_age_seconds: float, *, ends_process: bool = False
+        self,
+        dispatch_id: str,
+        token: str,
+        max_age_seconds: float,
+        *,
+        claimed_at: float | None = None,
+        ends_process: bool = False,
     ) -> Iterator[Lease]:
-        """Renew the claim (taken just now) while the block runs, for `max_age_seconds` at
-        most; past that, with `ends_process`, a block still running ends this process."""
+        """Renew the claim while the block runs, for `max_age_seconds` at most; past that,
+        with `ends_process`, a block still running ends this process. `claimed_at`: the
+        monotonic time the claim's statement was sent (now, when not given)."""
+        now = time.monotonic()
         lease = Lease(
-            dispatch_id, token, time.monotonic() + max_age_seconds, ends_process=ends_process
+            dispatch_id,
+            token,
+            now + max_age_seconds,
+            renewed_at=now if claimed_at is None else claimed_at,
+            ends_process=ends_process,
         )
         with self._lock:
             self._ensure_thread()
@@ -138,6 +201,32 @@ class LeaseKeeper:
             with self._lock:
                 self._held.pop(token, None)
 
+    def stop_if_stalled(self) -> None:
+        """In a prefork pool process, end the process if any claim it holds is in doubt
+        after a stall (see the module's docstring). Takes no lock: it runs in a signal
+        handler, which may have interrupted a holder of one."""
+        if not _in_prefork_child:
+            return
+        now = time.monotonic()
+        late = self._late(now)
+        for lease in list(self._held.values()):
+            if self._in_doubt(lease, now, late):
+                _end_stalled(lease, now - lease.renewed_at)
+
+    def _late(self, now: float) -> float:
+        """How much later than asked the renewal thread's current sleep is (0 when it is
+        not asleep): time in which this process did not run."""
+        return max(now - self._wake_at, 0.0)
+
+    def _in_doubt(self, lease: Lease, now: float, late: float) -> bool:
+        """Whether `lease`'s claim may have lapsed while this process stood still: past
+        `DOUBT_AFTER_LEASE_SHARE` of a lease since its last renewal, and no failing
+        renewal explains it (or the renewal thread itself woke a renewal interval late).
+        A ledger out of reach is not a stall: the run goes on, and its next renewal says
+        whether the claim is still its own."""
+        overdue = now - lease.renewed_at >= self.lease_seconds * DOUBT_AFTER_LEASE_SHARE
+        return overdue and (lease.failing is None or late > self._interval)
+
     def _ensure_thread(self) -> None:
         if self._thread is not None and self._thread.is_alive():
             return
@@ -145,19 +234,23 @@ class LeaseKeeper:
         self._thread.start()
 
     def _loop(self) -> None:
-        interval = max(self.lease_seconds / 3, 0.05)
+        interval = self._interval
         # After a failed renewal, try again soon: once the ledger is back, the claim must
         # be renewed before the relay's grace for a lapsed lease runs out.
         retry = min(interval, RENEW_RETRY_SECONDS)
         failed = False
         while True:
-            time.sleep(retry if failed else interval)
+            pause = retry if failed else interval
+            self._wake_at = time.monotonic() + pause
+            time.sleep(pause)
+            late = self._late(time.monotonic())
+            self._wake_at = float("inf")
             with self._lock:
                 due = list(self._held.values())
             failed = False
             for lease in due:
                 try:
-                    failed = not self._renew(lease) or failed
+                    failed = not self._renew(lease, late) or failed
                 except Exception:
                     # Whatever went wrong, the other claims still need renewing.
                     log.exception("renewing the claim of dispatch %s failed", lease.dispatch_id)
@@ -165,13 +258,16 @@ class LeaseKeeper:
             if due:
                 self._ledger.idle()
 
-    def _renew(self, lease: Lease) -> bool:
+    def _renew(self, lease: Lease, late: float = 0.0) -> bool:
         """Renew one claim; False when the ledger could not be reached."""
         started = time.monotonic()
         if started >= lease.deadline:
             if lease.ends_process:
                 self._end_process(lease)
             return True  # past its cap: let the lease lapse
+        if _in_prefork_child and self._in_doubt(lease, started, late):
+            self._end_if_held(lease, started)
+            return True
         try:
             renewed = self._ledger.renew_lease(lease.dispatch_id, lease.token, self.lease_seconds)
         except Exception as exc:
@@ -198,6 +294,11 @@ class LeaseKeeper:
         self._ledger.outage.reached()
         lease.failing = None
         if renewed is not None:
+            lease.renewed_at = started
+            if _in_prefork_child and self._in_doubt(lease, time.monotonic(), 0.0):
+                # The process stood still during the renewal itself: when the ledger
+                # renewed it is unknown, so the claim was in doubt meanwhile.
+                self._end_if_held(lease, started)
             if renewed.cancel_requested and not lease.cancel_requested:
                 log.info(
                     "dispatch %s was cancelled while it runs: it goes on, and is not retried",
@@ -205,6 +306,11 @@ class LeaseKeeper:
                     extra={"dispatch_id": lease.dispatch_id},
                 )
                 lease.cancel_requested = True
+            return True
+        if _in_prefork_child:
+            # Its run may be another's by now: it must not go on (the run has not ended:
+            # its claim is dropped from here before its outcome is written).
+            self._end_if_held(lease, started)
             return True
         with self._lock:
             still_held = self._held.pop(lease.token, None) is not None
@@ -216,6 +322,14 @@ class LeaseKeeper:
             )
             lease.lost = True
         return True
+
+    def _end_if_held(self, lease: Lease, now: float) -> None:
+        """End this prefork pool process for a claim in doubt or lost, while its run still
+        holds it: a run whose handler returned is writing its outcome, which its token
+        fences (a claim that is another's by now is not written over)."""
+        with self._lock:
+            if self._held.get(lease.token) is lease:
+                _end_stalled(lease, now - lease.renewed_at)
 
     def _end_process(self, lease: Lease) -> None:
         """The run went past its hard time limit and the margin, and the pool has not
@@ -234,3 +348,20 @@ class LeaseKeeper:
                 extra={"dispatch_id": lease.dispatch_id},
             )
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _end_stalled(lease: Lease, unrenewed: float) -> None:
+    """End this prefork pool process at once: its run's claim may be another's. Said with
+    one write to the process's standard error, which takes no lock the stalled handler's
+    thread could hold (a logging handler's would let the handler go on until it let go);
+    the worker's main process then reports the pool process lost, and the relay ends the
+    claim if it is still this run's."""
+    line = (
+        f"questpie_celery: dispatch {lease.dispatch_id}: this pool process stood still or lost "
+        f"its claim ({unrenewed:.1f}s since the claim was last renewed); it ends itself so "
+        "that the run cannot go on beside its retry\n"
+    )
+    try:
+        os.write(2, line.encode(errors="replace"))
+    finally:
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -22,6 +22,7 @@ from sqlalchemy import (
     and_,
     bindparam,
     case,
+    func,
     or_,
     select,
     update,
@@ -74,6 +75,8 @@ class ClaimStatements:
             "attempt": t.attempt + 1,
             "send_count": 0,  # the relay's budget counts sends per attempt
             "claim_token": bindparam("new_token"),
+            # The fencing token: one more than any claim before, whatever became of it.
+            "claim_generation": func.coalesce(t.claim_generation, 0) + 1,
             "lease_expires_at": db_time(seconds("lease")),
             "started_at": now,
             "queued_at": delivered(),

@@ -49,6 +49,7 @@ class Migration(Executor):
             _widen_dispatch_ids(conn)
             _add_limit_columns(conn)
             _add_cancel_debounce_columns(conn)
+            _add_columns(conn, _CLAIM_GENERATION_COLUMNS)
         with translate_errors(self.migrate_command), self._begin() as conn:
             # create_all adds missing tables only; indexes added by a later version too.
             for table in metadata.sorted_tables:
@@ -157,6 +158,9 @@ _CANCEL_DEBOUNCE_COLUMNS = (
     (dispatch_table.name, "cancel_requested_at", "TIMESTAMP WITH TIME ZONE"),
     (dispatch_table.name, "debounce_key", "TEXT"),
 )
+
+#: The column schema version 8 added: each claim's generation, the fencing token.
+_CLAIM_GENERATION_COLUMNS = ((dispatch_table.name, "claim_generation", "INTEGER"),)
 
 
 def _add_limit_columns(conn: Connection) -> None:

@@ -54,6 +54,8 @@ class DispatchRow:
     cancel_requested_at: datetime | None = None
     #: The burst it gathers while it waits to start, for a debounced dispatch.
     debounce_key: str | None = None
+    #: How many claims it has had: its latest claim's fencing token.
+    claim_generation: int | None = None
     pruned: bool = False
 
     @classmethod

@@ -50,7 +50,7 @@ from sqlalchemy.types import DateTime, TypeDecorator
 from ..options import StoredOptions
 from ..policies import QueuePolicy
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 Status = Literal[
     "pending", "queued", "parked", "active", "retry", "completed", "failed", "cancelled"
@@ -160,6 +160,10 @@ dispatch_table = Table(
     Column("options", StoredOptionsType, nullable=True),
     Column("attempt", Integer, nullable=False, default=0),
     Column("claim_token", String(36), nullable=True),
+    # How many claims the dispatch has had (schema version 8; NULL: none since then): the
+    # handler's fencing token, which grows with every claim, also where `attempt` is
+    # given back (a run cancelled or set back before its handler began).
+    Column("claim_generation", Integer, nullable=True),
     # The concurrency seat a run of a limited job holds while it runs (0 to limit - 1).
     Column("seat", Integer, nullable=True),
     # Why a waiting run waits for its job's limits ("concurrency", "rate"): set when it is

@@ -24,7 +24,7 @@ from sqlalchemy import select
 
 from questpie_celery.broker import MessageHeader
 from questpie_celery.fence import EARLY_WAIT_SECONDS
-from tests.integration.conftest import new_stack
+from tests.integration.conftest import StackFactory, new_stack
 from tests.support import jobapp
 from tests.support.brokers import capture, deliver, idle_queue
 from tests.support.services import RedisServer
@@ -406,3 +406,36 @@ def test_a_malformed_header_runs_nothing_and_leaves_the_row_to_its_own_message(
     assert stack.wait_status(dispatch_id, "completed").attempt == 1
     assert [r["attempt"] for r in runs_of(stack, dispatch_id)] == [1]
     assert stack.worker.alive()
+
+
+def test_a_run_that_lost_its_claim_cannot_write_over_its_retry_with_the_fencing_token(
+    make_stack: StackFactory,
+) -> None:
+    """On a pool that cannot end one run alone (threads), a run past its time cap goes on
+    after its claim lapsed and its retry ran. The store the handler writes to takes
+    `ctx.fencing_token` with each write and refuses a smaller one than it has seen: the
+    late run's write is refused, the retry's stands, and the ledger keeps the retry's
+    outcome."""
+    stack = make_stack("redis", env={"QP_TEST_LEASE": "3", "QP_TEST_RELAY": "0.5"}, pool="threads")
+    t = tag()
+    gate = stack.gate()
+    dispatch_id = stack.questpie.queue.fenced_capped.publish(
+        {"tag": t, "gate": str(gate), "gate_attempts": 1}, idempotency_key=t
+    )
+    assert dispatch_id is not None
+    stack.wait_status(dispatch_id, "completed", timeout=60)  # the retry, beside the first
+    gate.open()
+    ends = stack.wait_ends(t, 2)
+    assert [(r["attempt"], r["note"]) for r in ends] == [
+        (2, "token=2 taken=True"),
+        (1, "token=1 taken=False"),
+    ]
+    with stack.runs_engine.connect() as conn:
+        stored = conn.execute(
+            select(jobapp.fenced_table.c.value, jobapp.fenced_table.c.token).where(
+                jobapp.fenced_table.c.key == dispatch_id
+            )
+        ).one()
+    assert tuple(stored) == ("attempt 2", 2)
+    row = stack.row(dispatch_id)
+    assert (row.status, row.attempt) == ("completed", 2)

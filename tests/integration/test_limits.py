@@ -30,7 +30,9 @@ from questpie_celery.limits import Limits
 from questpie_celery.options import StoredOptions
 from questpie_celery.outbox import Outbox
 from questpie_celery.slots import Slots
+from tests.integration.conftest import StackFactory
 from tests.support.stack import Stack, tag
+from tests.unit.helpers import wait_until
 
 
 def group() -> str:
@@ -489,3 +491,54 @@ def test_a_retry_keeps_its_seat_when_a_worker_without_the_limit_claims_it(
     plain = ledger.claim(running, job, 2, 30)
     assert plain.outcome == "claimed" and plain.row is not None and plain.row.seat == 0
     assert ledger.claim(other, job, 1, 30, concurrency=1).outcome == "blocked"
+
+
+# --- a pool process that stood still past its lease -------------------------------------
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead and not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("broker", ["redis", "rabbitmq"])
+def test_a_run_whose_process_stood_still_past_its_lease_never_goes_on_beside_its_retry(
+    make_stack: StackFactory, broker: str
+) -> None:
+    """The pool process running a limit-1 group's only seat is stopped (SIGSTOP: a paused
+    VM, a debugger, a swap storm) past its lease. The relay ends the lapsed lease, the
+    retry runs on the other pool process and the group's next run after it. Continued,
+    the stopped process ends itself before its handler takes another step: it records
+    no end and no outcome, and never two of the group's runs were in their body at once.
+    Before, it ran its handler to the end beside the group's next run."""
+    stack = make_stack(broker, env={"QP_TEST_LEASE": "6", "QP_TEST_RELAY": "0.5"})
+    client = stack.questpie.queue.fenced_one
+    t = tag()
+    gate = stack.gate()
+    first = client.publish({"tag": t, "gate": str(gate), "gate_attempts": 1}, idempotency_key=t)
+    assert first is not None
+    [started] = stack.wait_runs(t, 1)
+    stopped = int(started["pid"])
+    second = client.publish({"tag": t}, idempotency_key=f"{t}:next")
+    assert second is not None
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        gate.open()  # continued, the stopped run would go on to its end at once
+        assert stack.wait_status(first, "completed", timeout=90).attempt == 2
+        stack.wait_status(second, "completed", timeout=60)
+    finally:
+        os.kill(stopped, signal.SIGCONT)
+    stack.wait_log(first, "stood still or lost its claim", timeout=30)
+    wait_until(lambda: not _alive(stopped), "the stopped pool process to end")
+    ends = [(r["dispatch_id"], r["attempt"]) for r in stack.runs(t, phase="end")]
+    assert ends == [(first, 2), (second, 1)], "the stopped run went on after it woke"
+    assert most_at_once(stack, t) == 1
+    row = stack.row(first)
+    assert (row.status, row.attempt, row.last_error) == ("completed", 2, None)
+    # Each claim's fencing token is larger than the one before it.
+    notes = [(r["attempt"], r["note"]) for r in stack.runs(t) if r["dispatch_id"] == first]
+    assert notes == [(1, "token=1"), (2, "token=2")]

@@ -58,6 +58,7 @@ from sqlalchemy import (
     func,
     insert,
     select,
+    update,
 )
 
 from questpie_celery import JobContext, PermanentFailure, Questpie, hub_timer, job
@@ -76,6 +77,14 @@ runs_table = Table(
     Column("phase", String(8), nullable=False, server_default="start"),
     Column("note", String(200), nullable=True),
     Column("ran_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+)
+#: A store of the handlers' own that takes the fencing token with each write.
+fenced_table = Table(
+    "test_fenced",
+    runs_metadata,
+    Column("key", Text, primary_key=True),
+    Column("value", Text, nullable=True),
+    Column("token", Integer, nullable=False),
 )
 
 
@@ -240,6 +249,47 @@ LIMIT_JOBS = (
 )
 
 
+def fenced_handler(payload: Work, ctx: JobContext) -> None:
+    """`policy_handler` noting its run's fencing token, and at its end writing to a store
+    that refuses a write with a smaller token than one it took (the recipe the docs give):
+    the note of the end row says whether the write was taken."""
+    record(ctx, payload.tag, note=f"token={ctx.fencing_token}")
+    if ctx.attempt <= payload.gate_attempts:
+        wait_at(payload.gate)
+    time.sleep(payload.sleep)
+    taken = write_fenced(ctx.dispatch_id, f"attempt {ctx.attempt}", ctx.fencing_token)
+    record(ctx, payload.tag, phase="end", note=f"token={ctx.fencing_token} taken={taken}")
+
+
+def write_fenced(key: str, value: str, token: int) -> bool:
+    """Write `value` under `key` unless a write with a larger token came first."""
+    with runs_engine().begin() as conn:
+        seen = conn.execute(
+            select(fenced_table.c.token).where(fenced_table.c.key == key).with_for_update()
+        ).scalar()
+        if seen is None:
+            conn.execute(insert(fenced_table).values(key=key, value=value, token=token))
+            return True
+        if seen > token:
+            return False
+        conn.execute(
+            update(fenced_table).where(fenced_table.c.key == key).values(value=value, token=token)
+        )
+        return True
+
+
+#: Fencing tokens (test_limits.py, test_fence.py): one run at a time, retried after a
+#: lapse; the other's time cap lapses its claim while its thread goes on.
+FENCED_JOBS = (
+    job(name="fenced.one", schema=Work, options={"concurrency_limit": 1, "retry_limit": 2})(
+        fenced_handler
+    ),
+    job(name="fenced.capped", schema=Work, options={"expire_in_seconds": 1, "retry_limit": 1})(
+        fenced_handler
+    ),
+)
+
+
 @job(
     name="policy.singleton.overrun",
     schema=Work,
@@ -355,6 +405,7 @@ JOBS = (
     *CANCEL_JOBS,
     *POLICY_JOBS,
     *LIMIT_JOBS,
+    *FENCED_JOBS,
     overrun,
     secret_link,
     permissive,

@@ -8,10 +8,13 @@ which only moves forward while someone renews it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import threading
+import time
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 
@@ -20,9 +23,9 @@ import pytest
 from questpie_celery import leases, relay
 from questpie_celery.errors import LedgerUnavailableError
 from questpie_celery.leases import LeaseKeeper
-from questpie_celery.ledger import Ledger
+from questpie_celery.ledger import Ledger, open_ledger
 from questpie_celery.ledger.claims import Renewal
-from tests.unit.helpers import IdleApp, new_dispatch, wait_until
+from tests.unit.helpers import IdleApp, new_dispatch, sqlite_url, wait_until
 
 LEASE = 0.3  # renewed every 0.1 s
 
@@ -229,3 +232,175 @@ def test_a_ledger_slow_on_every_read_still_frees_lapsed_leases(
         assert row is not None and (row.status, row.last_error) == ("retry", "LeaseExpired")
     finally:
         app.close()
+
+
+# --- a pool process that stood still past its lease ------------------------------------
+
+#: Long enough that a loaded machine never leaves a renewal two thirds of a lease late.
+STALL_LEASE = 3.0
+
+
+def _stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def _hold_in_a_pool_process(
+    url: str,
+    dispatch_id: str,
+    token: str,
+    *,
+    watch_continue: bool,
+    renew: Callable[[Ledger], Callable[[str, str, float], Renewal | None]] | None = None,
+) -> tuple[int, int]:
+    """Fork a process that acts as a prefork pool process holding the claim: it notes
+    on a pipe that it holds it, then the monotonic time of each step of its "handler",
+    every few milliseconds, until it is killed. Returns its pid and the pipe's read end."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid:
+        os.close(write)
+        return pid, read
+    try:
+        os.close(read)
+        leases._in_prefork_child = True
+        if watch_continue:
+            leases._watch_for_continue()
+        ledger = open_ledger(url)
+        if renew is not None:
+            ledger.renew_lease = renew(ledger)  # type: ignore[method-assign]
+        keeper = LeaseKeeper(ledger, lease_seconds=STALL_LEASE)
+        with keeper.hold(dispatch_id, token, 600):
+            os.write(write, b"holding\n")
+            while True:
+                os.write(write, f"{time.monotonic()}\n".encode())
+                time.sleep(0.005)
+    finally:
+        os._exit(0)
+
+
+def _steps(read: int) -> list[float]:
+    """The steps the forked process wrote after it held the claim, once it has ended."""
+    with os.fdopen(read, "rb") as pipe:
+        return [float(line) for line in pipe.read().decode().split() if line != "holding"]
+
+
+def _claimed_for_stall(ledger: Ledger) -> tuple[str, str]:
+    new = new_dispatch()
+    assert ledger.insert(new) is True
+    claim = ledger.claim(new.id, new.job_name, 1, STALL_LEASE)
+    assert claim.outcome == "claimed" and claim.token is not None
+    return new.id, claim.token
+
+
+def _stall_past_the_lease(ledger: Ledger, pid: int, dispatch_id: str) -> float:
+    """Stop the process until its claim has lapsed in the ledger; continue it; return the
+    monotonic time just before it was continued."""
+    os.kill(pid, signal.SIGSTOP)
+    wait_until(lambda: _stopped(pid), "the process to stop")
+    wait_until(
+        lambda: any(row.id == dispatch_id for row in ledger.expired_claims()),
+        "the claim to lapse while its process stands still",
+    )
+    resumed_at = time.monotonic()
+    os.kill(pid, signal.SIGCONT)
+    return resumed_at
+
+
+def _ended_by(pid: int) -> int | None:
+    """The signal that ended the process, None when it exited."""
+    _, status = os.waitpid(pid, 0)
+    return os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
+
+
+@pytest.mark.parametrize("watch_continue", [True, False], ids=["continued", "renewer-sees-it"])
+def test_a_pool_process_stopped_past_its_lease_ends_itself_when_it_wakes(
+    tmp_path: Path, watch_continue: bool
+) -> None:
+    """A prefork pool process stopped (SIGSTOP, a debugger, a paused VM) until its claim
+    lapsed ends itself as it wakes, without renewing the claim the relay may have ended.
+    Continued by SIGCONT, it checks in the handler's own thread before any more of the
+    handler's Python runs; otherwise its renewal thread sees the stall when it runs."""
+    url = sqlite_url(tmp_path)
+    ledger = open_ledger(url)
+    ledger.migrate()
+    dispatch_id, token = _claimed_for_stall(ledger)
+    pid, read = _hold_in_a_pool_process(url, dispatch_id, token, watch_continue=watch_continue)
+    try:
+        with os.fdopen(os.dup(read), "rb", buffering=0) as pipe:
+            assert pipe.readline() == b"holding\n"
+        lapsed_at = _expires(ledger, dispatch_id)
+        resumed_at = _stall_past_the_lease(ledger, pid, dispatch_id)
+        assert _ended_by(pid) == signal.SIGKILL
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    steps = _steps(read)
+    assert steps, "the handler never ran"
+    if watch_continue:
+        assert not [step for step in steps if step > resumed_at], "the handler went on"
+    # Nothing renewed the lapsed claim: it is the relay's to end.
+    assert _expires(ledger, dispatch_id) == lapsed_at
+
+
+def test_a_pool_process_whose_renewal_finds_the_claim_gone_ends_itself(
+    tmp_path: Path,
+) -> None:
+    url = sqlite_url(tmp_path)
+    ledger = open_ledger(url)
+    ledger.migrate()
+    dispatch_id, token = _claimed_for_stall(ledger)
+    pid, read = _hold_in_a_pool_process(url, dispatch_id, token, watch_continue=True)
+    try:
+        with os.fdopen(os.dup(read), "rb", buffering=0) as pipe:
+            assert pipe.readline() == b"holding\n"
+        # The relay ended the claim (a lapse it saw while this process was cut off).
+        assert ledger.finish(dispatch_id, token, "failed", "LeaseExpired") is True
+        assert _ended_by(pid) == signal.SIGKILL
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    os.close(read)
+
+
+def test_a_ledger_out_of_reach_longer_than_a_lease_is_not_a_stall(tmp_path: Path) -> None:
+    """Renewals that fail (the ledger down or cut off) leave the run going: the relay
+    ends no lapsed lease while it cannot reach the ledger either, and once a renewal
+    goes through, the claim is the run's own again."""
+    url = sqlite_url(tmp_path)
+    ledger = open_ledger(url)
+    ledger.migrate()
+    dispatch_id, token = _claimed_for_stall(ledger)
+    back = tmp_path / "ledger-back"
+
+    def down_until_back(child: Ledger) -> Callable[[str, str, float], Renewal | None]:
+        renew = child.renew_lease
+
+        def renewing(dispatch_id: str, token: str, lease_seconds: float) -> Renewal | None:
+            if not back.exists():
+                raise LedgerUnavailableError("the ledger is down")
+            return renew(dispatch_id, token, lease_seconds)
+
+        return renewing
+
+    pid, read = _hold_in_a_pool_process(
+        url, dispatch_id, token, watch_continue=True, renew=down_until_back
+    )
+    try:
+        with os.fdopen(os.dup(read), "rb", buffering=0) as pipe:
+            assert pipe.readline() == b"holding\n"
+            lapsed_at = _expires(ledger, dispatch_id)
+            wait_until(
+                lambda: any(row.id == dispatch_id for row in ledger.expired_claims()),
+                "the claim to lapse while the ledger is out of reach",
+            )
+            back.touch()
+            wait_until(
+                lambda: _advanced_past(ledger, dispatch_id, lapsed_at), "a renewal once it is back"
+            )
+            pipe.readline()  # the handler still takes steps
+        assert os.waitpid(pid, os.WNOHANG) == (0, 0), "the process ended"
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    os.close(read)

@@ -38,6 +38,8 @@ class Dispatch(models.Model):
     secret = models.BooleanField()
     secret_key_id = models.CharField(max_length=64, null=True, verbose_name="secret key id")
     attempt = models.IntegerField(verbose_name="attempts")
+    # Its claims so far (schema version 8): the fencing token of the latest.
+    claim_generation = models.IntegerField(null=True, verbose_name="claims")
     send_count = models.IntegerField(verbose_name="sends of this attempt")
     last_error = models.CharField(max_length=200, null=True)
     run_after = models.DateTimeField()

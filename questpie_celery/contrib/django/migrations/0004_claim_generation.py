@@ -1,0 +1,23 @@
+"""Ledger schema version 8: each dispatch counts its claims (the handler's fencing
+token). `Ledger.migrate()` adds the column (as `questpie-celery migrate` does), and with
+it whatever an earlier schema version added since this project last migrated."""
+
+from typing import Any, ClassVar
+
+from django.db import migrations
+
+
+def upgrade_ledger(apps: Any, schema_editor: Any) -> None:
+    from questpie_celery.contrib.django.binding import migrate_ledger  # noqa: PLC0415
+
+    migrate_ledger(schema_editor.connection.alias)
+
+
+class Migration(migrations.Migration):
+    dependencies: ClassVar[list[tuple[str, str]]] = [
+        ("questpie_celery", "0003_dispatch_ids"),
+    ]
+
+    operations: ClassVar[list[Any]] = [
+        migrations.RunPython(upgrade_ledger, migrations.RunPython.noop, elidable=False),
+    ]
