@@ -16,8 +16,8 @@ every long run in the process be run twice) and is restarted if it ever dies.
 A process that stalls (stopped by a signal or a debugger, a paused VM or container, a
 swap storm) renews nothing while it stands still: its claim may lapse, the relay may
 end it and a retry may start elsewhere. So the run stops when its process wakes and
-finds that its claim may have lapsed meanwhile: past two thirds of a lease since the
-last renewal that succeeded, with no failed renewal to explain it (or a renewal thread
+finds that its claim may lapse before a renewal could land: past five sixths of a lease
+since the last renewal that succeeded, with no failed renewal to explain it (or a renewal thread
 that woke more than a renewal interval late), or a renewal that found the claim gone.
 A prefork pool process then ends itself at once, before it renews or records anything:
 its run may be another's by now. The renewal thread sees the stall as soon as it runs
@@ -51,8 +51,10 @@ log = logging.getLogger(__name__)
 #: How soon a renewal that failed is tried again.
 RENEW_RETRY_SECONDS = 1.0
 #: Past this share of a lease since the last renewal that succeeded, a claim is in doubt:
-#: renewals come every third of a lease, so this is one whole renewal missed.
-DOUBT_AFTER_LEASE_SHARE = 2 / 3
+#: renewals come every third of a lease, so one and a half were missed, and less than half
+#: a renewal interval is left before the ledger may take the claim for lapsed. (Earlier,
+#: a late renewal still lands in time: a loaded machine's slow thread is not a stall.)
+DOUBT_AFTER_LEASE_SHARE = 5 / 6
 #: How long past a run's hard time limit a prefork pool process goes on renewing its
 #: claim: the pool kills the process at the limit, so renewals end with it; the margin
 #: covers a kill the pool's event loop makes late, and bounds the claim of a process

@@ -236,7 +236,7 @@ def test_a_ledger_slow_on_every_read_still_frees_lapsed_leases(
 
 # --- a pool process that stood still past its lease ------------------------------------
 
-#: Long enough that a loaded machine never leaves a renewal two thirds of a lease late.
+#: Long enough that a loaded machine never leaves a renewal five sixths of a lease late.
 STALL_LEASE = 3.0
 
 
