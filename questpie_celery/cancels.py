@@ -34,10 +34,9 @@ class Cancellation:
         started; a running one goes on, is not retried, and its end is `cancelled`);
         False when it had ended already, and nothing changed.
 
-        Raises `UnknownDispatchError` for an id the ledger holds no row of.
+        Raises `UnknownDispatchError` for an id the ledger holds no row of, and for one
+        no row can have (not a str, empty, a NUL, a lone surrogate, too long).
         """
-        if not isinstance(dispatch_id, str):
-            raise UnknownDispatchError(f"a dispatch id is a str, not {type(dispatch_id).__name__}")
         done = self._ledger.cancel(dispatch_id)
         if done.outcome == "unknown":
             raise UnknownDispatchError(

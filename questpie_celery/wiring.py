@@ -157,8 +157,8 @@ def _lookups(ledger: Ledger, aledger: AsyncLedger) -> Lookups:
 
 def _reader(ledger: Ledger, view: Callable[[DispatchRow | None], V | None]) -> Reader[V]:
     def read(dispatch_id: str) -> V | None:
-        # An id that is not a str names no dispatch.
-        return view(ledger.get(dispatch_id)) if isinstance(dispatch_id, str) else None
+        # The ledger answers an id no row can have (not a str, say) as an unknown one.
+        return view(ledger.get(dispatch_id))
 
     return read
 
@@ -167,7 +167,7 @@ def _areader(
     aledger: AsyncLedger, view: Callable[[DispatchRow | None], V | None]
 ) -> AsyncReader[V]:
     async def read(dispatch_id: str) -> V | None:
-        return view(await aledger.get(dispatch_id)) if isinstance(dispatch_id, str) else None
+        return view(await aledger.get(dispatch_id))
 
     return read
 

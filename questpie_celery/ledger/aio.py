@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from sqlalchemy.sql import Executable
 
 from ..errors import ConfigurationError
+from ..ids import unstorable_id
 from . import inserts
 from .engine import create_async_ledger_engine, runs_in_autocommit
 from .errors import Reruns, translate_errors
@@ -104,6 +105,9 @@ class AsyncLedger:
         return await self._drive(inserts.exists(self._sql, dispatch_id))
 
     async def get(self, dispatch_id: str) -> DispatchRow | None:
+        """As `Ledger.get`: None also for an id no row can have."""
+        if unstorable_id(dispatch_id) is not None:
+            return None
         if not self.native:
             return await asyncio.to_thread(self._ledger.get, dispatch_id)
         rows, _ = await self._run(self._run_sql.get, {"dispatch_id": dispatch_id})

@@ -17,6 +17,7 @@ from typing import Any, Literal
 from sqlalchemy import ColumnElement, Select, Update, and_, bindparam, func, select, update
 
 from ..errors import LedgerBusyError
+from ..ids import unstorable_id
 from .executor import Executor
 from .rows import DispatchRow
 from .schema import CANCELLABLE, TERMINAL, dispatch_table
@@ -67,7 +68,10 @@ class Cancels(Executor):
         self._cancel_sql = CancelStatements(dialect, preamble)
 
     def cancel(self, dispatch_id: str) -> Cancelled:
-        """End the dispatch as `cancelled` if it has not started, mark it if it runs."""
+        """End the dispatch as `cancelled` if it has not started, mark it if it runs.
+        `unknown` for an id no row can have (`ids.unstorable_id`), as for one no row has."""
+        if unstorable_id(dispatch_id) is not None:
+            return Cancelled("unknown")
         for _ in range(CANCEL_TRIES):
             found = self._row(self._cancel_sql.get, {"dispatch_id": dispatch_id})
             if found is None:

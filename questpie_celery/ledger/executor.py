@@ -29,6 +29,7 @@ from sqlalchemy.engine import RowMapping
 from sqlalchemy.sql import ClauseElement, Executable
 from sqlalchemy.sql.elements import TextClause
 
+from ..ids import unstorable_id
 from ..outages import Outage
 from .direct import DriverStatement, LeftToSQLAlchemy, runs_direct
 from .engine import (
@@ -300,7 +301,11 @@ class Executor:
 
     def get(self, dispatch_id: str) -> DispatchRow | None:
         """The row as it is now: also how an ambiguous rerun finds out whether its first
-        run landed."""
+        run landed. None for an id no row can have (`ids.unstorable_id`: not a string,
+        empty, a NUL, a lone surrogate, too long), as for an unknown one: a statement
+        naming it would fail."""
+        if unstorable_id(dispatch_id) is not None:
+            return None
         return self._row(self._run_sql.get, {"dispatch_id": dispatch_id})
 
     def now(self) -> datetime:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from django.contrib.admin.utils import quote
 from django.contrib.auth import get_user_model
 from django.db import connection, connections
 from django.test import Client
@@ -24,7 +25,7 @@ from django.test.utils import CaptureQueriesContext
 from sqlalchemy import func, insert, select
 
 from bench.fixture import fill
-from questpie_celery.ids import derive_dispatch_id
+from questpie_celery.ids import MAX_DISPATCH_ID_BYTES, derive_dispatch_id
 from questpie_celery.ledger import Ledger, dispatch_table, open_ledger
 from questpie_celery.ledger.schema import policy_table, schedule_table
 from questpie_celery.options import StoredOptions
@@ -44,6 +45,7 @@ FORBIDDEN = (
     base64.b64encode(KEY_CANARY).decode(),
 )
 NOW = datetime(2025, 3, 1, 12, 0, tzinfo=UTC)
+UNKNOWN_ID = "no-such-dispatch"
 
 
 @dataclass
@@ -254,6 +256,25 @@ def test_a_dispatch_page_is_read_only_and_shows_no_secret(site: Site) -> None:
     secret = site.get(f"{site.base}{site.ids['secret']}/change/")
     assert secret.status_code == 200
     assert "key-2025" in secret.content.decode()
+
+
+@pytest.mark.parametrize(
+    "bad_id",
+    ["\x00", "job-\x00-1", "x" * (MAX_DISPATCH_ID_BYTES + 1)],
+    ids=["nul", "nul-inside", "too-long"],
+)
+def test_an_id_no_row_can_have_is_answered_as_an_unknown_one(site: Site, bad_id: str) -> None:
+    """Its page answers as an unknown id's does, without asking the ledger, so never
+    with the database's error (PostgreSQL's text cannot hold a NUL). (A search for a NUL
+    is Django's to refuse: its search form does.)"""
+    with CaptureQueriesContext(connection) as asked:
+        unknown = site.get(f"{site.base}{quote(UNKNOWN_ID)}/change/")
+    assert unknown.status_code == 302  # to the index, saying no such dispatch exists
+    assert _ledger_queries([q["sql"] for q in asked.captured_queries])
+    with CaptureQueriesContext(connection) as asked:
+        page = site.get(f"{site.base}{quote(bad_id)}/change/")
+    assert (page.status_code, page["Location"]) == (unknown.status_code, unknown["Location"])
+    assert _ledger_queries([q["sql"] for q in asked.captured_queries]) == []
 
 
 def test_nothing_can_be_written(site: Site) -> None:

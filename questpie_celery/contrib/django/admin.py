@@ -33,7 +33,7 @@ from django.urls import URLPattern, reverse
 from django.utils.functional import cached_property
 from django.utils.html import format_html
 
-from ...ids import derive_dispatch_id
+from ...ids import derive_dispatch_id, unstorable_id
 from ...ledger.schema import Status
 from ...ledger.views import distinct_job_names, planned_rows
 from .models import Dispatch, Policy, Schedule
@@ -218,6 +218,15 @@ class DispatchAdmin(ReadOnlyAdmin):
 
     def get_changelist(self, request: HttpRequest, **kwargs: Any) -> type[ChangeList]:
         return LedgerChangeList
+
+    def get_object(
+        self, request: HttpRequest, object_id: str, from_field: str | None = None
+    ) -> Any:
+        # An id no row can have (a NUL, which PostgreSQL text cannot hold) is answered as
+        # an unknown one, not with the database's error.
+        if from_field is None and unstorable_id(object_id) is not None:
+            return None
+        return super().get_object(request, object_id, from_field)
 
     def lookup_allowed(self, lookup: str, value: str, request: HttpRequest | None = None) -> bool:
         # Only the two filters' own parameters: a hand-written `?last_error__icontains=`
