@@ -15,6 +15,11 @@ ASGI server's does. Each round, interleaved:
 - `idle loop`: the ticker alone for as long as the apublish burst took: the floor of
   the lag on this machine.
 - `raw apply_async`: N raw sends, for scale.
+- `apublish, broker down`: BENCH_DOWN_CONCURRENT (20) tasks publish keyed dispatches
+  through a second app whose broker nothing listens on, while the ticker runs: the loop's
+  lag while the send threads wait out kombu's retries and the rows are left for the
+  relay (tests/integration/test_asyncio.py checks that the loop goes on meanwhile; how
+  long its other tasks wait is this row's lag).
 
 Printed: median wall time per mode with min-max over the rounds, and the lag's p50,
 p99 and max over all of a mode's ticks. `BENCH_GC_FREEZE=1` calls `gc.freeze()` once
@@ -27,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import importlib
+import logging
 import os
 import statistics
 import sys
@@ -38,10 +44,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.support.services import PostgresServer, RedisServer  # noqa: E402
+from tests.support import jobapp  # noqa: E402
+from tests.support.services import PostgresServer, RedisServer, free_port  # noqa: E402
 
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "5"))
 COUNT = int(os.environ.get("BENCH_CONCURRENT", "200"))
+DOWN_COUNT = int(os.environ.get("BENCH_DOWN_CONCURRENT", "20"))
 TICK = 0.001
 
 
@@ -75,8 +83,11 @@ async def with_ticker(work: Any) -> tuple[float, list[float]]:
     return elapsed, ticker.lags
 
 
-async def rounds(bench_app: Any) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+async def rounds(
+    bench_app: Any, down: Any
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     client = bench_app.questpie.queue.bench_noop
+    down_client = down.queue.record
     raw_task = bench_app.raw
     queue = f"bench-idle-{uuid.uuid4().hex[:6]}"
 
@@ -103,6 +114,15 @@ async def rounds(bench_app: Any) -> tuple[dict[str, list[float]], dict[str, list
     def raw() -> None:
         for i in range(COUNT):
             raw_task.apply_async(args=[{"n": i}], queue=queue)
+
+    async def apublish_broker_down() -> None:
+        run = uuid.uuid4().hex
+        await asyncio.gather(
+            *(
+                down_client.apublish({"tag": run}, idempotency_key=f"{run}-{i}")
+                for i in range(DOWN_COUNT)
+            )
+        )
 
     times: dict[str, list[float]] = {}
     lags: dict[str, list[float]] = {}
@@ -131,7 +151,12 @@ async def rounds(bench_app: Any) -> tuple[dict[str, list[float]], dict[str, list
         started = time.perf_counter()
         raw()
         times.setdefault(f"{COUNT} raw apply_async", []).append(time.perf_counter() - started)
+
+        elapsed, lag = await with_ticker(apublish_broker_down)
+        times.setdefault(f"{DOWN_COUNT} apublish, broker down", []).append(elapsed)
+        lags.setdefault(f"{DOWN_COUNT} apublish, broker down", []).extend(lag)
     await bench_app.questpie.aclose()
+    await down.aclose()
     bench_app.celery_app.connection_for_write().default_channel.client.delete(queue)
     return times, lags
 
@@ -149,9 +174,16 @@ def main() -> None:
         os.environ["BENCH_LEDGER"] = postgres.url()
         bench_app = importlib.import_module("bench.app")
         bench_app.questpie.migrate()
+        # The same ledger, a broker nothing listens on: every send is refused (and said
+        # so at WARNING, twice a round: not this benchmark's news).
+        logging.getLogger("questpie_celery.outbox").setLevel(logging.ERROR)
+        _, down = jobapp.build(broker=f"redis://127.0.0.1:{free_port()}/0", ledger=postgres.url())
         if os.environ.get("BENCH_GC_FREEZE"):
             gc.freeze()  # what a server can do once started: see docs/asyncio.md
-        times, lags = asyncio.run(rounds(bench_app))
+        try:
+            times, lags = asyncio.run(rounds(bench_app, down))
+        finally:
+            down.close()
         bench_app.questpie.close()
     finally:
         redis_server.close()

@@ -7,6 +7,7 @@ import hashlib
 import threading
 import uuid
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -16,6 +17,7 @@ from sqlalchemy.orm import Session
 
 from questpie_celery import BrokerError, PayloadValidationError, PublishOptionsError
 from questpie_celery.ledger import dispatch_table
+from questpie_celery.outbox import PENDING_GRACE_SECONDS, REFUSED_SEND_RETRY_SECONDS
 from questpie_celery.signals import publish_suppressed
 from tests.support.brokers import queue_depth
 from tests.support.stack import Stack, tag
@@ -224,12 +226,17 @@ def test_with_the_broker_down_keyed_items_wait_for_the_relay_and_plain_ones_rais
     ids = record.publish_many([{"tag": t}] * 10, idempotency_keys=[f"{t}-{i}" for i in range(10)])
     assert None not in ids
     assert down.questpie.flush(30)  # the sends (refused) are made after publish returns
+    flushed = down.ledger.now()
+    retry = timedelta(seconds=REFUSED_SEND_RETRY_SECONDS)
+    assert REFUSED_SEND_RETRY_SECONDS < PENDING_GRACE_SECONDS
     for dispatch_id in ids:
         assert dispatch_id is not None
         row = down.row(dispatch_id)
         assert row.status == "pending" and row.next_send_at is not None
-        # Due for the relay within seconds, not after the grace a live publisher gets.
-        assert (row.next_send_at - row.created_at).total_seconds() <= 6
+        # Due for the relay REFUSED_SEND_RETRY_SECONDS after the refusal (which came
+        # after the row was written and before the flush returned), not after the grace
+        # a live publisher gets.
+        assert row.created_at + retry <= row.next_send_at <= flushed + retry
     # Without a key or a policy, an item has no ledger row: as apply_async, a refusal raises.
     with pytest.raises(BrokerError):
         record.publish_many([{"tag": t}] * 3)

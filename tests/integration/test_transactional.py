@@ -10,7 +10,6 @@ publisher itself.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,7 +24,6 @@ from questpie_celery import (
     derive_dispatch_id,
 )
 from questpie_celery.ledger import dispatch_table, open_ledger
-from questpie_celery.outbox import PENDING_GRACE_SECONDS
 from tests.support.brokers import capture, deliver, idle_queue, queue_depth
 from tests.support.services import PostgresServer
 from tests.support.stack import Stack, tag
@@ -51,13 +49,15 @@ def dispatch_rows(url: str) -> int:
         engine.dispose()
 
 
-def assert_sent_promptly(stack: Stack, idle: str, dispatch_id: str, committed: float) -> None:
-    """The dispatch's first message is in `idle` within PROMPT_SECONDS of the commit,
-    and it is a message the worker runs exactly once."""
+def assert_sent_promptly(stack: Stack, idle: str, dispatch_id: str) -> None:
+    """The dispatch's first message is in `idle`, sent by the publisher after the commit
+    (the relay, which leaves the fresh row alone for PENDING_GRACE_SECONDS, never took
+    it), and it is a message the worker runs exactly once."""
     message = capture(stack, idle, timeout=PROMPT_SECONDS)
-    assert time.monotonic() - committed < PROMPT_SECONDS < PENDING_GRACE_SECONDS
     assert message.headers["id"] == dispatch_id
     assert message.headers["questpie"]["attempt"] == 1
+    # A relay's send counts itself on the row (until a claim); the publisher's does not.
+    assert stack.row(dispatch_id).send_count == 0
     assert queue_depth(stack, idle) == 0  # one message, not two
     deliver(stack, message)
     row = stack.wait_status(dispatch_id, "completed")
@@ -91,8 +91,7 @@ def test_session_publish_in_released_savepoint_is_sent_promptly_after_outer_comm
         assert dispatch_id is not None
         assert queue_depth(pg_redis, idle) == 0
         assert pg_redis.ledger.get(dispatch_id) is None
-    committed = time.monotonic()
-    assert_sent_promptly(pg_redis, idle, dispatch_id, committed)
+    assert_sent_promptly(pg_redis, idle, dispatch_id)
     assert [r["attempt"] for r in pg_redis.runs(t)] == [1]
 
 
@@ -114,8 +113,7 @@ def test_session_publish_before_an_unrelated_savepoint_is_sent_promptly(
             nested.rollback()
         assert queue_depth(pg_redis, idle) == 0
     assert dispatch_id is not None
-    committed = time.monotonic()
-    assert_sent_promptly(pg_redis, idle, dispatch_id, committed)
+    assert_sent_promptly(pg_redis, idle, dispatch_id)
     assert [r["attempt"] for r in pg_redis.runs(t)] == [1]
 
 
@@ -278,15 +276,12 @@ def test_a_callers_open_transaction_does_not_hang_other_publishers(
     t, key = tag(), f"open-tx-{tag()}"
     client = pg_redis.questpie.queue.policy_exclusive
     outcome: list[BaseException | str | None] = []
-    elapsed: list[float] = []
 
     def rival() -> None:
-        started = time.monotonic()
         try:
             outcome.append(client.publish({"tag": t + "-rival"}, singleton_key=key))
         except BaseException as exc:
             outcome.append(exc)
-        elapsed.append(time.monotonic() - started)
 
     with Session(caller_engine) as session, session.begin():
         held = client.publish({"tag": t}, singleton_key=key, session=session)
@@ -294,11 +289,12 @@ def test_a_callers_open_transaction_does_not_hang_other_publishers(
         thread = threading.Thread(target=rival)
         thread.start()
         thread.join(60)
+        # Ended while the caller's transaction is still open: it did not wait for it.
         assert not thread.is_alive(), "the rival publish hung on the caller's transaction"
+        assert session.in_transaction()
     assert len(outcome) == 1
     assert isinstance(outcome[0], LedgerError), outcome[0]
     assert "lock_timeout" in str(outcome[0])
-    assert elapsed[0] < 30
     # The caller's dispatch is unharmed: sent after its commit, it runs once.
     assert pg_redis.wait_status(held, "completed").attempt == 1
     assert len(pg_redis.runs(t)) == 1
