@@ -15,16 +15,20 @@ every long run in the process be run twice) and is restarted if it ever dies.
 
 A process that stalls (stopped by a signal or a debugger, a paused VM or container, a
 swap storm) renews nothing while it stands still: its claim may lapse, the relay may
-end it and a retry may start elsewhere. So the run stops when its process wakes and
-finds that its claim may lapse before a renewal could land: past five sixths of a lease
-since the last renewal that succeeded, with no failed renewal to explain it (or a renewal thread
-that woke more than a renewal interval late), or a renewal that found the claim gone.
-A prefork pool process then ends itself at once, before it renews or records anything:
-its run may be another's by now. The renewal thread sees the stall as soon as it runs
-again, and a stopped process that is continued (SIGCONT) checks in its main thread,
-the handler's, before any more of the handler's Python runs. Pools that run handlers
-in threads of the worker itself cannot end one run alone: there the run goes on, its
-outcome is not recorded, and `ctx.fencing_token` is what keeps its late writes out.
+end it and a retry may start elsewhere. So a run whose process stood still until a
+whole lease had passed since its last renewal was sent (the ledger's lease runs from no
+earlier) is in doubt, and so is one whose renewal finds the claim gone: a prefork pool
+process then ends itself at once, before it renews or records anything, since its run
+may be another's by now. A stood-still process is one whose renewal thread woke later
+than it asked by `STOOD_STILL_SECONDS` (it sees that as soon as it runs again), or one
+continued after a stop (SIGCONT: the check runs in its main thread, the handler's,
+before any more of the handler's Python does), or one whose claim is already a lease old
+when its handler is about to begin. A process that stood still for less keeps its
+claim: the renewal that follows lands in time. A slow or unreachable ledger is not a
+stall: renewals that hang or fail leave the run going, and the next one that goes
+through says whether the claim is still its own. Pools that run handlers in threads of
+the worker itself cannot end one run alone: there the run goes on, its outcome is not
+recorded, and `ctx.fencing_token` is what keeps its late writes out.
 """
 
 from __future__ import annotations
@@ -50,11 +54,9 @@ log = logging.getLogger(__name__)
 
 #: How soon a renewal that failed is tried again.
 RENEW_RETRY_SECONDS = 1.0
-#: Past this share of a lease since the last renewal that succeeded, a claim is in doubt:
-#: renewals come every third of a lease, so one and a half were missed, and less than half
-#: a renewal interval is left before the ledger may take the claim for lapsed. (Earlier,
-#: a late renewal still lands in time: a loaded machine's slow thread is not a stall.)
-DOUBT_AFTER_LEASE_SHARE = 5 / 6
+#: The renewal thread waking this much later than it asked (or a renewal interval, if
+#: less) means the process stood still: a loaded machine runs a thread late by less.
+STOOD_STILL_SECONDS = 1.0
 #: How long past a run's hard time limit a prefork pool process goes on renewing its
 #: claim: the pool kills the process at the limit, so renewals end with it; the margin
 #: covers a kill the pool's event loop makes late, and bounds the claim of a process
@@ -95,7 +97,7 @@ def _watch_for_continue() -> None:
 
     def continued(signum: int, frame: Any) -> None:
         for keeper in list(_keepers):
-            keeper.stop_if_stalled()
+            keeper.stop_if_in_doubt()
         if callable(before):
             before(signum, frame)
 
@@ -194,6 +196,10 @@ class LeaseKeeper:
             renewed_at=now if claimed_at is None else claimed_at,
             ends_process=ends_process,
         )
+        if _in_prefork_child and self._in_doubt(lease, now, stood_still=True):
+            # A lease old already (the process stood still between its claim and here):
+            # the handler must not begin.
+            _end_stalled(lease, now - lease.renewed_at)
         with self._lock:
             self._ensure_thread()
             self._held[token] = lease
@@ -203,31 +209,27 @@ class LeaseKeeper:
             with self._lock:
                 self._held.pop(token, None)
 
-    def stop_if_stalled(self) -> None:
-        """In a prefork pool process, end the process if any claim it holds is in doubt
-        after a stall (see the module's docstring). Takes no lock: it runs in a signal
+    def stop_if_in_doubt(self) -> None:
+        """In a prefork pool process just continued after a stop, end the process if a
+        claim it holds may have lapsed meanwhile. Takes no lock: it runs in a signal
         handler, which may have interrupted a holder of one."""
         if not _in_prefork_child:
             return
         now = time.monotonic()
-        late = self._late(now)
         for lease in list(self._held.values()):
-            if self._in_doubt(lease, now, late):
+            if self._in_doubt(lease, now, stood_still=True):
                 _end_stalled(lease, now - lease.renewed_at)
 
-    def _late(self, now: float) -> float:
-        """How much later than asked the renewal thread's current sleep is (0 when it is
-        not asleep): time in which this process did not run."""
-        return max(now - self._wake_at, 0.0)
+    def _stood_still(self, now: float) -> bool:
+        """Whether the renewal thread's sleep ended much later than it asked: time in
+        which this process did not run."""
+        return now - self._wake_at >= min(STOOD_STILL_SECONDS, self._interval)
 
-    def _in_doubt(self, lease: Lease, now: float, late: float) -> bool:
-        """Whether `lease`'s claim may have lapsed while this process stood still: past
-        `DOUBT_AFTER_LEASE_SHARE` of a lease since its last renewal, and no failing
-        renewal explains it (or the renewal thread itself woke a renewal interval late).
-        A ledger out of reach is not a stall: the run goes on, and its next renewal says
-        whether the claim is still its own."""
-        overdue = now - lease.renewed_at >= self.lease_seconds * DOUBT_AFTER_LEASE_SHARE
-        return overdue and (lease.failing is None or late > self._interval)
+    def _in_doubt(self, lease: Lease, now: float, *, stood_still: bool) -> bool:
+        """Whether `lease`'s claim may have lapsed while this process stood still: a whole
+        lease since its last renewal was sent. Time spent waiting on a slow or unreachable
+        ledger is not standing still: the next renewal that lands says."""
+        return stood_still and now - lease.renewed_at >= self.lease_seconds
 
     def _ensure_thread(self) -> None:
         if self._thread is not None and self._thread.is_alive():
@@ -245,14 +247,14 @@ class LeaseKeeper:
             pause = retry if failed else interval
             self._wake_at = time.monotonic() + pause
             time.sleep(pause)
-            late = self._late(time.monotonic())
+            stood_still = self._stood_still(time.monotonic())
             self._wake_at = float("inf")
             with self._lock:
                 due = list(self._held.values())
             failed = False
             for lease in due:
                 try:
-                    failed = not self._renew(lease, late) or failed
+                    failed = not self._renew(lease, stood_still) or failed
                 except Exception:
                     # Whatever went wrong, the other claims still need renewing.
                     log.exception("renewing the claim of dispatch %s failed", lease.dispatch_id)
@@ -260,14 +262,14 @@ class LeaseKeeper:
             if due:
                 self._ledger.idle()
 
-    def _renew(self, lease: Lease, late: float = 0.0) -> bool:
+    def _renew(self, lease: Lease, stood_still: bool = False) -> bool:
         """Renew one claim; False when the ledger could not be reached."""
         started = time.monotonic()
         if started >= lease.deadline:
             if lease.ends_process:
                 self._end_process(lease)
             return True  # past its cap: let the lease lapse
-        if _in_prefork_child and self._in_doubt(lease, started, late):
+        if _in_prefork_child and self._in_doubt(lease, started, stood_still=stood_still):
             self._end_if_held(lease, started)
             return True
         try:
@@ -297,10 +299,6 @@ class LeaseKeeper:
         lease.failing = None
         if renewed is not None:
             lease.renewed_at = started
-            if _in_prefork_child and self._in_doubt(lease, time.monotonic(), 0.0):
-                # The process stood still during the renewal itself: when the ledger
-                # renewed it is unknown, so the claim was in doubt meanwhile.
-                self._end_if_held(lease, started)
             if renewed.cancel_requested and not lease.cancel_requested:
                 log.info(
                     "dispatch %s was cancelled while it runs: it goes on, and is not retried",

@@ -15,7 +15,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -25,7 +25,7 @@ from questpie_celery.errors import LedgerUnavailableError
 from questpie_celery.leases import LeaseKeeper
 from questpie_celery.ledger import Ledger, open_ledger
 from questpie_celery.ledger.claims import Renewal
-from tests.unit.helpers import IdleApp, new_dispatch, sqlite_url, wait_until
+from tests.unit.helpers import IdleApp, new_dispatch, sqlite_now, sqlite_url, wait_until
 
 LEASE = 0.3  # renewed every 0.1 s
 
@@ -298,8 +298,9 @@ def _stall_past_the_lease(ledger: Ledger, pid: int, dispatch_id: str) -> float:
     monotonic time just before it was continued."""
     os.kill(pid, signal.SIGSTOP)
     wait_until(lambda: _stopped(pid), "the process to stop")
+    # Well past the lapse: a process continued right at it may still renew in time.
     wait_until(
-        lambda: any(row.id == dispatch_id for row in ledger.expired_claims()),
+        lambda: sqlite_now(ledger) - _expires(ledger, dispatch_id) > timedelta(seconds=0.5),
         "the claim to lapse while its process stands still",
     )
     resumed_at = time.monotonic()
@@ -402,5 +403,51 @@ def test_a_ledger_out_of_reach_longer_than_a_lease_is_not_a_stall(tmp_path: Path
         assert os.waitpid(pid, os.WNOHANG) == (0, 0), "the process ended"
     finally:
         os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    os.close(read)
+
+
+def test_a_renewal_that_answers_late_but_in_time_does_not_end_the_pool_process(
+    tmp_path: Path,
+) -> None:
+    """One renewal takes 0.6 of a lease to answer (a paused pooler, a lock wait: no
+    failure, an answer late). The claim never lapses and the process never stood still:
+    a stalled ledger is not a stalled process, and the run goes on."""
+    url = sqlite_url(tmp_path)
+    ledger = open_ledger(url)
+    ledger.migrate()
+    dispatch_id, token = _claimed_for_stall(ledger)
+    slow = tmp_path / "slow"
+
+    def slow_once(child: Ledger) -> Callable[[str, str, float], Renewal | None]:
+        renew = child.renew_lease
+        answered_late: list[bool] = []
+
+        def renewing(dispatch_id: str, token: str, lease_seconds: float) -> Renewal | None:
+            if slow.exists() and not answered_late:
+                answered_late.append(True)
+                time.sleep(0.6 * STALL_LEASE)  # the ledger's stall, in the ledger's place
+            return renew(dispatch_id, token, lease_seconds)
+
+        return renewing
+
+    pid, read = _hold_in_a_pool_process(
+        url, dispatch_id, token, watch_continue=True, renew=slow_once
+    )
+    try:
+        with os.fdopen(os.dup(read), "rb", buffering=0) as pipe:
+            assert pipe.readline() == b"holding\n"
+        slow.touch()
+        # The slow renewal, and two after it, land: each moves the lease's end.
+        mark = _expires(ledger, dispatch_id)
+        for _ in range(3):
+            mark = wait_until(
+                lambda seen=mark: _advanced_past(ledger, dispatch_id, seen), "the next renewal"
+            )
+        assert os.waitpid(pid, os.WNOHANG) == (0, 0), "a slow ledger was taken for a stall"
+        assert not any(row.id == dispatch_id for row in ledger.expired_claims())
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
     os.close(read)
