@@ -374,7 +374,12 @@ def test_manage_py_migrate_makes_the_ledger_questpie_celery_migrate_makes(
         applied = conn.execute(
             text("SELECT name FROM django_migrations WHERE app = 'questpie_celery'")
         ).scalars()
-        assert list(applied) == ["0001_ledger", "0002_admin_models", "0003_dispatch_ids"]
+        assert list(applied) == [
+            "0001_ledger",
+            "0002_admin_models",
+            "0003_dispatch_ids",
+            "0004_claim_generation",
+        ]
 
 
 def test_the_worker_finds_the_apps_jobs_without_a_list(project: DjangoProject) -> None:
