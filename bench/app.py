@@ -15,10 +15,10 @@ from sqlalchemy import create_engine
 
 from bench.floor import CLAIM, FINISH
 from questpie_celery import JobContext, Questpie, job
-from questpie_celery.broker import MessageHeader
 from questpie_celery.ledger import DispatchRow
 from questpie_celery.ledger.claims import ClaimStatements
 from questpie_celery.ledger.direct import DriverStatement
+from questpie_celery.send.broker import MessageHeader
 
 celery_app = Celery("bench", broker=os.environ.get("BENCH_BROKER", "memory://"))
 celery_app.conf.update(

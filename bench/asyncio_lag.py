@@ -176,7 +176,7 @@ def main() -> None:
         bench_app.questpie.migrate()
         # The same ledger, a broker nothing listens on: every send is refused (and said
         # so at WARNING, twice a round: not this benchmark's news).
-        logging.getLogger("questpie_celery.outbox").setLevel(logging.ERROR)
+        logging.getLogger("questpie_celery.send.outbox").setLevel(logging.ERROR)
         _, down = jobapp.build(broker=f"redis://127.0.0.1:{free_port()}/0", ledger=postgres.url())
         if os.environ.get("BENCH_GC_FREEZE"):
             gc.freeze()  # what a server can do once started: see docs/asyncio.md

@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from questpie_celery import JobContext, Questpie  # noqa: E402
 from questpie_celery.beat import LedgerScheduler  # noqa: E402
-from questpie_celery.jobs import JobDefinition  # noqa: E402
+from questpie_celery.jobs.definition import JobDefinition  # noqa: E402
 from tests.support.services import PostgresServer, RedisServer  # noqa: E402
 
 SCHEDULES = int(os.environ.get("BENCH_SCHEDULES", "10000"))

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.run import until_sent  # noqa: E402
-from questpie_celery.ids import random_dispatch_id  # noqa: E402
+from questpie_celery.jobs.ids import random_dispatch_id  # noqa: E402
 from tests.support.services import PostgresServer, RedisServer  # noqa: E402
 
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "5"))

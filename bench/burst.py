@@ -44,8 +44,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench.run import BARE_INSERT, until_sent  # noqa: E402
 from questpie_celery import Questpie  # noqa: E402
-from questpie_celery.ids import random_dispatch_id  # noqa: E402
-from questpie_celery.send_behind import GATHER_ROWS, GATHER_SECONDS  # noqa: E402
+from questpie_celery.jobs.ids import random_dispatch_id  # noqa: E402
+from questpie_celery.send.behind import GATHER_ROWS, GATHER_SECONDS  # noqa: E402
 from tests.support.services import PostgresServer, RedisServer  # noqa: E402
 
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "7"))

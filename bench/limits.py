@@ -77,9 +77,9 @@ sys.path.insert(0, str(ROOT))
 from bench.cpu import CpuMeter  # noqa: E402
 from bench.fixture import fill  # noqa: E402
 from bench.floor import CLAIM, FINISH  # noqa: E402
-from questpie_celery.ids import random_dispatch_id  # noqa: E402
+from questpie_celery.jobs.ids import random_dispatch_id  # noqa: E402
+from questpie_celery.jobs.options import StoredOptions  # noqa: E402
 from questpie_celery.ledger import Ledger, NewDispatch, open_ledger  # noqa: E402
-from questpie_celery.options import StoredOptions  # noqa: E402
 from tests.support.services import PostgresServer, child_pids  # noqa: E402
 
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "7"))

@@ -45,8 +45,8 @@ import redis
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from questpie_celery.broker import HARD_TIME_LIMIT_GRACE_SECONDS  # noqa: E402
-from questpie_celery.options import DEFAULT_EXPIRE_IN_SECONDS  # noqa: E402
+from questpie_celery.jobs.options import DEFAULT_EXPIRE_IN_SECONDS  # noqa: E402
+from questpie_celery.send.broker import HARD_TIME_LIMIT_GRACE_SECONDS  # noqa: E402
 from tests.support.services import PostgresServer, RedisServer, Worker  # noqa: E402
 
 RUNS = int(os.environ.get("BENCH_RUNS", "100000"))

@@ -52,9 +52,9 @@ sys.path.insert(0, str(ROOT))
 
 from bench.fixture import fill  # noqa: E402
 from questpie_celery import JobContext, Questpie, job  # noqa: E402
+from questpie_celery.jobs.options import FIRE_KEY_PREFIX  # noqa: E402
 from questpie_celery.ledger import Ledger  # noqa: E402
-from questpie_celery.options import FIRE_KEY_PREFIX  # noqa: E402
-from questpie_celery.retention import RETENTION_BATCH, Retention  # noqa: E402
+from questpie_celery.worker.retention import RETENTION_BATCH, Retention  # noqa: E402
 from tests.support.services import PostgresServer  # noqa: E402
 
 SMALL = int(os.environ.get("BENCH_SMALL", "10000"))

@@ -46,10 +46,10 @@ sys.path.insert(0, str(ROOT))
 
 from bench.run import BARE_INSERT, timed  # noqa: E402
 from questpie_celery import Questpie  # noqa: E402
-from questpie_celery.ids import derive_dispatch_id, random_dispatch_id  # noqa: E402
+from questpie_celery.jobs.ids import derive_dispatch_id, random_dispatch_id  # noqa: E402
+from questpie_celery.jobs.options import resolve_options  # noqa: E402
 from questpie_celery.ledger.direct import DriverStatement  # noqa: E402
 from questpie_celery.ledger.dispatches import DispatchStatements  # noqa: E402
-from questpie_celery.options import resolve_options  # noqa: E402
 from tests.support.services import PostgresServer, RedisServer, Worker  # noqa: E402
 
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "7"))

@@ -46,8 +46,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from questpie_celery import JobContext, Questpie  # noqa: E402
-from questpie_celery.jobs import JobDefinition  # noqa: E402
-from questpie_celery.relay import RELAY_BATCH_SIZE  # noqa: E402
+from questpie_celery.jobs.definition import JobDefinition  # noqa: E402
+from questpie_celery.worker.relay import RELAY_BATCH_SIZE  # noqa: E402
 from tests.support.services import PostgresServer, RedisServer  # noqa: E402
 
 ROWS = int(os.environ.get("BENCH_ROWS", "10000"))

@@ -31,9 +31,9 @@ import redis
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from questpie_celery.ids import random_dispatch_id  # noqa: E402
+from questpie_celery.jobs.ids import random_dispatch_id  # noqa: E402
+from questpie_celery.jobs.options import StoredOptions  # noqa: E402
 from questpie_celery.ledger import NewDispatch, open_ledger  # noqa: E402
-from questpie_celery.options import StoredOptions  # noqa: E402
 from tests.support.services import PostgresServer, RedisServer, Worker  # noqa: E402
 
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "5"))

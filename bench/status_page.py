@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.fixture import fill  # noqa: E402
 from questpie_celery.ledger import open_ledger  # noqa: E402
-from questpie_celery.operations import Operator  # noqa: E402
+from questpie_celery.ops.operations import Operator  # noqa: E402
 from questpie_celery.web import render  # noqa: E402
 from tests.support.services import PostgresServer  # noqa: E402
 

@@ -30,12 +30,12 @@ if _typing.TYPE_CHECKING:
         UnknownDispatchError,
         UnknownJobError,
     )
-    from .ids import derive_dispatch_id
-    from .jobs import JobContext, JobDefinition, job
+    from .jobs.definition import JobContext, JobDefinition, job
+    from .jobs.ids import derive_dispatch_id
+    from .jobs.options import JobOptions
+    from .jobs.policies import QueuePolicy, QueuePolicyName
     from .ledger import metadata
-    from .options import JobOptions
-    from .policies import QueuePolicy, QueuePolicyName
-    from .receipts import DispatchStatus, Receipt
+    from .ops.receipts import DispatchStatus, Receipt
 
 #: Each exported name and the module it comes from.
 _FROM = {
@@ -62,16 +62,16 @@ _FROM = {
         ),
         ".errors",
     ),
-    "derive_dispatch_id": ".ids",
-    "JobContext": ".jobs",
-    "JobDefinition": ".jobs",
-    "job": ".jobs",
+    "derive_dispatch_id": ".jobs.ids",
+    "JobContext": ".jobs.definition",
+    "JobDefinition": ".jobs.definition",
+    "job": ".jobs.definition",
     "metadata": ".ledger",
-    "JobOptions": ".options",
-    "QueuePolicy": ".policies",
-    "QueuePolicyName": ".policies",
-    "DispatchStatus": ".receipts",
-    "Receipt": ".receipts",
+    "JobOptions": ".jobs.options",
+    "QueuePolicy": ".jobs.policies",
+    "QueuePolicyName": ".jobs.policies",
+    "DispatchStatus": ".ops.receipts",
+    "Receipt": ".ops.receipts",
 }
 
 __all__ = [

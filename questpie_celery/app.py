@@ -1,7 +1,7 @@
 """`Questpie`: binds job definitions, a Celery app and a dispatch ledger together.
 
 Its options are validated in `settings.py` and its parts made and wired in
-`wiring.py`; what is here is the front: registering jobs, Celery's hooks, and the
+`config/wiring.py`; what is here is the front: registering jobs, Celery's hooks, and the
 operations a project calls.
 """
 
@@ -24,10 +24,10 @@ from celery import Celery
 from celery.signals import worker_init
 from sqlalchemy import Engine
 
-from .bootstep import relay_step
-from .broker import configure_app, use_ledger_scheduler, visibility_timeout
+from ._runtime.outages import Outage
 from .client import JobClient
-from .context import ContextFactory
+from .config.settings import DEFAULT_LEASE_SECONDS, Durability, Settings, given_ledger, period
+from .config.wiring import wire
 from .errors import (
     ConfigurationError,
     JobDefinitionError,
@@ -35,17 +35,17 @@ from .errors import (
     PublishOptionsError,
     QuestpieError,
 )
-from .jobs import HandlerContext, JobDefinition, P, declared_jobs, job
-from .operations import Operator
-from .options import JobOptions
-from .outages import Outage
-from .outbox import DEFAULT_REDELIVER_AFTER_SECONDS
-from .policies import QueuePolicy
-from .relay import DEFAULT_RELAY_INTERVAL_SECONDS
-from .retention import DEFAULT_RETENTION_SECONDS, Pruned
-from .schedules import DEFAULT_FIRE_RETENTION_SECONDS, Schedules
-from .settings import DEFAULT_LEASE_SECONDS, Durability, Settings, given_ledger, period
-from .wiring import wire
+from .jobs.context import ContextFactory
+from .jobs.definition import HandlerContext, JobDefinition, P, declared_jobs, job
+from .jobs.options import JobOptions
+from .jobs.policies import QueuePolicy
+from .ops.operations import Operator
+from .publish.schedules import DEFAULT_FIRE_RETENTION_SECONDS, Schedules
+from .send.broker import configure_app, use_ledger_scheduler, visibility_timeout
+from .send.outbox import DEFAULT_REDELIVER_AFTER_SECONDS
+from .worker.bootstep import relay_step
+from .worker.relay import DEFAULT_RELAY_INTERVAL_SECONDS
+from .worker.retention import DEFAULT_RETENTION_SECONDS, Pruned
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class Questpie:
     `context` is a zero-argument factory of the application's services for one run (a
     database session, an HTTP client, settings): handlers get what it builds as
     `ctx.app`. It may return a plain object, a context manager or an async context
-    manager, entered before each run and exited after it (see `questpie_celery.context`).
+    manager, entered before each run and exited after it (see `questpie_celery.jobs.context`).
     Without it, `ctx.app` is None. Tests swap it with `override_context(...)`.
 
     `pooled=True` says the PostgreSQL ledger is reached through a connection pooler in

@@ -34,9 +34,9 @@ from celery.beat import ScheduleEntry, Scheduler
 from celery.schedules import schedule as interval_schedule
 from celery.schedules import solar
 
+from ._runtime.outages import Outage
 from .app import Questpie, questpie_of
 from .errors import ConfigurationError, LedgerUnavailableError, QuestpieError
-from .outages import Outage
 
 log = logging.getLogger(__name__)
 

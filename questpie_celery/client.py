@@ -15,16 +15,16 @@ from sqlalchemy.orm import Session
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
-from .apublish import AsyncPublisher
-from .cancels import Cancellation
 from .errors import JobDefinitionError, PublishOptionsError, UnknownJobError
-from .ids import derive_dispatch_id
-from .jobs import JobDefinition, P, job_attribute_name
-from .keywords import ManyOptions, PublishOptions, unknown_option_message
-from .options import DispatchOptions, resolve_many_options, resolve_options
-from .publish import Publisher
-from .receipts import DispatchStatus, Receipt
-from .schedules import REFUSED_OPTIONS, Schedules
+from .jobs.definition import JobDefinition, P, job_attribute_name
+from .jobs.ids import derive_dispatch_id
+from .jobs.keywords import ManyOptions, PublishOptions, unknown_option_message
+from .jobs.options import DispatchOptions, resolve_many_options, resolve_options
+from .ops.receipts import DispatchStatus, Receipt
+from .publish.aio import AsyncPublisher
+from .publish.publisher import Publisher
+from .publish.schedules import REFUSED_OPTIONS, Schedules
+from .worker.cancels import Cancellation
 
 _MANY_NAMES = ManyOptions.__optional_keys__
 _PUBLISH_NAMES = PublishOptions.__optional_keys__

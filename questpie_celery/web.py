@@ -4,7 +4,7 @@ One page (and the same data as JSON at `/overview.json`): dispatches per job and
 status, what is stuck and why, what failed, parked runs per queue-policy slot, the
 groups of jobs with concurrency or rate limits (running, waiting and why), and
 the relay's backlog over the last hour; and `/metrics`, the figures for Prometheus
-(`metrics.py`). It only reads, so it offers nothing to steer with;
+(`ops/metrics.py`). It only reads, so it offers nothing to steer with;
 `questpie-celery dispatches requeue` does that.
 
 It needs the `web` extra (Starlette, uvicorn, Jinja2, prometheus_client). Every query
@@ -34,13 +34,13 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
 
+from ._runtime.outages import Outage
 from .errors import LedgerUnavailableError, QuestpieError
 from .ledger import Status
 from .ledger.schema import WAITING
-from .metrics import Figures, LedgerCollector, read_figures
-from .operations import Operator, Overview
-from .outages import Outage
-from .receipts import DispatchDetail
+from .ops.metrics import Figures, LedgerCollector, read_figures
+from .ops.operations import Operator, Overview
+from .ops.receipts import DispatchDetail
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from sqlalchemy.sql import Executable
 
 from ..errors import ConfigurationError
-from ..ids import unstorable_id
+from ..jobs.ids import unstorable_id
 from . import inserts
 from .engine import create_async_ledger_engine, runs_in_autocommit
 from .errors import Reruns, translate_errors

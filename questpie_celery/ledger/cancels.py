@@ -17,7 +17,7 @@ from typing import Any, Literal
 from sqlalchemy import ColumnElement, Select, Update, and_, bindparam, func, select, update
 
 from ..errors import LedgerBusyError
-from ..ids import unstorable_id
+from ..jobs.ids import unstorable_id
 from .executor import Executor
 from .rows import DispatchRow
 from .schema import CANCELLABLE, TERMINAL, dispatch_table

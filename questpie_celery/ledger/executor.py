@@ -29,8 +29,8 @@ from sqlalchemy.engine import RowMapping
 from sqlalchemy.sql import ClauseElement, Executable
 from sqlalchemy.sql.elements import TextClause
 
-from ..ids import unstorable_id
-from ..outages import Outage
+from .._runtime.outages import Outage
+from ..jobs.ids import unstorable_id
 from .direct import DriverStatement, LeftToSQLAlchemy, runs_direct
 from .engine import (
     Ambient,
@@ -92,7 +92,7 @@ class Executor:
         #: leaves state on its connection, and relays poll instead of listening.
         self.pooled = pooled
         #: Whether this process reaches the database, as the parts that wait out an
-        #: outage report it (see `outages.py`): they tell the log, not the ledger.
+        #: outage report it (see `_runtime/outages.py`): they tell the log, not the ledger.
         self.outage = Outage("the dispatch ledger")
         self.rebind(engine)
 

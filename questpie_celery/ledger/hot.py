@@ -33,7 +33,7 @@ from contextlib import contextmanager
 
 from sqlalchemy import Connection, Engine
 
-from ..forking import reset_in_child
+from .._runtime.forking import reset_in_child
 
 #: In a forked child, the connections its parent kept: never used, closed or collected.
 _INHERITED: list[Connection] = []

@@ -2,7 +2,7 @@
 for its window, the next waiting run of a group sent on, and each group's counts.
 
 The concurrency limit itself is the claim's seat (`claims.py`, `statements.free_seat`)
-and the seat index (`schema.py`); a run it turns away is parked (`slots.py`) with
+and the seat index (`schema.py`); a run it turns away is parked (`worker/slots.py`) with
 `waiting_for` "concurrency".
 """
 

@@ -1,5 +1,5 @@
 """The queue policy recorded for each job: the one in force, whatever a process's code
-says (see `recorded_policy.py`, which caches it)."""
+says (see `publish/recorded_policy.py`, which caches it)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 from sqlalchemy import ColumnElement, Insert, Select, bindparam, select
 from sqlalchemy.dialects import postgresql, sqlite
 
-from ..policies import QueuePolicy
+from ..jobs.policies import QueuePolicy
 from .executor import Executor
 from .schema import policy_table
 from .statements import db_time, insert_or_nothing

@@ -1,6 +1,6 @@
 """What the ledger keeps of an ended dispatch, one batch per statement: unkeyed rows
 deleted, keyed ones pruned to what answers their key, spent schedule fires and beat tick
-claims deleted, and the time before which rows may be gone (see `retention.py` above,
+claims deleted, and the time before which rows may be gone (see `worker/retention.py` above,
 which decides how long and how often)."""
 
 from __future__ import annotations

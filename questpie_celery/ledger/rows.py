@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
 
-from ..options import StoredOptions
-from ..policies import QueuePolicy
+from ..jobs.options import StoredOptions
+from ..jobs.policies import QueuePolicy
 from .schema import Status
 
 

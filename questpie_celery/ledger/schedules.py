@@ -1,5 +1,5 @@
 """Schedules in the ledger: writing them, the due ones for the beat, moving a fired one
-on, and the one claim per tick of a `beat_schedule` entry (see `schedules.py` and
+on, and the one claim per tick of a `beat_schedule` entry (see `publish/schedules.py` and
 `beat.py` above, which decide what fires)."""
 
 from __future__ import annotations

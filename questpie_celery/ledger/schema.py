@@ -47,8 +47,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.types import DateTime, TypeDecorator
 
-from ..options import StoredOptions
-from ..policies import QueuePolicy
+from ..jobs.options import StoredOptions
+from ..jobs.policies import QueuePolicy
 
 SCHEMA_VERSION = 8
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import pytest
 
-    from ..receipts import Dispatch
+    from ..ops.receipts import Dispatch
     from .harness import Harness
 
 FIXTURES = "questpie_celery.testing.fixtures"
@@ -61,7 +61,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def __getattr__(name: str) -> object:
     if name == "Dispatch":
-        return importlib.import_module("..receipts", __name__).Dispatch
+        return importlib.import_module("..ops.receipts", __name__).Dispatch
     if name == "Harness":
         return importlib.import_module(".harness", __name__).Harness
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

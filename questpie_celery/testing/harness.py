@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any
 from celery import signals
 
 from ..client import JobClient
-from ..jobs import JobDefinition
-from ..operations import MAX_PAGE
-from ..receipts import Dispatch, DispatchDetail
+from ..jobs.definition import JobDefinition
+from ..ops.operations import MAX_PAGE
+from ..ops.receipts import Dispatch, DispatchDetail
 
 if TYPE_CHECKING:
     from ..app import Questpie

@@ -19,7 +19,7 @@ from sqlalchemy import create_engine, text
 
 from questpie_celery import JobContext, Questpie
 from questpie_celery.beat import LedgerScheduler
-from questpie_celery.jobs import JobDefinition
+from questpie_celery.jobs.definition import JobDefinition
 from questpie_celery.ledger import open_ledger
 from tests.support.faultproxy import FaultProxy
 from tests.support.services import Beat, PostgresServer, RedisServer, Worker

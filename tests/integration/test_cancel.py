@@ -17,12 +17,12 @@ import pytest
 from click.testing import CliRunner
 
 from questpie_celery import QuestpieError, UnknownDispatchError
-from questpie_celery.cancels import Cancellation
-from questpie_celery.cli import main
+from questpie_celery.cli.commands import main
+from questpie_celery.jobs.options import StoredOptions
 from questpie_celery.ledger import Ledger, NewDispatch
-from questpie_celery.options import StoredOptions
-from questpie_celery.receipts import Receipt
+from questpie_celery.ops.receipts import Receipt
 from questpie_celery.signals import dispatch_cancelled
+from questpie_celery.worker.cancels import Cancellation
 from tests.integration.conftest import StackFactory, new_stack
 from tests.support.brokers import deliver
 from tests.support.faultproxy import FaultProxy

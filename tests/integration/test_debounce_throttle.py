@@ -24,10 +24,10 @@ from sqlalchemy.orm import Session
 
 from questpie_celery import Questpie, QueuePolicy
 from questpie_celery.errors import PublishOptionsError
+from questpie_celery.jobs.options import StoredOptions
 from questpie_celery.ledger import Ledger, NewDispatch, dispatch_table
 from questpie_celery.ledger.schema import throttle_table
 from questpie_celery.ledger.statements import db_time
-from questpie_celery.options import StoredOptions
 from questpie_celery.signals import publish_suppressed
 from tests.integration.conftest import StackFactory
 from tests.support import jobapp

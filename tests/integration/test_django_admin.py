@@ -25,10 +25,10 @@ from django.test.utils import CaptureQueriesContext
 from sqlalchemy import func, insert, select
 
 from bench.fixture import fill
-from questpie_celery.ids import MAX_DISPATCH_ID_BYTES, derive_dispatch_id
+from questpie_celery.jobs.ids import MAX_DISPATCH_ID_BYTES, derive_dispatch_id
+from questpie_celery.jobs.options import StoredOptions
 from questpie_celery.ledger import Ledger, dispatch_table, open_ledger
 from questpie_celery.ledger.schema import policy_table, schedule_table
-from questpie_celery.options import StoredOptions
 from tests.support import django_site
 from tests.support.services import PostgresServer
 

@@ -12,8 +12,8 @@ from celery import Celery
 from sqlalchemy import Engine, delete, event, text
 
 from questpie_celery import ConfigurationError, Questpie
+from questpie_celery.jobs.options import FIRE_KEY_PREFIX, DispatchOptions, RunOptions
 from questpie_celery.ledger import create_ledger_engine, dispatch_table
-from questpie_celery.options import FIRE_KEY_PREFIX, DispatchOptions, RunOptions
 from tests.support import jobapp
 from tests.support.brokers import capture, deliver
 from tests.support.stack import Stack, tag

@@ -26,7 +26,7 @@ from sqlalchemy import create_engine, select, text
 
 from questpie_celery import QuestpieError
 from questpie_celery.ledger import dispatch_table
-from questpie_celery.schedules import FIRE_KEY_PREFIX
+from questpie_celery.publish.schedules import FIRE_KEY_PREFIX
 from tests.support import jobapp
 from tests.support.background import Background
 from tests.support.services import (

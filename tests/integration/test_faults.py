@@ -33,11 +33,11 @@ from questpie_celery import (
     QuestpieError,
     derive_dispatch_id,
 )
-from questpie_celery.broker import PUBLISH_RETRY_POLICY
-from questpie_celery.cli import main as cli_main
+from questpie_celery._runtime.outages import Outage
+from questpie_celery.cli.commands import main as cli_main
 from questpie_celery.ledger import DispatchRow, open_ledger
-from questpie_celery.outages import Outage
-from questpie_celery.outbox import PENDING_GRACE_SECONDS, REFUSED_SEND_RETRY_SECONDS
+from questpie_celery.send.broker import PUBLISH_RETRY_POLICY
+from questpie_celery.send.outbox import PENDING_GRACE_SECONDS, REFUSED_SEND_RETRY_SECONDS
 from tests.integration.conftest import StackFactory
 from tests.support import jobapp
 from tests.support.brokers import capture, deliver, idle_queue
@@ -415,7 +415,7 @@ def test_a_relay_whose_broker_goes_away_says_so_once_reminds_and_says_when_it_is
     assert "Error" in down.getMessage().split("(", 1)[1], log  # the cause's class
     assert not [r for r in records if r.exc_info], log  # no traceback
     loud = [r for r in records if r.levelno >= logging.WARNING and r.name.startswith("questpie")]
-    assert all(r.name == "questpie_celery.outages" for r in loud), log
+    assert all(r.name == "questpie_celery._runtime.outages" for r in loud), log
     assert said("refused the relay's send") and all(
         r.levelno == logging.INFO for r in said("refused the relay's send")
     ), log

@@ -22,8 +22,8 @@ from hypothesis import HealthCheck, example, given, reject, settings
 from hypothesis import strategies as st
 from sqlalchemy import select
 
-from questpie_celery.broker import MessageHeader
-from questpie_celery.fence import EARLY_WAIT_SECONDS
+from questpie_celery.send.broker import MessageHeader
+from questpie_celery.worker.fence import EARLY_WAIT_SECONDS
 from tests.integration.conftest import StackFactory, new_stack
 from tests.support import jobapp
 from tests.support.brokers import capture, deliver, idle_queue

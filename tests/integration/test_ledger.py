@@ -32,7 +32,9 @@ from sqlalchemy import (
 )
 
 from questpie_celery import LedgerBusyError, LedgerSchemaError, LedgerUnavailableError, metadata
-from questpie_celery.ids import MAX_DISPATCH_ID_BYTES, random_dispatch_id, unstorable_id
+from questpie_celery.jobs.ids import MAX_DISPATCH_ID_BYTES, random_dispatch_id, unstorable_id
+from questpie_celery.jobs.options import RunOptions, StoredOptions
+from questpie_celery.jobs.policies import QueuePolicy
 from questpie_celery.ledger import (
     LEASE_EXPIRED,
     SCHEMA_VERSION,
@@ -47,9 +49,7 @@ from questpie_celery.ledger.direct import DriverStatement
 from questpie_celery.ledger.hot import HotConnection
 from questpie_celery.ledger.schema import TERMINAL, UTCDateTime, schema_version_table
 from questpie_celery.ledger.statements import by_id, db_time
-from questpie_celery.options import RunOptions, StoredOptions
-from questpie_celery.policies import QueuePolicy
-from questpie_celery.receipts import DispatchDetail
+from questpie_celery.ops.receipts import DispatchDetail
 from tests.support.services import PostgresServer, free_port
 from tests.unit.helpers import at_line, wait_until
 

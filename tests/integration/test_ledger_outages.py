@@ -13,7 +13,7 @@ import redis
 from celery import chain
 from celery.result import AsyncResult
 
-from questpie_celery.delivery_wait import CLAIM_PATIENCE_SECONDS
+from questpie_celery.worker.delivery_wait import CLAIM_PATIENCE_SECONDS
 from tests.integration.conftest import StackFactory
 from tests.support import jobapp
 from tests.support.brokers import deliver

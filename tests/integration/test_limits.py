@@ -22,14 +22,14 @@ from click.testing import CliRunner
 from sqlalchemy import inspect, text, update
 from sqlalchemy.exc import IntegrityError
 
-from questpie_celery.broker import Sender
-from questpie_celery.cli import main
+from questpie_celery.cli.commands import main
+from questpie_celery.jobs.limits import Limits
+from questpie_celery.jobs.options import StoredOptions
 from questpie_celery.ledger import SCHEMA_VERSION, Claim, Ledger, NewDispatch, dispatch_table
 from questpie_celery.ledger.errors import Reruns, SlotTaken
-from questpie_celery.limits import Limits
-from questpie_celery.options import StoredOptions
-from questpie_celery.outbox import Outbox
-from questpie_celery.slots import Slots
+from questpie_celery.send.broker import Sender
+from questpie_celery.send.outbox import Outbox
+from questpie_celery.worker.slots import Slots
 from tests.integration.conftest import StackFactory
 from tests.support.stack import Stack, tag
 from tests.unit.helpers import wait_until

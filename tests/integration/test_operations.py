@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from sqlalchemy import update
 
 from questpie_celery import PublishOptionsError
-from questpie_celery.cli import main
+from questpie_celery.cli.commands import main
 from questpie_celery.ledger import dispatch_table
 from tests.integration.conftest import StackFactory
 from tests.support.stack import Stack, tag

@@ -23,11 +23,11 @@ from hypothesis import strategies as st
 from sqlalchemy import create_engine, func, select, text
 
 from questpie_celery import JobContext, Questpie, job
-from questpie_celery.cli import main
-from questpie_celery.fence import shown_id
-from questpie_celery.ids import MAX_DISPATCH_ID_BYTES, unstorable_id
+from questpie_celery.cli.commands import main
+from questpie_celery.jobs.ids import MAX_DISPATCH_ID_BYTES, unstorable_id
 from questpie_celery.ledger import dispatch_table, policy_table
 from questpie_celery.signals import publish_suppressed
+from questpie_celery.worker.fence import shown_id
 from tests.integration.conftest import StackFactory
 from tests.support import jobapp, routeapp
 from tests.support.brokers import capture, deliver, queue_depth

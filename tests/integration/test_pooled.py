@@ -26,8 +26,9 @@ from sqlalchemy import Engine, create_engine, select, text, update
 from sqlalchemy.orm import Session
 
 from questpie_celery import LedgerBusyError, LedgerUnavailableError, Questpie
-from questpie_celery.cli import main
-from questpie_celery.ids import random_dispatch_id
+from questpie_celery.cli.commands import main
+from questpie_celery.jobs.ids import random_dispatch_id
+from questpie_celery.jobs.options import RunOptions, StoredOptions
 from questpie_celery.ledger import (
     SCHEMA_VERSION,
     Ledger,
@@ -37,7 +38,6 @@ from questpie_celery.ledger import (
 )
 from questpie_celery.ledger.aio import AsyncLedger
 from questpie_celery.ledger.schema import schedule_table
-from questpie_celery.options import RunOptions, StoredOptions
 from tests.integration.conftest import POOLED_SECRET, StackFactory
 from tests.support import jobapp
 from tests.support.brokers import capture, deliver, idle_queue

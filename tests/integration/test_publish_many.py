@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 
 from questpie_celery import BrokerError, PayloadValidationError, PublishOptionsError
 from questpie_celery.ledger import dispatch_table
-from questpie_celery.outbox import PENDING_GRACE_SECONDS, REFUSED_SEND_RETRY_SECONDS
+from questpie_celery.send.outbox import PENDING_GRACE_SECONDS, REFUSED_SEND_RETRY_SECONDS
 from questpie_celery.signals import publish_suppressed
 from tests.support.brokers import queue_depth
 from tests.support.stack import Stack, tag

@@ -28,10 +28,10 @@ from kombu.transport.redis import PublishBatch
 from sqlalchemy import Engine, text, update
 
 from questpie_celery import BrokerError, Questpie
-from questpie_celery.broker import Sender
 from questpie_celery.ledger import dispatch_table
-from questpie_celery.outbox import MAX_RELAY_SENDS, REFUSED_SEND_RETRY_SECONDS, Outbox
-from questpie_celery.outcomes import Unrun
+from questpie_celery.send.broker import Sender
+from questpie_celery.send.outbox import MAX_RELAY_SENDS, REFUSED_SEND_RETRY_SECONDS, Outbox
+from questpie_celery.worker.outcomes import Unrun
 from tests.integration.conftest import StackFactory
 from tests.support import jobapp
 from tests.support.brokers import capture, idle_queue, queue_depth
@@ -687,7 +687,7 @@ def test_a_pass_failing_on_a_bug_after_a_ledger_error_still_logs_its_traceback(
     stop = threading.Event()
     relay = threading.Thread(target=lambda: stack.questpie.run_relay(stop=stop), daemon=True)
     try:
-        with caplog.at_level(logging.WARNING, logger="questpie_celery.relay"):
+        with caplog.at_level(logging.WARNING, logger="questpie_celery.worker.relay"):
             with stack.ledger.engine.connect() as conn:
                 # The ledger's engine autocommits; the lock needs a transaction of its own.
                 locker = conn.execution_options(isolation_level="READ COMMITTED")

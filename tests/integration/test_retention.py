@@ -22,14 +22,14 @@ from sqlalchemy import create_engine, delete, insert, inspect, select, text, upd
 from sqlalchemy.orm import Session
 
 from questpie_celery import ConfigurationError, LedgerSchemaError, PublishOptionsError, Questpie
-from questpie_celery.cli import main
-from questpie_celery.ids import derive_dispatch_id, random_dispatch_id
+from questpie_celery.cli.commands import main
+from questpie_celery.jobs.ids import derive_dispatch_id, random_dispatch_id
+from questpie_celery.jobs.options import FIRE_KEY_PREFIX, RunOptions, StoredOptions
 from questpie_celery.ledger import DispatchRow, Ledger, NewDispatch, dispatch_table
 from questpie_celery.ledger.schema import SCHEMA_VERSION, schema_version_table
 from questpie_celery.ledger.statements import db_time
-from questpie_celery.operations import Operator
-from questpie_celery.options import FIRE_KEY_PREFIX, RunOptions, StoredOptions
-from questpie_celery.retention import Retention
+from questpie_celery.ops.operations import Operator
+from questpie_celery.worker.retention import Retention
 from tests.integration.conftest import StackFactory
 from tests.integration.test_ledger import lock_timeouts
 from tests.support.brokers import capture, deliver
@@ -279,7 +279,7 @@ def test_an_older_schema_is_a_schema_error_and_the_relay_says_so_once(
     with pytest.raises(LedgerSchemaError, match="migrate"):
         stale.prune_ended(keyed=False, older_than=0, limit=10, spare_key_prefix=FIRE_KEY_PREFIX)
     retention = Retention(stale, WEEK)
-    with caplog.at_level(logging.WARNING, logger="questpie_celery.retention"):
+    with caplog.at_level(logging.WARNING, logger="questpie_celery.worker.retention"):
         retention.now_and_then()
         retention._next_run = 0.0  # as if five minutes had passed
         retention.now_and_then()

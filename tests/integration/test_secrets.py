@@ -28,7 +28,7 @@ from celery.result import AsyncResult
 from sqlalchemy import Engine, inspect, select, text, update
 
 from questpie_celery import PublishOptionsError, Questpie, Receipt
-from questpie_celery.crypto import fingerprint
+from questpie_celery.jobs.crypto import fingerprint
 from questpie_celery.ledger import dispatch_table
 from tests.integration.conftest import new_stack
 from tests.support import jobapp

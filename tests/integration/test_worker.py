@@ -15,8 +15,8 @@ from celery import chain, chord, group
 from celery.result import AsyncResult
 
 from questpie_celery import LedgerSchemaError, derive_dispatch_id
+from questpie_celery.jobs.options import StoredOptions
 from questpie_celery.ledger import NewDispatch
-from questpie_celery.options import StoredOptions
 from tests.integration.conftest import StackFactory
 from tests.support.brokers import capture, deliver, queue_depth
 from tests.support.jobapp import Work

@@ -61,7 +61,8 @@ from sqlalchemy import (
     update,
 )
 
-from questpie_celery import JobContext, PermanentFailure, Questpie, hub_timer, job
+from questpie_celery import JobContext, PermanentFailure, Questpie, job
+from questpie_celery.worker import hub_timer
 
 runs_metadata = MetaData()
 runs_table = Table(

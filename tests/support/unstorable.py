@@ -1,4 +1,4 @@
-"""Ids no ledger row can have (`questpie_celery.ids.unstorable_id`), and every operation
+"""Ids no ledger row can have (`questpie_celery.jobs.ids.unstorable_id`), and every operation
 that takes a dispatch id, for tests that hold each one's answer to such an id to its
 answer to an id that is merely unknown."""
 
@@ -14,8 +14,8 @@ from click.testing import CliRunner
 from sqlalchemy import Engine, event
 
 from questpie_celery import Questpie
-from questpie_celery.cli import main
-from questpie_celery.ids import MAX_DISPATCH_ID_BYTES, unstorable_id
+from questpie_celery.cli.commands import main
+from questpie_celery.jobs.ids import MAX_DISPATCH_ID_BYTES, unstorable_id
 from questpie_celery.ledger import dispatch_table
 
 #: An id that could be stored, but that no row has.

@@ -19,9 +19,9 @@ from celery import Celery
 from sqlalchemy import func, select, text
 
 from questpie_celery import Questpie
-from questpie_celery.ids import random_dispatch_id
+from questpie_celery.jobs.ids import random_dispatch_id
+from questpie_celery.jobs.options import StoredOptions
 from questpie_celery.ledger import Ledger, NewDispatch, dispatch_table, open_ledger
-from questpie_celery.options import StoredOptions
 from tests.support import jobapp
 
 T = TypeVar("T")

@@ -13,9 +13,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from questpie_celery.broker import HEADER, MAX_ATTEMPT, MessageHeader
 from questpie_celery.errors import InvalidInputError, MalformedHeaderError
-from questpie_celery.options import MAX_EXPIRE_IN_SECONDS, MAX_RETRY_DELAY_SECONDS, RunOptions
+from questpie_celery.jobs.options import MAX_EXPIRE_IN_SECONDS, MAX_RETRY_DELAY_SECONDS, RunOptions
+from questpie_celery.send.broker import HEADER, MAX_ATTEMPT, MessageHeader
 
 run_options = st.builds(
     RunOptions,

@@ -21,8 +21,8 @@ from celery import Celery
 from pydantic import BaseModel
 
 from questpie_celery import ConfigurationError, DispatchStatus, JobContext, Questpie, job
-from questpie_celery.broker import MessageHeader
-from questpie_celery.options import RunOptions
+from questpie_celery.jobs.options import RunOptions
+from questpie_celery.send.broker import MessageHeader
 
 SECRET = "c" * 40
 
@@ -337,7 +337,7 @@ def test_a_failing_close_after_a_handler_error_keeps_the_handlers_error(
     make: Make, caplog: pytest.LogCaptureFixture
 ) -> None:
     questpie = make(context=Tracked(fail_exit=1))
-    with caplog.at_level(logging.WARNING, logger="questpie_celery.context"):
+    with caplog.at_level(logging.WARNING, logger="questpie_celery.jobs.context"):
         dispatch_id = questpie.queue.ctx_once.publish({"fail_times": 1}, idempotency_key="both")
     found = status(questpie, dispatch_id)
     assert (found.status, found.last_error) == ("failed", "ValueError")

@@ -9,7 +9,7 @@ from zoneinfo import ZoneInfo
 import pytest
 
 from questpie_celery import PublishOptionsError
-from questpie_celery.cron import Cron
+from questpie_celery.jobs.cron import Cron
 
 
 def ticks(expression: str, start: datetime, count: int, tz: str = "UTC") -> list[str]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from questpie_celery.crypto import Keyring, Sealed, fingerprint
 from questpie_celery.errors import QuestpieError, SecretDecryptionError
+from questpie_celery.jobs.crypto import Keyring, Sealed, fingerprint
 
 CURRENT = b"c" * 32
 OLD = b"o" * 40

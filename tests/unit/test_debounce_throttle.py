@@ -16,17 +16,17 @@ from sqlalchemy import select
 
 from questpie_celery import JobContext, Questpie, job
 from questpie_celery.errors import PublishOptionsError
-from questpie_celery.ledger import Ledger
-from questpie_celery.ledger.schema import throttle_table
-from questpie_celery.options import (
+from questpie_celery.jobs.options import (
     DEFAULT_DEBOUNCE_MAX_FACTOR,
     MAX_START_AFTER_SECONDS,
     resolve_many_options,
     resolve_options,
     validate_job_options,
 )
-from questpie_celery.retention import Retention
+from questpie_celery.ledger import Ledger
+from questpie_celery.ledger.schema import throttle_table
 from questpie_celery.signals import publish_suppressed
+from questpie_celery.worker.retention import Retention
 from tests.unit.helpers import IdleApp
 
 

@@ -15,8 +15,8 @@ from celery import Celery
 from kombu import Connection, Exchange, Queue
 
 from questpie_celery import Questpie
-from questpie_celery.broker import broker_kind
 from questpie_celery.filesystem import TRANSPORT, Transport
+from questpie_celery.send.broker import broker_kind
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import time
 from kombu.asynchronous import Hub
 from kombu.asynchronous.timer import Timer
 
-from questpie_celery.hub_timer import PURGE_EVERY_SECONDS, drop_cancelled, purge_regularly
+from questpie_celery.worker.hub_timer import PURGE_EVERY_SECONDS, drop_cancelled, purge_regularly
 
 
 def test_cancelled_entries_leave_the_heap_and_the_rest_fire_in_order() -> None:

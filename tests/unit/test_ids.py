@@ -1,7 +1,7 @@
 import uuid
 
 from questpie_celery import derive_dispatch_id
-from questpie_celery.ids import random_dispatch_id
+from questpie_celery.jobs.ids import random_dispatch_id
 
 
 def test_spec_test_vector() -> None:

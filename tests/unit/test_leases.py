@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from questpie_celery import leases, relay
 from questpie_celery.errors import LedgerUnavailableError
-from questpie_celery.leases import LeaseKeeper
 from questpie_celery.ledger import Ledger, open_ledger
 from questpie_celery.ledger.claims import Renewal
+from questpie_celery.worker import leases, relay
+from questpie_celery.worker.leases import LeaseKeeper
 from tests.unit.helpers import IdleApp, new_dispatch, sqlite_now, sqlite_url, wait_until
 
 LEASE = 0.3  # renewed every 0.1 s
@@ -88,7 +88,7 @@ def test_a_renewal_that_raises_does_not_stop_renewing(
     assert any(
         dispatch_id in record.getMessage() and record.levelno >= logging.WARNING
         for record in caplog.records
-        if record.name == "questpie_celery.leases"
+        if record.name == "questpie_celery.worker.leases"
     ), "the failed renewal was not logged"
 
 
@@ -120,14 +120,14 @@ def test_a_renewal_failing_otherwise_after_an_outage_is_a_warning(
     monkeypatch.setattr(ledger, "renew_lease", failing)
     keeper = LeaseKeeper(ledger, lease_seconds=LEASE)
     with (
-        caplog.at_level(logging.DEBUG, logger="questpie_celery.leases"),
+        caplog.at_level(logging.DEBUG, logger="questpie_celery.worker.leases"),
         keeper.hold(dispatch_id, token, 60),
     ):
         wait_until(lambda: failing.calls >= 3, "a renewal after both errors")
     said = [
         (record.levelno, record.getMessage())
         for record in caplog.records
-        if record.name == "questpie_celery.leases" and dispatch_id in record.getMessage()
+        if record.name == "questpie_celery.worker.leases" and dispatch_id in record.getMessage()
     ]
     assert [level for level, message in said if "LedgerUnavailableError" in message] == [
         logging.INFO
@@ -330,6 +330,7 @@ def test_a_pool_process_stopped_past_its_lease_ends_itself_when_it_wakes(
     try:
         with os.fdopen(os.dup(read), "rb", buffering=0) as pipe:
             assert pipe.readline() == b"holding\n"
+            float(pipe.readline())  # the handler took a step
         lapsed_at = _expires(ledger, dispatch_id)
         resumed_at = _stall_past_the_lease(ledger, pid, dispatch_id)
         assert _ended_by(pid) == signal.SIGKILL
@@ -337,7 +338,6 @@ def test_a_pool_process_stopped_past_its_lease_ends_itself_when_it_wakes(
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     steps = _steps(read)
-    assert steps, "the handler never ran"
     if watch_continue:
         assert not [step for step in steps if step > resumed_at], "the handler went on"
     # Nothing renewed the lapsed claim: it is the relay's to end.

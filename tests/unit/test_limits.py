@@ -14,10 +14,10 @@ from pydantic import BaseModel
 from sqlalchemy import select, update
 
 from questpie_celery import JobDefinitionError, PublishOptionsError, job
+from questpie_celery.jobs.limits import NO_LIMITS, Limits, Rate
 from questpie_celery.ledger import Ledger
 from questpie_celery.ledger.schema import rate_permit_table
-from questpie_celery.limits import NO_LIMITS, Limits, Rate
-from questpie_celery.slots import Slots
+from questpie_celery.worker.slots import Slots
 from tests.unit.helpers import IdleApp, new_dispatch, row_count
 
 

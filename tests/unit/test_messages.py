@@ -26,7 +26,7 @@ from questpie_celery import (
     UnknownJobError,
     job,
 )
-from questpie_celery.cli import main
+from questpie_celery.cli.commands import main
 from questpie_celery.ledger import create_ledger_engine, open_ledger
 from questpie_celery.ledger.errors import translate_errors
 from tests.support import jobapp

@@ -9,8 +9,7 @@ from typing import Any
 import pytest
 
 from questpie_celery import JobContext, JobDefinitionError, PublishOptionsError, job
-from questpie_celery.ledger import DispatchRow
-from questpie_celery.options import (
+from questpie_celery.jobs.options import (
     DEFAULT_EXPIRE_IN_SECONDS,
     MAX_EXPIRE_IN_SECONDS,
     MAX_QUEUE_NAME_LENGTH,
@@ -20,6 +19,7 @@ from questpie_celery.options import (
     StoredOptions,
     resolve_options,
 )
+from questpie_celery.ledger import DispatchRow
 from tests.support.jobapp import Work
 from tests.unit.helpers import IdleApp, new_dispatch
 

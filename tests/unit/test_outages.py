@@ -8,8 +8,8 @@ import logging
 
 import pytest
 
+from questpie_celery._runtime.outages import Outage, describe, duration
 from questpie_celery.errors import LedgerUnavailableError
-from questpie_celery.outages import Outage, describe, duration
 
 CAUSE = LedgerUnavailableError("the dispatch ledger database cannot be reached: Connection refused")
 
@@ -28,7 +28,7 @@ def clock() -> Clock:
 
 
 def lines(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == "questpie_celery.outages"]
+    return [r.getMessage() for r in caplog.records if r.name == "questpie_celery._runtime.outages"]
 
 
 def test_one_line_when_it_starts_a_reminder_a_minute_and_one_when_it_ends(

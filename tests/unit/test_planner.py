@@ -1,5 +1,5 @@
 """The decisions of a publish with no ledger and no broker: what a chunk's insert settles
-(planner.py), and what an insert that ran twice counts as inserted (ledger/inserts.py)."""
+(publish/planner.py), and what an insert that ran twice counts as inserted (ledger/inserts.py)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ from typing import Any
 
 import pytest
 
+from questpie_celery.jobs.options import StoredOptions
+from questpie_celery.jobs.policies import QueuePolicy
 from questpie_celery.ledger import NewDispatch, inserts
 from questpie_celery.ledger.dispatches import DispatchStatements
-from questpie_celery.options import StoredOptions
-from questpie_celery.outbox import FirstSend
-from questpie_celery.planner import Chunk, Route
-from questpie_celery.policies import QueuePolicy
+from questpie_celery.publish.planner import Chunk, Route
+from questpie_celery.send.outbox import FirstSend
 
 
 def _row(

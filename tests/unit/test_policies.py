@@ -15,12 +15,12 @@ from pydantic import BaseModel
 from sqlalchemy import BindParameter, Index, text
 
 from questpie_celery import JobContext, QueuePolicy, QueuePolicyName, job
-from questpie_celery.admission import Admission
-from questpie_celery.broker import Sender
-from questpie_celery.delivery_wait import DeliveryWait
 from questpie_celery.errors import DispatchIdError, LedgerBusyError
 from questpie_celery.ledger import Ledger, dispatch_table, open_ledger
+from questpie_celery.send.broker import Sender
 from questpie_celery.signals import publish_suppressed
+from questpie_celery.worker.admission import Admission
+from questpie_celery.worker.delivery_wait import DeliveryWait
 from tests.unit.helpers import IdleApp, new_dispatch, sqlite_now, sqlite_url
 
 # The table of the policies module's docstring, written out: (one_waiting, one_running,
@@ -263,9 +263,9 @@ def test_the_worker_and_publish_lines_keep_the_loggers_operators_filter_on(
 ) -> None:
     """A publish's suppression is told under `questpie_celery.publish`, and what the worker
     tells of a delivery before its run (a suppressed plain delivery, a refused task id)
-    under `questpie_celery.fence`, as before those lines moved to `dispatch_rows.py`,
-    `admission.py` and `delivery_wait.py`: a project's logging configuration names those
-    loggers."""
+    under `questpie_celery.fence`, as before those lines moved to
+    `publish/dispatch_rows.py`, `worker/admission.py` and `worker/delivery_wait.py`: a
+    project's logging configuration names those loggers."""
     short = idle.questpie.queue.policy_short
     with caplog.at_level(logging.INFO):
         assert short.publish({"tag": "a"}, singleton_key="loggers") is not None

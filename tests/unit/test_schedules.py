@@ -30,12 +30,12 @@ from questpie_celery import (
     Questpie,
 )
 from questpie_celery.beat import LedgerScheduler, tick_name
-from questpie_celery.broker import LEDGER_SCHEDULER
-from questpie_celery.cli import main
-from questpie_celery.jobs import JobDefinition
+from questpie_celery.cli.commands import main
+from questpie_celery.jobs.definition import JobDefinition
+from questpie_celery.jobs.options import FIRE_KEY_PREFIX, StoredOptions
 from questpie_celery.ledger import ScheduleRow, dispatch_table, open_ledger
 from questpie_celery.ledger.schema import schedule_table
-from questpie_celery.options import FIRE_KEY_PREFIX, StoredOptions
+from questpie_celery.send.broker import LEDGER_SCHEDULER
 from tests.support import jobapp
 from tests.unit.helpers import IdleApp, row_count, sqlite_url
 

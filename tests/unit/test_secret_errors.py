@@ -108,7 +108,7 @@ def test_no_frame_of_a_failed_secret_run_holds_the_plaintext(eager: Questpie) ->
     assert error.__context__ is None or error.__suppress_context__
     frames = run_frames(error.__traceback__)
     files = [frame.f_code.co_filename for frame in frames]
-    assert any(f.endswith("questpie_celery/fence.py") for f in files), files
+    assert any(f.endswith("questpie_celery/worker/fence.py") for f in files), files
     leaks = [
         (frame.f_code.co_name, name)
         for frame in frames

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from questpie_celery.send_behind import SendBehind
-from questpie_celery.send_threads import SendThreads
+from questpie_celery.send.behind import SendBehind
+from questpie_celery.send.threads import SendThreads
 
 
 @dataclass(frozen=True)

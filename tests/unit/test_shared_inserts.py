@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 
-from questpie_celery import shared_inserts
 from questpie_celery.errors import LedgerBusyError, LedgerUnavailableError
 from questpie_celery.ledger.rows import NewDispatch
-from questpie_celery.shared_inserts import SharedInserts
+from questpie_celery.publish import shared_inserts
+from questpie_celery.publish.shared_inserts import SharedInserts
 from tests.unit.helpers import at_line, new_dispatch, wait_until
 
 

@@ -16,10 +16,10 @@ from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import func, insert, select, text, update
 
-from questpie_celery.cli import main
+from questpie_celery.cli.commands import main
 from questpie_celery.ledger import Ledger, dispatch_table, open_ledger
 from questpie_celery.ledger.schema import backlog_table
-from questpie_celery.operations import Operator
+from questpie_celery.ops.operations import Operator
 from questpie_celery.web import (
     PLOT_WIDTH,
     backlog_plot,
@@ -88,7 +88,7 @@ def test_a_ledger_without_the_table_keeps_its_relay_working(
         first, second = due(idle.ledger, 2)
         stop = threading.Event()
         relay = threading.Thread(target=idle.questpie.run_relay, kwargs={"stop": stop})
-        with caplog.at_level(logging.WARNING, logger="questpie_celery.relay"):
+        with caplog.at_level(logging.WARNING, logger="questpie_celery.worker.relay"):
             relay.start()
             try:
                 wait_until(lambda: idle.ledger.get(first).status == "queued", "the first send")

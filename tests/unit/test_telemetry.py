@@ -150,7 +150,7 @@ def test_without_a_tracer_provider_spans_are_not_made_and_with_one_they_are() ->
     script = """
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
-from questpie_celery import telemetry
+from questpie_celery._runtime import telemetry
 with telemetry.span("questpie.publish", job="j") as before:
     assert before._span is None, "a span was made with no provider set"
 trace.set_tracer_provider(TracerProvider())

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from questpie_celery import PayloadValidationError, PublishOptionsError, QuestpieError
-from questpie_celery.options import FIRE_KEY_PREFIX
+from questpie_celery.jobs.options import FIRE_KEY_PREFIX
 from tests.unit.helpers import IdleApp
 
 VALID = {"tag": "v"}

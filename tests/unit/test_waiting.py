@@ -13,7 +13,7 @@ from celery.exceptions import Ignore, SoftTimeLimitExceeded
 
 from questpie_celery.errors import LedgerBusyError, LedgerSchemaError, LedgerUnavailableError
 from questpie_celery.ledger import Ledger, open_ledger
-from questpie_celery.waiting import TRANSIENT, LedgerWait
+from questpie_celery.worker.waiting import TRANSIENT, LedgerWait
 from tests.unit.helpers import sqlite_url
 
 DOWN = LedgerUnavailableError("the dispatch ledger database cannot be reached: Connection refused")

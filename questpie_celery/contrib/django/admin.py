@@ -33,7 +33,7 @@ from django.urls import URLPattern, reverse
 from django.utils.functional import cached_property
 from django.utils.html import format_html
 
-from ...ids import derive_dispatch_id, unstorable_id
+from ...jobs.ids import derive_dispatch_id, unstorable_id
 from ...ledger.schema import Status
 from ...ledger.views import distinct_job_names, planned_rows
 from .models import Dispatch, Policy, Schedule

@@ -1,7 +1,7 @@
 """The Django project's ledger as `Questpie` finds it: `Questpie(django_database=alias)`,
 or no ledger named at all in a project that installs this app.
 
-Imported by `questpie_celery.settings` only when a Django ledger is asked for or may be
+Imported by `questpie_celery.config.settings` only when a Django ledger is asked for or may be
 implied; Django itself only once a project has imported it or named its settings.
 """
 

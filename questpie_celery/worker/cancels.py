@@ -1,0 +1,93 @@
+"""Cancelling dispatches: `questpie.queue.cancel(...)`, its job form and the CLI's.
+
+Celery's `revoke` lives in the memory of the workers that hear it: a worker that was
+down, restarted or started later never does. A ledgered dispatch's deliveries all claim
+its row first, so ending the row ends the dispatch for every worker at once, whenever
+its message arrives. What the ledger does with each state is `ledger/cancels.py`'s; here
+is what follows: the slot or seat a cancelled run leaves is handed on, the cancel is
+told (a log line and the `dispatch_cancelled` signal), and the caller learns whether the
+dispatch will run again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from ..errors import QuestpieError, UnknownDispatchError
+from ..ledger import Ledger
+from ..signals import dispatch_cancelled
+from .slots import Slots
+
+log = logging.getLogger(__name__)
+
+
+class Cancellation:
+    def __init__(self, ledger: Ledger, slots: Slots | None) -> None:
+        """`slots` hands a freed slot or seat on at once; without (a tool that reaches
+        only the ledger, no broker), the relays' safety net sends the next run soon."""
+        self._ledger = ledger
+        self._slots = slots
+
+    def cancel(self, dispatch_id: str) -> bool:
+        """Cancel a dispatch: True when it will not run again (ended now if it had not
+        started; a running one goes on, is not retried, and its end is `cancelled`);
+        False when it had ended already, and nothing changed.
+
+        Raises `UnknownDispatchError` for an id the ledger holds no row of, and for one
+        no row can have (not a str, empty, a NUL, a lone surrogate, too long).
+        """
+        done = self._ledger.cancel(dispatch_id)
+        if done.outcome == "unknown":
+            raise UnknownDispatchError(
+                f"no dispatch {dispatch_id!r} in the ledger: no such id, retention removed "
+                "its ended row, or it never had one (an unkeyed publish of a standard job "
+                "without limits is a plain Celery message; give it an idempotency key to "
+                "make it cancellable)"
+            )
+        row = done.row
+        assert row is not None
+        if done.outcome == "ended":
+            log.info(
+                "dispatch %s of job %s: not cancelled, it had already ended (%s)",
+                row.id,
+                row.job_name,
+                row.status,
+                extra={"dispatch_id": row.id, "job_name": row.job_name},
+            )
+            return False
+        started = done.outcome == "requested"
+        if started:
+            log.info(
+                "dispatch %s of job %s cancelled while it runs: it goes on, is not retried, "
+                "and ends as cancelled",
+                row.id,
+                row.job_name,
+                extra={"dispatch_id": row.id, "job_name": row.job_name},
+            )
+        else:
+            log.info(
+                "dispatch %s of job %s cancelled (it was %s); it never runs",
+                row.id,
+                row.job_name,
+                done.was,
+                extra={"dispatch_id": row.id, "job_name": row.job_name},
+            )
+            try:
+                if self._slots is not None:
+                    self._slots.hand_on_cancelled(row)
+            except QuestpieError as exc:
+                log.warning(
+                    "dispatch %s: could not hand its slot on (%s); the relay will",
+                    row.id,
+                    exc,
+                    extra={"dispatch_id": row.id, "job_name": row.job_name},
+                )
+        dispatch_cancelled.send(
+            sender=row.job_name, job_name=row.job_name, dispatch_id=row.id, started=started
+        )
+        return True
+
+    async def acancel(self, dispatch_id: str) -> bool:
+        """`cancel()` from an event loop: the ledger's writes run on a worker thread."""
+        return await asyncio.to_thread(self.cancel, dispatch_id)

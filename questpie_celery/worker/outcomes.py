@@ -1,0 +1,249 @@
+"""How an attempt ends: the one routine the worker and the relay both call.
+
+Every end goes through here: the conditional write that records it (only the
+claim holder's token, or the relay's view of a lapsed lease, can move the row),
+the key erasure that is part of every terminal write, handing a freed slot on,
+and for a retry whether its message is sent now (with a countdown) or left in
+the ledger for the relay (a delay beyond the ETA horizon).
+
+A claim holder whose write meets an unreachable ledger (or a row held by another
+transaction) keeps trying for `OUTCOME_PATIENCE_SECONDS`: the write is
+conditional on its fencing token, so trying long is safe, and a database restart
+under a running handler then costs no second run. (The relay gives a lapsed
+lease a grace period after an outage for the same reason; see worker/relay.py.)
+Handing a slot on is best effort: if it fails, the relay hands the slot on.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from celery.exceptions import SoftTimeLimitExceeded
+
+from ..errors import QuestpieError
+from ..ledger import EXPIRED, REVOKED, DispatchRow, Ledger
+from ..send.outbox import Outbox
+from .slots import Slots
+from .waiting import LedgerWait
+
+log = logging.getLogger(__name__)
+
+#: How long a claim holder keeps trying to record its outcome while the ledger is down.
+OUTCOME_PATIENCE_SECONDS = 300.0
+#: Longest pause between two tries of a write while the ledger is unreachable.
+MAX_WRITE_PAUSE_SECONDS = 2.0
+
+Ending = Literal["failed", "retrying", "cancelled", "lost"]
+
+
+@dataclass(frozen=True)
+class Unrun:
+    """A delivery that the worker's main process saw end without running its handler
+    and whose message Celery acknowledged: its pool process was lost (killed, out of
+    memory, past its hard time limit) or its message was rejected (`lost`), or the worker
+    revoked it or dropped it as expired (`revoked`, `expired`). It may have claimed before
+    it ended: whatever is done about it is conditional on the row still waiting for that
+    delivery's claim."""
+
+    dispatch_id: str
+    job_name: str
+    attempt: int  # the claim the delivery was meant to take
+    why: Literal["lost", "revoked", "expired"]
+
+
+class Outcomes:
+    def __init__(self, ledger: Ledger, outbox: Outbox, slots: Slots) -> None:
+        self._ledger = ledger
+        self._outbox = outbox
+        self._slots = slots
+        self._wait = LedgerWait(
+            ledger,
+            patience=OUTCOME_PATIENCE_SECONDS,
+            first_pause=0.1,
+            max_pause=MAX_WRITE_PAUSE_SECONDS,
+        )
+
+    # --- the claim holder (a worker) ------------------------------------------------------
+
+    def completed(self, row: DispatchRow, token: str) -> bool:
+        """Record completion (erasing a secret's key); False if the claim was lost."""
+        if not self._patiently(lambda: self._ledger.finish(row.id, token, "completed", None), row):
+            _lost(row, "finished")
+            return False
+        self._hand_on(row)
+        return True
+
+    def attempt_failed(
+        self,
+        row: DispatchRow,
+        token: str,
+        error: str,
+        *,
+        for_good: bool,
+        carry: Mapping[str, Any] | None = None,
+    ) -> Ending:
+        """Record a failed attempt: a retry while the dispatch has retries left and the
+        failure may mend, else `failed` for good (erasing a secret's key)."""
+        run = row.options.run
+        if for_good or row.attempt > run.retry_limit:
+            if not self._patiently(
+                lambda: self._ledger.finish(row.id, token, "failed", error), row
+            ):
+                _lost(row, "failed")
+                return "lost"
+            self._hand_on(row)
+            return "failed"
+        plan = self._outbox.plan_retry(run.delay_before_retry(row.attempt))
+        if not self._patiently(
+            lambda: self._ledger.retry(
+                row.id, token, retry_in=plan.retry_in, relay_in=plan.relay_in, error=error
+            ),
+            row,
+        ):
+            # Not retried: the claim was lost, or the run was cancelled while it ran,
+            # which the end below records as `cancelled` (only while the claim holds).
+            if not self._patiently(
+                lambda: self._ledger.finish(row.id, token, "failed", error), row
+            ):
+                _lost(row, "failed")
+                return "lost"
+            log.info(
+                "dispatch %s: attempt %d failed (%s) after it was cancelled; not retried",
+                row.id,
+                row.attempt,
+                error,
+                extra={"dispatch_id": row.id, "job_name": row.job_name},
+            )
+            self._hand_on(row)
+            return "cancelled"
+        if plan.send_now:
+            self._outbox.send(row, attempt=row.attempt + 1, countdown=plan.retry_in, carry=carry)
+        else:
+            log.info(
+                "dispatch %s: attempt %d failed (%s); the relay sends its retry in %.0fs",
+                row.id,
+                row.attempt,
+                error,
+                plan.retry_in,
+                extra={"dispatch_id": row.id, "job_name": row.job_name},
+            )
+        return "retrying"
+
+    def _patiently(self, write: Callable[[], bool], row: DispatchRow) -> bool:
+        def tell(level: int, exc: Exception) -> None:
+            log.log(
+                level,
+                "dispatch %s: could not record its outcome yet (%s); trying again",
+                row.id,
+                exc,
+                extra={"dispatch_id": row.id, "job_name": row.job_name},
+            )
+
+        def soft_limit(_: SoftTimeLimitExceeded) -> None:
+            # The run's soft limit fell while its outcome was being recorded (in the
+            # write, the log or the pause): the handler is done, so keep trying. The
+            # hard limit still bounds the wait.
+            log.warning(
+                "dispatch %s: soft time limit reached while recording its outcome; still trying",
+                row.id,
+                extra={"dispatch_id": row.id, "job_name": row.job_name},
+            )
+
+        # Past the patience, the write's error is raised.
+        return self._wait.run(write, tell=tell, soft_limit=soft_limit)
+
+    def _hand_on(self, row: DispatchRow) -> None:
+        try:
+            self._slots.hand_on(row)
+        except QuestpieError as exc:
+            log.warning(
+                "dispatch %s: could not hand its slot on (%s); the relay will",
+                row.id,
+                exc,
+                extra={"dispatch_id": row.id, "job_name": row.job_name},
+            )
+
+    # --- the relay ------------------------------------------------------------------------
+
+    def unrun(self, delivery: Unrun) -> bool:
+        """A delivery that ended without a run: a lost one is sent again at once; a revoked
+        or expired one ends its dispatch as `failed` (a revoke means "do not run it", and
+        sending it again would only meet the revoke again). True when the row changed."""
+        if delivery.why == "lost":
+            return self._outbox.resend_unclaimed(
+                delivery.dispatch_id, delivery.job_name, delivery.attempt
+            )
+        error = REVOKED if delivery.why == "revoked" else EXPIRED
+        row = self._ledger.end_unclaimed(
+            delivery.dispatch_id, delivery.job_name, delivery.attempt, error
+        )
+        if row is None:
+            return False
+        log.warning(
+            "dispatch %s of job %s: its message was %s before it ran; failed (%s)",
+            row.id,
+            row.job_name,
+            delivery.why,
+            error,
+            extra={"dispatch_id": row.id, "job_name": row.job_name},
+        )
+        self._hand_on(row)
+        return True
+
+    def lapsed(self, row: DispatchRow) -> bool:
+        """End a claim whose lease lapsed (its worker died or overran) as a failed
+        attempt: retried as the dispatch's options say, or failed for good."""
+        run = row.options.run
+        # A run cancelled while it ran is not retried: its lapse ends it as `cancelled`.
+        if row.attempt <= run.retry_limit and row.cancel_requested_at is None:
+            plan = self._outbox.plan_retry(run.delay_before_retry(row.attempt))
+            if not self._ledger.lapse(row, retry_in=plan.retry_in, relay_in=plan.relay_in):
+                return False  # renewed or recovered by someone else meanwhile
+            log.warning(
+                "dispatch %s of job %s: lease expired on attempt %d; retrying",
+                row.id,
+                row.job_name,
+                row.attempt,
+                extra={"dispatch_id": row.id, "job_name": row.job_name},
+            )
+            if plan.send_now:
+                self._outbox.send(row, attempt=row.attempt + 1, countdown=plan.retry_in)
+            return True
+        if not self._ledger.lapse(row, retry_in=None, relay_in=0.0):
+            return False
+        log.warning(
+            "dispatch %s of job %s: lease expired on its last attempt; %s",
+            row.id,
+            row.job_name,
+            "failed" if row.cancel_requested_at is None else "cancelled (while it ran)",
+            extra={"dispatch_id": row.id, "job_name": row.job_name},
+        )
+        self._hand_on(row)
+        return True
+
+    def gave_up(self, row: DispatchRow) -> bool:
+        """Record `failed` for a dispatch no worker took within the relay's sends."""
+        if not self._ledger.give_up(row):
+            return False
+        log.warning(
+            "dispatch %s of job %s: no worker took it after %d sends; failed",
+            row.id,
+            row.job_name,
+            row.send_count,
+            extra={"dispatch_id": row.id, "job_name": row.job_name},
+        )
+        self._hand_on(row)
+        return True
+
+
+def _lost(row: DispatchRow, what: str) -> None:
+    log.warning(
+        "dispatch %s %s after losing its claim; the outcome is not recorded here (the "
+        "relay ended the lapsed lease, and its retry records the outcome)",
+        row.id,
+        what,
+        extra={"dispatch_id": row.id, "job_name": row.job_name},
+    )
