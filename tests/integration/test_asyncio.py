@@ -38,7 +38,7 @@ from tests.support.aio import run
 from tests.support.brokers import capture, queue_depth
 from tests.support.services import RedisServer, free_port
 from tests.support.stack import Stack, tag
-from tests.unit.helpers import wait_until
+from tests.support.waiting import wait_until
 
 SECRET = "an asyncio test secret of at least 32 bytes"
 

@@ -23,7 +23,7 @@ from questpie_celery.jobs.definition import JobDefinition
 from questpie_celery.ledger import open_ledger
 from tests.support.faultproxy import FaultProxy
 from tests.support.services import Beat, PostgresServer, RedisServer, Worker
-from tests.unit.helpers import wait_until
+from tests.support.waiting import wait_until
 
 PROJECT = """
 import os

@@ -35,7 +35,7 @@ from tests.support.aio import run
 from tests.support.brokers import capture
 from tests.support.faultproxy import FaultProxy
 from tests.support.stack import Stack, tag
-from tests.unit.helpers import wait_until
+from tests.support.waiting import wait_until
 
 
 def new_row(

@@ -46,7 +46,7 @@ from sqlalchemy import (
 
 from questpie_celery.ledger import Ledger, dispatch_table, metadata, open_ledger
 from tests.support.services import ROOT, PgBouncerServer, PostgresServer, RedisServer, Worker
-from tests.unit.helpers import wait_until
+from tests.support.waiting import wait_until
 
 PROJECT = ROOT / "tests" / "support" / "djangoproj"
 PYTHONPATH = f"{PROJECT}{os.pathsep}{ROOT}"

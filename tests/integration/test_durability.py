@@ -17,7 +17,7 @@ from questpie_celery.ledger import create_ledger_engine, dispatch_table
 from tests.support import jobapp
 from tests.support.brokers import capture, deliver
 from tests.support.stack import Stack, tag
-from tests.unit.helpers import wait_until
+from tests.support.waiting import wait_until
 
 StackFactory = Callable[..., Stack]
 RELAXED = {"QP_TEST_DURABILITY": "relaxed"}

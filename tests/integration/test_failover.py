@@ -39,7 +39,7 @@ from tests.support.services import (
     synchronous_pair,
 )
 from tests.support.stack import Stack, build_stack, tag
-from tests.unit.helpers import wait_until
+from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.failover, pytest.mark.worker]
 

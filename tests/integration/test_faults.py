@@ -45,7 +45,7 @@ from tests.support.faultproxy import FaultProxy
 from tests.support.faults import SHORT_LEASE, own_runs_stack
 from tests.support.services import PostgresServer, RedisServer, free_port
 from tests.support.stack import Stack, build_stack, tag
-from tests.unit.helpers import wait_until
+from tests.support.waiting import wait_until
 
 #: With SHORT_LEASE's fast relay, a lost outcome WOULD be rerun within the test's time.
 LEASE_SECONDS = float(SHORT_LEASE["QP_TEST_LEASE"])

@@ -19,7 +19,7 @@ from tests.integration.conftest import new_stack
 from tests.integration.test_secrets import SECRET, assert_absent, canary
 from tests.support.services import Flower
 from tests.support.stack import Stack, tag
-from tests.unit.helpers import wait_until
+from tests.support.waiting import wait_until
 
 
 @pytest.fixture(params=["redis", "rabbitmq"])

@@ -16,7 +16,7 @@ from pathlib import Path
 from sqlalchemy import create_engine, text
 
 from tests.support.services import ROOT, PostgresServer, RedisServer, Worker, free_port
-from tests.unit.helpers import wait_until
+from tests.support.waiting import wait_until
 
 PROJECT = """
 from celery import Celery

@@ -51,7 +51,8 @@ from questpie_celery.ledger.schema import TERMINAL, UTCDateTime, schema_version_
 from questpie_celery.ledger.statements import by_id, db_time
 from questpie_celery.ops.receipts import DispatchDetail
 from tests.support.services import PostgresServer, free_port
-from tests.unit.helpers import at_line, wait_until
+from tests.support.tracing import at_line
+from tests.support.waiting import wait_until
 
 JOB = "record"
 

@@ -29,7 +29,7 @@ from tests.support.faults import (
 )
 from tests.support.services import RedisServer
 from tests.support.stack import Gate, Stack, tag
-from tests.unit.helpers import wait_until
+from tests.support.waiting import wait_until
 
 
 def gated_run(stack: Stack, t: str, gate: Gate) -> tuple[str, str | None]:

@@ -32,7 +32,7 @@ from questpie_celery.send.outbox import Outbox
 from questpie_celery.worker.slots import Slots
 from tests.integration.conftest import StackFactory
 from tests.support.stack import Stack, tag
-from tests.unit.helpers import wait_until
+from tests.support.waiting import wait_until
 
 
 def group() -> str:

@@ -20,7 +20,7 @@ from tests.support.faults import (
     wait_ended,
 )
 from tests.support.stack import tag
-from tests.unit.helpers import wait_until
+from tests.support.waiting import wait_until
 
 
 @pytest.mark.parametrize("broker", BROKERS)

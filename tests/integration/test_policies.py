@@ -32,7 +32,7 @@ from tests.integration.conftest import StackFactory
 from tests.support import jobapp, routeapp
 from tests.support.brokers import capture, deliver, queue_depth
 from tests.support.stack import Stack, tag
-from tests.unit.helpers import wait_until
+from tests.support.waiting import wait_until
 
 BROKERS = ["redis", "rabbitmq"]
 

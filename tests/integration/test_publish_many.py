@@ -21,7 +21,7 @@ from questpie_celery.send.outbox import PENDING_GRACE_SECONDS, REFUSED_SEND_RETR
 from questpie_celery.signals import publish_suppressed
 from tests.support.brokers import queue_depth
 from tests.support.stack import Stack, tag
-from tests.unit.helpers import wait_until
+from tests.support.waiting import wait_until
 
 StackFactory = Callable[..., Stack]
 

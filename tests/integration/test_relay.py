@@ -40,7 +40,7 @@ from tests.support.faults import (
 )
 from tests.support.services import ROOT
 from tests.support.stack import Stack, tag
-from tests.unit.helpers import wait_until
+from tests.support.waiting import wait_until
 
 BROKERS = ["redis", "rabbitmq"]
 SECRET = "r" * 40

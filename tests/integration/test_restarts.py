@@ -22,7 +22,7 @@ from tests.support import jobapp
 from tests.support.background import Background
 from tests.support.services import PostgresServer, RedisServer
 from tests.support.stack import Stack, build_stack, tag
-from tests.unit.helpers import wait_until
+from tests.support.waiting import wait_until
 
 #: How long each server stays down.
 OUTAGE_SECONDS = 4.0

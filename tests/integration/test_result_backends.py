@@ -20,7 +20,7 @@ from tests.support.faults import (
 )
 from tests.support.services import RedisServer
 from tests.support.stack import tag
-from tests.unit.helpers import wait_until
+from tests.support.waiting import wait_until
 
 
 @pytest.fixture

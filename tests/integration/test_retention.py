@@ -34,7 +34,7 @@ from tests.integration.conftest import StackFactory
 from tests.integration.test_ledger import lock_timeouts
 from tests.support.brokers import capture, deliver
 from tests.support.stack import tag
-from tests.unit.helpers import wait_until
+from tests.support.waiting import wait_until
 
 JOB = "record"
 DAY = 86400.0

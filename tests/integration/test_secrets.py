@@ -34,7 +34,7 @@ from tests.integration.conftest import new_stack
 from tests.support import jobapp
 from tests.support.brokers import capture, deliver, idle_queue, queue_depth
 from tests.support.stack import Stack, tag
-from tests.unit.helpers import wait_until
+from tests.support.waiting import wait_until
 
 SECRET = "s" * 16 + "-test-secret-0123456789abcdef"
 OLD_SECRET = "o" * 16 + "-old-secret-0123456789abcdefgh"

@@ -19,7 +19,7 @@ from questpie_celery.ledger import dispatch_table
 from tests.integration.conftest import StackFactory
 from tests.support.services import PgBouncerServer
 from tests.support.stack import Stack, tag
-from tests.unit.helpers import wait_until
+from tests.support.waiting import wait_until
 
 
 def _renewed_after(stack: Stack, dispatch_id: str, mark: datetime | None) -> bool:

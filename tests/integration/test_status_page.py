@@ -29,7 +29,7 @@ from tests.integration.conftest import StackFactory
 from tests.support.faultproxy import FaultProxy
 from tests.support.services import PostgresServer, free_port, wait_for_port
 from tests.support.stack import Stack, tag
-from tests.unit.helpers import wait_until
+from tests.support.waiting import wait_until
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 WINDOW = (1280, 1500)

@@ -21,7 +21,7 @@ from tests.integration.conftest import StackFactory
 from tests.support.brokers import capture, deliver, queue_depth
 from tests.support.jobapp import Work
 from tests.support.stack import Stack, tag
-from tests.unit.helpers import wait_until
+from tests.support.waiting import wait_until
 
 
 def test_unkeyed_publish_runs_once_without_a_ledger_row(stack: Stack) -> None:

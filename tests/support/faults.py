@@ -16,7 +16,7 @@ from questpie_celery.ledger.schema import TERMINAL
 from tests.support.brokers import capture, idle_queue
 from tests.support.services import PostgresServer, free_port
 from tests.support.stack import Stack
-from tests.unit.helpers import wait_until
+from tests.support.waiting import wait_until
 
 if TYPE_CHECKING:  # conftest imports this module: only the type is wanted from it
     from tests.integration.conftest import StackFactory

@@ -1,19 +1,13 @@
 """What the fast lane shares: a Questpie on a SQLite ledger file and Celery's in-memory
-broker, its writes counted from outside, and waiting on persistent facts."""
+broker, its writes counted from outside. (Waiting, and acting at a line, are both
+lanes': tests/support/waiting.py, tests/support/tracing.py.)"""
 
 from __future__ import annotations
 
-import contextlib
-import inspect
-import sys
-import time
 import uuid
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from types import FrameType
-from typing import Any, TypeVar
 
 from celery import Celery
 from sqlalchemy import func, select, text
@@ -23,22 +17,6 @@ from questpie_celery.jobs.ids import random_dispatch_id
 from questpie_celery.jobs.options import StoredOptions
 from questpie_celery.ledger import Ledger, NewDispatch, dispatch_table, open_ledger
 from tests.support import jobapp
-
-T = TypeVar("T")
-
-
-def wait_until(
-    probe: Callable[[], T | None], what: str, timeout: float = 30.0, interval: float = 0.02
-) -> T:
-    """Poll `probe` until it returns something truthy; fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        found = probe()
-        if found:
-            return found
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 def sqlite_url(folder: Path) -> str:
@@ -98,34 +76,3 @@ class IdleApp:
     def close(self) -> None:
         self.questpie.close()
         self.ledger.close()
-
-
-def line_of(method: Callable[..., Any], text: str) -> int:
-    """The number of the first line of `method` containing `text`."""
-    source, first = inspect.getsourcelines(inspect.unwrap(method))
-    return next(first + number for number, line in enumerate(source) if text in line)
-
-
-@contextlib.contextmanager
-def at_line(method: Callable[..., Any], text: str, act: Callable[[], None]) -> Iterator[None]:
-    """Run `act` once, in this thread, when `method` reaches its line containing `text`:
-    what a signal handler arriving there would do."""
-    code = inspect.unwrap(method).__code__
-    line = line_of(method, text)
-    fired: list[bool] = []
-
-    def local(frame: FrameType, event: str, arg: object) -> Any:
-        if event == "line" and frame.f_lineno == line and not fired:
-            fired.append(True)
-            act()
-        return local
-
-    def calls(frame: FrameType, event: str, arg: object) -> Any:
-        return local if frame.f_code is code else None
-
-    sys.settrace(calls)
-    try:
-        yield
-    finally:
-        sys.settrace(None)
-    assert fired, f"line {line} was not reached"

@@ -25,7 +25,8 @@ from questpie_celery.ledger import Ledger, open_ledger
 from questpie_celery.ledger.claims import Renewal
 from questpie_celery.worker import leases, relay
 from questpie_celery.worker.leases import LeaseKeeper
-from tests.unit.helpers import IdleApp, new_dispatch, sqlite_now, sqlite_url, wait_until
+from tests.support.waiting import wait_until
+from tests.unit.helpers import IdleApp, new_dispatch, sqlite_now, sqlite_url
 
 LEASE = 0.3  # renewed every 0.1 s
 

@@ -22,7 +22,9 @@ from questpie_celery.errors import LedgerBusyError, LedgerUnavailableError
 from questpie_celery.ledger.rows import NewDispatch
 from questpie_celery.publish import shared_inserts
 from questpie_celery.publish.shared_inserts import SharedInserts
-from tests.unit.helpers import at_line, new_dispatch, wait_until
+from tests.support.tracing import at_line
+from tests.support.waiting import wait_until
+from tests.unit.helpers import new_dispatch
 
 
 class Ledger:

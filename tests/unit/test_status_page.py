@@ -28,7 +28,8 @@ from questpie_celery.web import (
     render,
     status_app,
 )
-from tests.unit.helpers import IdleApp, new_dispatch, sqlite_url, wait_until
+from tests.support.waiting import wait_until
+from tests.unit.helpers import IdleApp, new_dispatch, sqlite_url
 
 
 def due(ledger: Ledger, count: int, job_name: str = "record") -> list[str]:
