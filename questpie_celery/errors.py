@@ -1,8 +1,29 @@
 """The error hierarchy. Every error this package raises derives from `QuestpieError`.
 
-Bad input additionally derives from `ValueError`, so callers that already catch
-`ValueError` around argument handling keep working. The class docstring is the
-default message.
+    QuestpieError
+    ├── ConfigurationError (ValueError)    the Questpie(...) configuration
+    │   └── JobDefinitionError             a @job's definition
+    ├── InvalidInputError (ValueError)     bad input; nothing was written or sent
+    │   ├── PayloadValidationError         a payload its schema refuses
+    │   ├── PublishOptionsError            a publishing call's options
+    │   ├── DispatchIdError                a delivery's task id no ledger row can have
+    │   └── MalformedHeaderError           a delivery's header questpie did not write
+    ├── UnknownJobError (KeyError)         no job of that name
+    ├── UnknownDispatchError (KeyError)    no dispatch of that id (or none could have it)
+    ├── LedgerError                        the ledger's database failed a statement
+    │   ├── LedgerUnavailableError         out of reach: try again
+    │   ├── LedgerBusyError                a row held by another transaction
+    │   └── LedgerSchemaError              not migrated: run `questpie-celery migrate`
+    ├── BrokerError                        the broker did not accept the message
+    ├── PermanentFailure                   raised by a handler: failed for good
+    ├── SecretDecryptionError              a secret payload that could not be opened
+    ├── SecretJobError                     a secret run's failure, its class name only
+    ├── HandlerAbortedError                a handler raised a BaseException
+    └── ClaimLostError                     a run lost its claim before it ended
+
+Bad input additionally derives from `ValueError`, and a missing name from `KeyError`,
+so callers that already catch those around argument handling keep working. The class
+docstring is the default message.
 """
 
 from __future__ import annotations
