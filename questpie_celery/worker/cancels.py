@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from ..errors import QuestpieError, UnknownDispatchError
+from ..errors import UnknownDispatchError
 from ..ledger import Ledger
 from ..signals import dispatch_cancelled
 from .slots import Slots
@@ -73,16 +73,8 @@ class Cancellation:
                 done.was,
                 extra={"dispatch_id": row.id, "job_name": row.job_name},
             )
-            try:
-                if self._slots is not None:
-                    self._slots.hand_on_cancelled(row)
-            except QuestpieError as exc:
-                log.warning(
-                    "dispatch %s: could not hand its slot on (%s); the relay will",
-                    row.id,
-                    exc,
-                    extra={"dispatch_id": row.id, "job_name": row.job_name},
-                )
+            if self._slots is not None:
+                self._slots.hand_on_or_leave(row, cancelled=True)
         dispatch_cancelled.send(
             sender=row.job_name, job_name=row.job_name, dispatch_id=row.id, started=started
         )

@@ -23,7 +23,6 @@ from typing import Any, Literal
 
 from celery.exceptions import SoftTimeLimitExceeded
 
-from ..errors import QuestpieError
 from ..ledger import EXPIRED, REVOKED, DispatchRow, Ledger
 from ..send.outbox import Outbox
 from .slots import Slots
@@ -73,7 +72,7 @@ class Outcomes:
         if not self._patiently(lambda: self._ledger.finish(row.id, token, "completed", None), row):
             _lost(row, "finished")
             return False
-        self._hand_on(row)
+        self._slots.hand_on_or_leave(row)
         return True
 
     def attempt_failed(
@@ -94,7 +93,7 @@ class Outcomes:
             ):
                 _lost(row, "failed")
                 return "lost"
-            self._hand_on(row)
+            self._slots.hand_on_or_leave(row)
             return "failed"
         plan = self._outbox.plan_retry(run.delay_before_retry(row.attempt))
         if not self._patiently(
@@ -117,7 +116,7 @@ class Outcomes:
                 error,
                 extra={"dispatch_id": row.id, "job_name": row.job_name},
             )
-            self._hand_on(row)
+            self._slots.hand_on_or_leave(row)
             return "cancelled"
         if plan.send_now:
             self._outbox.send(row, attempt=row.attempt + 1, countdown=plan.retry_in, carry=carry)
@@ -155,17 +154,6 @@ class Outcomes:
         # Past the patience, the write's error is raised.
         return self._wait.run(write, tell=tell, soft_limit=soft_limit)
 
-    def _hand_on(self, row: DispatchRow) -> None:
-        try:
-            self._slots.hand_on(row)
-        except QuestpieError as exc:
-            log.warning(
-                "dispatch %s: could not hand its slot on (%s); the relay will",
-                row.id,
-                exc,
-                extra={"dispatch_id": row.id, "job_name": row.job_name},
-            )
-
     # --- the relay ------------------------------------------------------------------------
 
     def unrun(self, delivery: Unrun) -> bool:
@@ -190,7 +178,7 @@ class Outcomes:
             error,
             extra={"dispatch_id": row.id, "job_name": row.job_name},
         )
-        self._hand_on(row)
+        self._slots.hand_on_or_leave(row)
         return True
 
     def lapsed(self, row: DispatchRow) -> bool:
@@ -221,7 +209,7 @@ class Outcomes:
             "failed" if row.cancel_requested_at is None else "cancelled (while it ran)",
             extra={"dispatch_id": row.id, "job_name": row.job_name},
         )
-        self._hand_on(row)
+        self._slots.hand_on_or_leave(row)
         return True
 
     def gave_up(self, row: DispatchRow) -> bool:
@@ -235,7 +223,7 @@ class Outcomes:
             row.send_count,
             extra={"dispatch_id": row.id, "job_name": row.job_name},
         )
-        self._hand_on(row)
+        self._slots.hand_on_or_leave(row)
         return True
 
 

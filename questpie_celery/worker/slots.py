@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
+from ..errors import QuestpieError
 from ..jobs.limits import Limits, Rate, group_of
 from ..ledger import DispatchRow, Ledger
 from ..send.outbox import Outbox
@@ -105,6 +106,23 @@ class Slots:
             self.send_next(*slot)
         if finished.seat is not None:
             self.send_waiting(finished.job_name, group_of(finished.group_key))
+
+    def hand_on_or_leave(self, row: DispatchRow, *, cancelled: bool = False) -> None:
+        """`hand_on` (`hand_on_cancelled` for a run cancelled before it started), for a
+        caller whose own write has landed and must not fail on this: a ledger that
+        refuses it now leaves the slot to the relay, its safety net, and says so once."""
+        try:
+            if cancelled:
+                self.hand_on_cancelled(row)
+            else:
+                self.hand_on(row)
+        except QuestpieError as exc:
+            log.warning(
+                "dispatch %s: could not hand its slot on (%s); the relay will",
+                row.id,
+                exc,
+                extra={"dispatch_id": row.id, "job_name": row.job_name},
+            )
 
     def hand_on_cancelled(self, cancelled: DispatchRow) -> None:
         """After a run that had not started was cancelled: the running slot or the seat
