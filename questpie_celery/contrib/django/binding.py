@@ -94,6 +94,13 @@ def _refusing(problem: Problem) -> Engine:
     return refusing_engine(refuse)
 
 
+def upgrade_ledger(apps: Any, schema_editor: Any) -> None:
+    """What each of the app's migrations runs (`RunPython`): `migrate_ledger` on the
+    database Django migrates. Every schema version's migration calls the same idempotent
+    function, so a project that skipped releases gets every version at once."""
+    migrate_ledger(schema_editor.connection.alias)
+
+
 def migrate_ledger(alias: str) -> int | None:
     """Create or upgrade the ledger tables in `DATABASES[alias]` when it is the ledger's
     database (`QUESTPIE_DATABASE`); the Django migrations call it. Returns the schema

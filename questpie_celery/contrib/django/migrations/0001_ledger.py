@@ -13,16 +13,12 @@ from typing import Any, ClassVar
 
 from django.db import migrations
 
-
-def create_or_upgrade_ledger(apps: Any, schema_editor: Any) -> None:
-    from questpie_celery.contrib.django.binding import migrate_ledger  # noqa: PLC0415
-
-    migrate_ledger(schema_editor.connection.alias)
+from questpie_celery.contrib.django.binding import upgrade_ledger
 
 
 class Migration(migrations.Migration):
     initial = True
     dependencies: ClassVar[list[tuple[str, str]]] = []
     operations: ClassVar[list[Any]] = [
-        migrations.RunPython(create_or_upgrade_ledger, migrations.RunPython.noop, elidable=False),
+        migrations.RunPython(upgrade_ledger, migrations.RunPython.noop, elidable=False),
     ]

@@ -6,11 +6,7 @@ from typing import Any, ClassVar
 
 from django.db import migrations, models
 
-
-def upgrade_ledger(apps: Any, schema_editor: Any) -> None:
-    from questpie_celery.contrib.django.binding import migrate_ledger  # noqa: PLC0415
-
-    migrate_ledger(schema_editor.connection.alias)
+from questpie_celery.contrib.django.binding import upgrade_ledger
 
 
 class Migration(migrations.Migration):
