@@ -101,10 +101,20 @@ def wire(settings: Settings, discover: Callable[[], None]) -> Parts:
         waits=waits,
         admission=admission,
     )
-    publisher = Publisher(ledger, outbox, sender, policies, _keyring_for(settings.keyring, ledger))
+    keyring = _keyring_for(settings.keyring, ledger)
+    publisher = Publisher(ledger, outbox, sender, policies, keyring)
     aledger = AsyncLedger(ledger)
     sends = SendThreads()
-    apublisher = AsyncPublisher(publisher, aledger, outbox, sender, sends)
+    apublisher = AsyncPublisher(
+        aledger,
+        outbox,
+        sender,
+        sends,
+        policies,
+        keyring,
+        publish=publisher.publish,
+        publish_many=publisher.publish_many,
+    )
     retention = Retention(
         ledger, settings.retention, redeliver_after=_redelivery_window(celery_app, outbox)
     )

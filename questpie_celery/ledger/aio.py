@@ -3,7 +3,8 @@
 On PostgreSQL (a `Questpie` made with `ledger_url=`), they run on SQLAlchemy's
 asyncio engine over psycopg's async driver: the loop goes on while a statement
 waits for the server. The statements are the sync ledger's own (its
-`statements` and `run_statements`); only how they are awaited differs.
+`statements` and `run_statements`), run by its rules (`Reruns`, and how a durable write
+commits: `RunStatements.durably`); only how they are awaited differs.
 
 An asyncio engine's pooled connections belong to the event loop that opened
 them, so each loop gets an engine of its own (a test suite may run many loops;
@@ -30,6 +31,7 @@ from ..jobs.ids import unstorable_id
 from . import inserts
 from .engine import create_async_ledger_engine, runs_in_autocommit
 from .errors import Reruns, translate_errors
+from .executor import Durably, returned
 from .rows import DispatchRow, NewDispatch
 from .store import Ledger
 
@@ -150,28 +152,39 @@ class AsyncLedger:
     ) -> tuple[Any, bool]:
         """As `Ledger._run`: one statement in autocommit, once more on a fresh connection
         if its connection was found dead, again if the server undid it in a deadlock."""
+        durably = self._run_sql.durably(durable)
         reruns = Reruns(after_rollback=rerun_if_rolled_back)
         with translate_errors():
             for attempt in reruns.attempts():
                 with attempt:
-                    async with self._connected(durable) as conn:
-                        result = await conn.execute(stmt, params)
-                        rows = result.mappings().all() if result.returns_rows else result.rowcount
-                        return rows, reruns.reconnected
+                    async with self._connected(durably) as conn:
+                        return returned(await conn.execute(stmt, params)), reruns.reconnected
         raise AssertionError("unreachable: every attempt returns or raises")
 
     @asynccontextmanager
-    async def _connected(self, durable: bool) -> AsyncIterator[AsyncConnection]:
+    async def _connected(self, durably: Durably | None) -> AsyncIterator[AsyncConnection]:
+        """As `Ledger._connected`: committing as `durably` says (see `Durably`)."""
         engine = self._engine()
-        if not (durable and self._ledger.relaxed):
+        if durably is None:
             async with engine.connect() as conn:
                 yield conn
             return
         # A relaxed ledger still waits for the disk where a secret's only copy is written.
-        transactional = engine.execution_options(isolation_level="READ COMMITTED")
-        async with transactional.begin() as conn:
-            yield conn
-            await conn.execute(self._run_sql.commit_durably)  # after the statement, as in `Ledger`
+        opened = (
+            engine.execution_options(isolation_level="READ COMMITTED").begin()
+            if durably.in_transaction
+            else engine.connect()
+        )
+        async with opened as conn:
+            if durably.before is not None:
+                await conn.execute(durably.before)
+            try:
+                yield conn
+                if durably.at_commit is not None:
+                    await conn.execute(durably.at_commit)
+            finally:
+                if durably.after is not None:
+                    await conn.execute(durably.after)
 
     def _engine(self) -> AsyncEngine:
         loop = asyncio.get_running_loop()

@@ -21,11 +21,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, TypeVar
 
 from sqlalchemy import ColumnElement, Connection, Engine, Select, exc, func, select, text
-from sqlalchemy.engine import RowMapping
+from sqlalchemy.engine import CursorResult, RowMapping
 from sqlalchemy.sql import ClauseElement, Executable
 from sqlalchemy.sql.elements import TextClause
 
@@ -51,11 +52,28 @@ T = TypeVar("T")
 log = logging.getLogger("questpie_celery.ledger.store")
 
 
+@dataclass(frozen=True)
+class Durably:
+    """How one write is committed to disk before it returns on a relaxed ledger, whose
+    other commits may not be: on PostgreSQL, in a transaction of its own with `at_commit`
+    run after it, before the commit (where the setting counts, and after a pooled
+    statement's preamble turned it off); on SQLite, on its connection, which syncs every
+    commit from `before` until `after` (run however the write ended)."""
+
+    in_transaction: bool
+    before: TextClause | None = None
+    at_commit: TextClause | None = None
+    after: TextClause | None = None
+
+
 class RunStatements:
     """What the executor itself runs: a transaction's settings, a durable commit, the
-    read-back of one row, and the database's clock."""
+    read-back of one row, and the database's clock; and when a write commits durably.
+    The sync executor and `aio.AsyncLedger` both run a statement by these rules."""
 
-    def __init__(self, dialect: str, preamble: ColumnElement[bool] | None) -> None:
+    def __init__(
+        self, dialect: str, preamble: ColumnElement[bool] | None, *, relaxed: bool
+    ) -> None:
         # The settings for the length of a transaction of the ledger's own (`migrate`'s),
         # behind a pooler: what an unpooled engine's connections have from startup, so a
         # schema upgrade waiting for a table lock gives up after the lock timeout instead
@@ -63,20 +81,31 @@ class RunStatements:
         self.transaction_settings: Select[Any] | None = (
             select(preamble) if preamble is not None else None
         )
-        # On a relaxed ledger, what makes one write durable anyway: on PostgreSQL, run
-        # after it in its own transaction, before the commit (where the setting counts,
-        # and after a pooled statement's preamble turned it off); on SQLite, around it
-        # on its connection.
-        self.commit_durably: TextClause = (
-            text("SET LOCAL synchronous_commit TO on")
-            if dialect == "postgresql"
-            else text("PRAGMA synchronous=FULL")
-        )
-        self.commit_relaxed: TextClause | None = (
-            None if dialect == "postgresql" else text("PRAGMA synchronous=NORMAL")
-        )
+        # On a relaxed ledger, what makes one write durable anyway (see `Durably`).
+        self._durably: Durably | None = None
+        if relaxed:
+            self._durably = (
+                Durably(True, at_commit=text("SET LOCAL synchronous_commit TO on"))
+                if dialect == "postgresql"
+                else Durably(
+                    False,
+                    before=text("PRAGMA synchronous=FULL"),
+                    after=text("PRAGMA synchronous=NORMAL"),
+                )
+            )
         self.get: Select[Any] = select(dispatch_table).where(by_id())
         self.now: Select[Any] = select(db_time().label("now"))
+
+    def durably(self, durable: bool) -> Durably | None:
+        """How a statement commits: None as every other does (it is not `durable`, or the
+        ledger is not relaxed and every commit is on disk when it returns), which alone
+        may take the driver's cursor (`direct.py`); else `Durably`."""
+        return self._durably if durable else None
+
+
+def returned(result: CursorResult[Any]) -> Any:
+    """What a statement returned: its rows, or (a write that returns none) its row count."""
+    return result.mappings().all() if result.returns_rows else result.rowcount
 
 
 class Executor:
@@ -133,7 +162,7 @@ class Executor:
         """Build the statements of `dialect`, and forget what was read of the schema;
         each concept adds its own (calling this first). `preamble`: the pooled ledger's
         settings, for the writes that carry them (see `statements.in_own_transaction`)."""
-        self._run_sql = RunStatements(dialect, preamble)
+        self._run_sql = RunStatements(dialect, preamble, relaxed=self.relaxed)
         self._direct: dict[int, DriverStatement] = {}
 
     def _run_on_driver(self, *stmts: ClauseElement) -> None:
@@ -202,7 +231,8 @@ class Executor:
         `rerun_if_rolled_back` runs it again when the server undid it to break a
         deadlock: a multi-row insert meeting another in the opposite order can.
         """
-        direct = None if durable and self.relaxed else self._direct.get(id(stmt))
+        durably = self._run_sql.durably(durable)
+        direct = None if durably is not None else self._direct.get(id(stmt))
         reruns = None
         if direct is not None and not direct.observed():
             # The hottest statements' common case: one try, with none of the rerun
@@ -224,35 +254,34 @@ class Executor:
             reruns = Reruns(after_rollback=rerun_if_rolled_back, log=log)
         with translate_errors(self.migrate_command):
             for attempt in reruns.attempts():
-                with attempt, self._connected(durable) as conn:
+                with attempt, self._connected(durably) as conn:
                     return self._through_sqlalchemy(conn, stmt, params), reruns.reconnected
         raise AssertionError("unreachable: every attempt returns or raises")
 
     @staticmethod
     def _through_sqlalchemy(conn: Connection, stmt: Executable, params: Any) -> Any:
-        result = conn.execute(stmt, params)
-        return result.mappings().all() if result.returns_rows else result.rowcount
+        return returned(conn.execute(stmt, params))
 
     @contextmanager
-    def _connected(self, durable: bool) -> Iterator[Connection]:
-        if not (durable and self.relaxed):
+    def _connected(self, durably: Durably | None) -> Iterator[Connection]:
+        """A connection for one statement, committing as `durably` says (see `Durably`)."""
+        if durably is None:
             with self._autocommit.connect() as conn:
                 yield conn
             return
-        relax_again = self._run_sql.commit_relaxed
-        if relax_again is None:
-            # PostgreSQL: a transaction of its own, told to wait for the disk at commit.
-            with self._transactional.begin() as conn:
-                yield conn
-                conn.execute(self._run_sql.commit_durably)
-            return
-        # SQLite: this connection syncs every commit until the write is done.
-        with self._autocommit.connect() as conn:
-            conn.execute(self._run_sql.commit_durably)
+        opened = (
+            self._transactional.begin() if durably.in_transaction else self._autocommit.connect()
+        )
+        with opened as conn:
+            if durably.before is not None:
+                conn.execute(durably.before)
             try:
                 yield conn
+                if durably.at_commit is not None:
+                    conn.execute(durably.at_commit)
             finally:
-                conn.execute(relax_again)
+                if durably.after is not None:
+                    conn.execute(durably.after)
 
     def _run_transaction(
         self, work: Callable[[Connection], T], *, durable: bool = False
@@ -262,13 +291,17 @@ class Executor:
         dead (then `work` runs again from the start, and the flag returned says so),
         errors translated. An exception `work` raises rolls the transaction back and
         propagates. `durable`: committed to disk even on a relaxed PostgreSQL ledger."""
+        durably = self._run_sql.durably(durable)
+        # PostgreSQL's part of the rule only, as ever: SQLite's `before` and `after` are
+        # not run around a transaction of its own.
+        at_commit = durably.at_commit if durably is not None else None
         reruns = Reruns(after_rollback=True, log=log)
         with translate_errors(self.migrate_command):
             for attempt in reruns.attempts():
                 with attempt, self._begin() as conn:
                     done = work(conn)
-                    if durable and self.relaxed and self.dialect == "postgresql":
-                        conn.execute(self._run_sql.commit_durably)
+                    if at_commit is not None:
+                        conn.execute(at_commit)
                     return done, reruns.reconnected
         raise AssertionError("unreachable: every attempt returns or raises")
 

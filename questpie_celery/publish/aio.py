@@ -1,16 +1,17 @@
 """Publishing from an event loop: `apublish`, `apublish_many`.
 
 The same decisions as `publish/publisher.py`, in the same order, from the same code (the
-planner's, `publish/planner.py`); only the waiting differs. The ledger is awaited
+planner's, `publish/planner.py`, whose chunk plan this awaits; the policy, keyring and
+plain sends of `publish/publisher.py`); only the waiting differs. The ledger is awaited
 (`ledger.aio`), and the broker send, which kombu only does synchronously, runs on
 a few threads of our own. So the loop never waits on the broker or the database,
 only on its own Python.
 
-In a caller's `AsyncSession` or `AsyncConnection`, the sync publish runs through
-SQLAlchemy's `run_sync`: its statements go over the caller's async connection,
-inside the caller's transaction, with the sync path's savepoint rules. Only the
-send after commit changes: it is handed to the send threads, because the commit
-runs in the loop.
+In a caller's `AsyncSession` or `AsyncConnection`, the sync publish (given to
+`AsyncPublisher` as `publish` and `publish_many`) runs through SQLAlchemy's `run_sync`:
+its statements go over the caller's async connection, inside the caller's transaction,
+with the sync path's savepoint rules. Only the send after commit changes: it is handed
+to the send threads, because the commit runs in the loop.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 
 from .._runtime import telemetry
 from ..errors import PublishOptionsError, QuestpieError
+from ..jobs.crypto import Keyring
 from ..jobs.definition import JobDefinition
 from ..jobs.options import DispatchOptions, resolve_options
 from ..jobs.policies import QueuePolicy
@@ -42,9 +44,16 @@ from ..send.broker import Sender
 from ..send.outbox import FirstSend, Outbox
 from ..send.threads import SendThreads
 from . import planner
-from .dispatch_rows import report_suppressed
-from .planner import Chunk, Route, Settled
-from .publisher import ASYNC_SEND, Publisher
+from .planner import Chunk, Route
+from .publisher import (
+    ASYNC_SEND,
+    keyring_for,
+    queue_policy,
+    report,
+    send_plain,
+    send_unledgered,
+)
+from .recorded_policy import PolicyBook
 
 log = logging.getLogger(__name__)
 
@@ -95,17 +104,28 @@ class AsyncPublisher:
 
     def __init__(
         self,
-        publisher: Publisher,
         ledger: AsyncLedger,
         outbox: Outbox,
         sender: Sender,
         sends: SendThreads,
+        policies: PolicyBook,
+        keyring: Callable[[], Keyring],
+        *,
+        publish: Callable[..., str | None],
+        publish_many: Callable[..., list[str | None]],
     ) -> None:
-        self._publisher = publisher
+        """`publish` and `publish_many`: the sync publisher's, for the calls that take its
+        path (in a caller's transaction, eager, debounced or throttled)."""
         self._ledger = ledger
         self._outbox = outbox
         self._sender = sender
         self._sends = sends
+        self._policies = policies
+        self._keyring = keyring  # the keyring a secret publish seals with, or why not
+        # Whether sends run the task inline, asked by the planner only when it makes a row.
+        self._eager = lambda: sender.eager
+        self._sync_publish = publish
+        self._sync_publish_many = publish_many
         self._batchers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Batcher] = (
             weakref.WeakKeyDictionary()
         )
@@ -123,7 +143,7 @@ class AsyncPublisher:
         direct = session is not None or connection is not None or self._sender.eager
         if direct or _flow_controlled(definition, given):
             options = resolve_options(definition.options, given)
-            call = functools.partial(self._publisher.publish, definition, payload, options)
+            call = functools.partial(self._sync_publish, definition, payload, options)
             if session is not None or connection is not None:
                 # Also in eager mode: the sync path runs the handler after the commit.
                 return await self._in_transaction(call, definition, session, connection)
@@ -152,15 +172,13 @@ class AsyncPublisher:
     ) -> list[str | None]:
         if session is not None or connection is not None:
             return await self._in_transaction(
-                functools.partial(self._publisher.publish_many, definition, payloads, options),
+                functools.partial(self._sync_publish_many, definition, payloads, options),
                 definition,
                 session,
                 connection,
             )
         if self._sender.eager or not options or options[0].flow_controlled:
-            return await asyncio.to_thread(
-                self._publisher.publish_many, definition, payloads, options
-            )
+            return await asyncio.to_thread(self._sync_publish_many, definition, payloads, options)
         with telemetry.span(
             "questpie.publish_many", job=definition.name, count=len(payloads)
         ) as span:
@@ -175,8 +193,7 @@ class AsyncPublisher:
         options: Sequence[DispatchOptions],
         span: telemetry.Span,
     ) -> list[str | None]:
-        publisher = self._publisher
-        keyring = publisher.keyring_for(options[0])
+        keyring = keyring_for(self._keyring, options[0])
         bodies: list[dict[str, Any]] = []
         for start in range(0, len(payloads), SLICE):
             # Validated a slice at a time, letting the loop run between slices.
@@ -185,32 +202,26 @@ class AsyncPublisher:
             )
             await asyncio.sleep(0)
         policy = await self._policy(definition, options, span)
-        plan = planner.Plan(definition, bodies, options, policy, keyring, self._outbox)
-        ids: list[str | None] = []
-        for chunk in plan.chunks(FLUSH_SIZE):
-            settled, unknown = await self._insert(chunk)
-            if unknown is not None:
-                raise unknown
-            for row in settled.suppressed:
-                report_suppressed(row)
-            await self._send_rows(settled.send)
-            for plain in _slices(chunk.plain, SEND_SLICE):
-                await self._sends.run(publisher.send_plain, definition.name, plain)
-            ids += chunk.ids
-            await asyncio.sleep(0)
-        return ids
+        plan = planner.Plan(definition, bodies, options, policy, keyring, self._eager)
 
-    async def _insert(self, chunk: Chunk) -> tuple[Settled, Exception | None]:
-        """Insert a chunk's rows in one statement and settle each item. Whether a
-        contested row's key exists is read back; an error there leaves only those items
-        undecided, and is returned with what was settled."""
-        inserted = await self._ledger.insert_many(chunk.rows)
-        contested = chunk.contested(inserted)
-        try:
-            known = await self._ledger.existing(contested) if contested else set()
-        except Exception as exc:
-            return chunk.settle(inserted, None), exc
-        return chunk.settle(inserted, known), None
+        async def run(step: planner.Step) -> set[str] | None:
+            """One step of the plan: a statement awaited, or a chunk's sends."""
+            if not isinstance(step, planner.Send):
+                return await self._execute(step)
+            report(step.settled)
+            await self._send_rows(step.settled.send)
+            for plain in _slices(step.plain, SEND_SLICE):
+                await self._sends.run(send_plain, self._sender, definition.name, plain)
+            await asyncio.sleep(0)
+            return None
+
+        return await planner.adrive(planner.publish(plan, FLUSH_SIZE), run)
+
+    async def _execute(self, step: planner.Insert | planner.ReadBack) -> set[str]:
+        """A plan's statement: a chunk's insert in one statement, or its read-back."""
+        if isinstance(step, planner.Insert):
+            return await self._ledger.insert_many(step.rows)
+        return await self._ledger.existing(step.dispatch_ids)
 
     async def _send_rows(
         self, rows: list[NewDispatch], traces: dict[str, dict[str, str]] | None = None
@@ -226,10 +237,10 @@ class AsyncPublisher:
         """Resolve, validate and route one request (what `publish` does before writing)."""
         definition = wanted.definition
         options = resolve_options(definition.options, wanted.given)
-        keyring = self._publisher.keyring_for(options)
+        keyring = keyring_for(self._keyring, options)
         body, wanted.payload = definition.to_json(wanted.payload), None
         policy = await self._policy(definition, [options], wanted.span)
-        return planner.Plan(definition, [body], [options], policy, keyring, self._outbox).route(0)
+        return planner.Plan(definition, [body], [options], policy, keyring, self._eager).route(0)
 
     async def send_plain(self, wanted: _Wanted, route: Route) -> None:
         """An unledgered dispatch, sent alone: a refusal is this call's error only."""
@@ -237,7 +248,8 @@ class AsyncPublisher:
         body, options = route.plain
         try:
             await self._sends.run(
-                self._publisher.send_unledgered,
+                send_unledgered,
+                self._sender,
                 wanted.definition.name,
                 route.dispatch_id,
                 body,
@@ -257,16 +269,29 @@ class AsyncPublisher:
         chunk = Chunk()
         for _, route in group.items:
             chunk.add(route)
+        unknown: Exception | None = None
+
+        async def run(step: planner.Insert | planner.ReadBack) -> set[str] | None:
+            """A statement of the chunk's plan; an error reading back whether contested
+            rows' keys exist leaves only those items undecided (answered None)."""
+            nonlocal unknown
+            if isinstance(step, planner.ReadBack):
+                try:
+                    return await self._execute(step)
+                except Exception as exc:
+                    unknown = exc
+                    return None
+            return await self._execute(step)
+
         try:
-            settled, unknown = await self._insert(chunk)
+            settled = await planner.adrive(planner.insert_chunk(chunk), run)
         except BaseException as exc:  # nothing of the group was written (or it is unknown)
             for wanted, _ in group.items:
                 _fail(wanted, exc)
             if isinstance(exc, Exception):
                 return
             raise
-        for row in settled.suppressed:
-            report_suppressed(row)
+        report(settled)
         # Only the items that needed the read-back fail: the others are decided.
         undecided = set(settled.undecided)
         answers = [
@@ -307,9 +332,9 @@ class AsyncPublisher:
     ) -> QueuePolicy:
         """The job's policy; read from (or recorded in) the ledger in a thread, once per
         cache period, and from memory otherwise."""
-        if self._publisher.policy_is_cached(definition):
-            return self._publisher.policy(definition, options, span)
-        return await asyncio.to_thread(self._publisher.policy, definition, options, span)
+        if self._policies.is_cached(definition.name):
+            return queue_policy(self._policies, definition, options, span)
+        return await asyncio.to_thread(queue_policy, self._policies, definition, options, span)
 
     async def _in_transaction(
         self,
@@ -334,8 +359,8 @@ class AsyncPublisher:
             )
         # What the sync path would read from the ledger on the loop, read in a thread
         # first: the job's policy (read, never recorded here) and the ledger's identity.
-        if not self._publisher.policy_is_cached(definition):
-            await asyncio.to_thread(self._publisher.read_policy, definition)
+        if not self._policies.is_cached(definition.name):
+            await asyncio.to_thread(self._policies.read, definition.name)
         await self._ledger.know_identity()
         if session is not None:
             assert isinstance(session, session_type)

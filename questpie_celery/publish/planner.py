@@ -11,23 +11,22 @@ throttled, outside a transaction, not secret and not delayed beyond the ETA hori
 a plain Celery message under a fresh UUID, with no ledger row. Everything else becomes a
 ledger row first.
 
-A plan's items are taken a chunk at a time (one insert, one pipelined send each):
-
-    for chunk in plan.chunks(size):
-        inserted = insert(chunk.rows)
-        contested = chunk.contested(inserted)
-        settled = chunk.settle(inserted, existing(contested))
-
-A single publish, the most frequent call, is decided by the same rules on its one row,
-with none of a chunk's bookkeeping (`Route`, `contested`, `refused`, `first_sent`).
+A plan's items are taken a chunk at a time (one insert, one pipelined send each), by
+`publish`, a generator in the style of `ledger/inserts.py`: it yields each step (`Insert`
+a chunk's rows, `ReadBack` its contested ones, `Send` what it settled) and is sent back
+that step's answer. `publish/publisher.py` drives it (`drive`), `publish/aio.py` awaits
+it (`adrive`); the batcher of concurrent `apublish` calls awaits one chunk's
+`insert_chunk`. A single publish, the most frequent call, is decided by the same rules
+on its one row, with none of a chunk's bookkeeping (`Route`, `contested`, `refused`,
+`first_sent`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from ..errors import PayloadValidationError
 from ..jobs.crypto import Keyring
@@ -36,8 +35,11 @@ from ..jobs.ids import random_dispatch_id
 from ..jobs.options import DispatchOptions, StoredOptions
 from ..jobs.policies import QueuePolicy
 from ..ledger import NewDispatch
-from ..send.outbox import FirstSend, Outbox
+from ..send.outbox import ETA_HORIZON_SECONDS, FirstSend, is_far_off
 from .dispatch_rows import new_dispatch
+
+S = TypeVar("S")
+T = TypeVar("T")
 
 
 def validate(
@@ -65,6 +67,23 @@ def refused(new: NewDispatch, known: bool) -> bool:
     """Whether a row that was not inserted was refused by a taken policy slot. `known`:
     its key's row exists, which answers the publish with its id before any policy."""
     return new.slot is not None and not known
+
+
+def first_send(
+    start_after: datetime | None, now: datetime, *, eager: bool, after_commit_hook: bool
+) -> FirstSend:
+    """When a new row is first sent, and by whom: its publisher now (or after the
+    caller's commit), or the relay (a start beyond the ETA horizon, or a caller's
+    transaction with no after-commit hook). `eager`: sends run the task inline."""
+    if eager and after_commit_hook:
+        return FirstSend(True)  # eager mode runs everything at once, as Celery's does
+    if is_far_off(start_after, now) and start_after is not None:
+        return FirstSend(False, next_send_at=start_after - timedelta(seconds=ETA_HORIZON_SECONDS))
+    if not after_commit_hook:
+        # A Connection has no after-commit hook: the relay sends it once committed,
+        # woken by the commit where the database can say so.
+        return FirstSend(False, send_in=0.0, wake_relays=True)
+    return FirstSend(True)
 
 
 #: The first send of a route or a chunk that has no row (immutable, so shared).
@@ -176,13 +195,14 @@ class Plan:
         options: Sequence[DispatchOptions],
         policy: QueuePolicy,
         keyring: Keyring | None,
-        outbox: Outbox,
+        eager: Callable[[], bool],
         *,
         in_transaction: bool = False,
         commit_hook: bool = True,
     ) -> None:
-        """`in_transaction`: written in a caller's transaction, which has an after-commit
-        hook unless it is a bare Connection."""
+        """`eager`: whether sends run the task inline (`Sender.eager`), asked only when
+        a row is made. `in_transaction`: written in a caller's transaction, which has an
+        after-commit hook unless it is a bare Connection."""
         self.job_name = definition.name
         self.bodies = bodies
         self._now = datetime.now(UTC)
@@ -195,7 +215,7 @@ class Plan:
         self.options = options
         self.policy = policy
         self.keyring = keyring
-        self._outbox = outbox
+        self._eager = eager
         self._commit_hook = commit_hook
         shared = options[0]  # the items differ in their keys only
         #: An unkeyed item needs no ledger row: a plain message.
@@ -207,7 +227,7 @@ class Plan:
             # A burst or a window is a row's.
             and not shared.flow_controlled
             and not shared.secret_payload
-            and not outbox.is_far_off(shared.start_after, self._now)
+            and not is_far_off(shared.start_after, self._now)
         )
         # What the rows share, made with the first row: a plain message needs neither.
         self._first: FirstSend | None = None
@@ -218,8 +238,8 @@ class Plan:
         """When the rows are first sent, and by whom."""
         if self._first is None:
             start_after = self.options[0].start_after
-            self._first = self._outbox.first_send(
-                start_after, self._now, after_commit_hook=self._commit_hook
+            self._first = first_send(
+                start_after, self._now, eager=self._eager(), after_commit_hook=self._commit_hook
             )
         return self._first
 
@@ -248,3 +268,90 @@ class Plan:
             for index in range(start, min(start + size, len(self.bodies))):
                 chunk.add(self.route(index))
             yield chunk
+
+
+# --- the plan of a publish, a chunk at a time --------------------------------------------
+
+
+@dataclass(frozen=True)
+class Insert:
+    """Insert a chunk's rows in one statement, in order, each unless its id or policy
+    slot is taken (`Ledger.insert_many`); answered with the ids inserted."""
+
+    rows: list[NewDispatch]
+
+
+@dataclass(frozen=True)
+class ReadBack:
+    """Which of these rows exist (`Ledger.existing`); answered with their ids, or None
+    when they could not be read (the items that needed them stay undecided)."""
+
+    dispatch_ids: list[str]
+
+
+@dataclass(frozen=True)
+class Send:
+    """What a chunk's insert settled: report the items a policy suppressed, send (or
+    hand over) the newly inserted rows, then the chunk's plain messages; answered with
+    None."""
+
+    settled: Settled
+    plain: list[tuple[str, dict[str, Any], DispatchOptions]]
+
+
+Step = Insert | ReadBack | Send
+
+
+def insert_chunk(chunk: Chunk) -> Generator[Insert | ReadBack, Any, Settled]:
+    """Insert a chunk's rows and settle each item: whether a contested row's key exists
+    is read back (see `Chunk.contested`)."""
+    inserted: set[str] = yield Insert(chunk.rows)
+    contested = chunk.contested(inserted)
+    known: set[str] | None = (yield ReadBack(contested)) if contested else set()
+    return chunk.settle(inserted, known)
+
+
+def publish(plan: Plan, size: int) -> Generator[Step, Any, list[str | None]]:
+    """The plan's items `size` at a time, in order: each chunk inserted, settled and
+    sent before the next; the ids, None where a policy suppressed an item."""
+    ids: list[str | None] = []
+    for chunk in plan.chunks(size):
+        settled = yield from insert_chunk(chunk)
+        yield Send(settled, chunk.plain)
+        ids += chunk.ids
+    return ids
+
+
+def drive(steps: Generator[S, Any, T], run: Callable[[S], Any]) -> T:
+    """Execute each step of `steps` with `run`, sending back its answer; return the
+    plan's answer (as `ledger/inserts.py`'s `drive` runs a statement plan)."""
+    try:
+        step = next(steps)
+    except StopIteration as done:
+        return _answer(steps, done)
+    while True:
+        answer = run(step)  # outside the `try`: a StopIteration of its own is no answer
+        try:
+            step = steps.send(answer)
+        except StopIteration as done:
+            return _answer(steps, done)
+
+
+async def adrive(steps: Generator[S, Any, T], run: Callable[[S], Awaitable[Any]]) -> T:
+    """As `drive`, awaiting each step."""
+    try:
+        step = next(steps)
+    except StopIteration as done:
+        return _answer(steps, done)
+    while True:
+        answer = await run(step)  # outside the `try`, as in `drive`
+        try:
+            step = steps.send(answer)
+        except StopIteration as done:
+            return _answer(steps, done)
+
+
+def _answer(steps: Generator[Any, Any, T], done: StopIteration) -> T:
+    """What a finished plan answered."""
+    answer: T = done.value
+    return answer

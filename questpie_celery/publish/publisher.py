@@ -1,8 +1,14 @@
 """Publishing on the sync ledger: a plan's rows inserted, then the outbox.
 
 The decisions are the planner's (`publish/planner.py`); this executes them: the statements
-on the ledger (in the caller's transaction when there is one) and the sends. A
-failure after the insert leaves a row that a retry or the relay can finish.
+on the ledger (in the caller's transaction when there is one) and the sends. A bulk
+publish is the planner's chunk plan (`planner.publish`), driven here a step at a time;
+`publish/aio.py` awaits the same plan. A failure after the insert leaves a row that a
+retry or the relay can finish.
+
+What both publishers do beside the plan is written here once, as functions of the parts
+they share: the policy a publish is accepted under, its keyring, the plain messages'
+sends and the report of what a policy suppressed.
 """
 
 from __future__ import annotations
@@ -45,6 +51,77 @@ BATCH_SIZE = 1000
 ASYNC_SEND = "questpie_async_send"
 
 
+def queue_policy(
+    policies: PolicyBook,
+    definition: JobDefinition[Any],
+    options: Sequence[DispatchOptions],
+    span: telemetry.Span,
+) -> QueuePolicy:
+    """The policy the dispatches are accepted under (the items of one call share it).
+
+    May read or record the job's policy in the ledger, once per cache period.
+    """
+    policy = policies.effective(definition, options[0].queue_policy)
+    span.set(policy=str(policy))
+    # A debounced or throttled dispatch's singleton key names its burst or window.
+    if (
+        not policy.ledgered
+        and not options[0].flow_controlled
+        and any(item.singleton_key is not None for item in options)
+    ):
+        policies.warn_ignored_singleton_key(definition.name)
+    return policy
+
+
+def keyring_for(keyring: Callable[[], Keyring], options: DispatchOptions) -> Keyring | None:
+    """The keyring a secret dispatch seals with (or why it may not); None otherwise."""
+    return keyring() if options.secret_payload else None
+
+
+def send_unledgered(
+    sender: Sender,
+    job_name: str,
+    dispatch_id: str,
+    body: dict[str, Any],
+    options: DispatchOptions,
+    trace: Mapping[str, str] | None = None,
+) -> None:
+    sender.send(
+        job_name=job_name,
+        dispatch_id=dispatch_id,
+        payload=body,
+        header=MessageHeader(ledgered=False, run=options.run),
+        priority=options.priority,
+        queue=options.queue,
+        eta=options.start_after,
+        trace=trace,
+    )
+
+
+def send_plain(
+    sender: Sender, job_name: str, items: list[tuple[str, dict[str, Any], DispatchOptions]]
+) -> None:
+    """Send dispatches that need no ledger row, as `apply_async` would: a refusal
+    raises `BrokerError` (the ledgered items of the call are safe by then)."""
+    try:
+        with sender.batch(len(items)):
+            for dispatch_id, body, item in items:
+                send_unledgered(sender, job_name, dispatch_id, body, item)
+    except BrokerError as exc:
+        raise BrokerError(
+            f"the broker refused a batch of {len(items)} unkeyed dispatches of job "
+            f"{job_name!r} ({type(exc.__cause__).__name__}); sent in one pipeline, some "
+            "may have arrived and will run. Items with idempotency keys are ledgered "
+            "and can be published again safely"
+        ) from exc.__cause__
+
+
+def report(settled: planner.Settled) -> None:
+    """Report each item a taken policy slot refused (log line and signal)."""
+    for row in settled.suppressed:
+        report_suppressed(row)
+
+
 @dataclass(frozen=True)
 class CallerTransaction:
     """The caller's transaction a publish writes its rows in: its connection, and what
@@ -69,6 +146,8 @@ class Publisher:
         self._sender = sender
         self._policies = policies
         self._keyring = keyring  # the keyring a secret publish seals with, or why not
+        # Whether sends run the task inline, asked by the planner only when it makes a row.
+        self._eager = lambda: sender.eager
         # Concurrent single publishes of this process share a multi-row insert.
         self._shared = SharedInserts(ledger.insert, ledger.insert_many)
 
@@ -117,7 +196,7 @@ class Publisher:
     ) -> list[str | None]:
         if not options:
             return []
-        keyring = self.keyring_for(options[0])
+        keyring = keyring_for(self._keyring, options[0])
         bodies = planner.validate(definition, payloads)
         with self._caller(session, connection) as caller:
             if self._sender.eager:
@@ -129,75 +208,6 @@ class Publisher:
                 ]
             return self._publish_in(definition, bodies, options, keyring, caller, span, many=True)
 
-    def policy(
-        self,
-        definition: JobDefinition[Any],
-        options: Sequence[DispatchOptions],
-        span: telemetry.Span,
-    ) -> QueuePolicy:
-        """The policy the dispatches are accepted under (the items of one call share it).
-
-        May read or record the job's policy in the ledger, once per cache period.
-        """
-        policy = self._policies.effective(definition, options[0].queue_policy)
-        span.set(policy=str(policy))
-        # A debounced or throttled dispatch's singleton key names its burst or window.
-        if (
-            not policy.ledgered
-            and not options[0].flow_controlled
-            and any(item.singleton_key is not None for item in options)
-        ):
-            self._policies.warn_ignored_singleton_key(definition.name)
-        return policy
-
-    def policy_is_cached(self, definition: JobDefinition[Any]) -> bool:
-        """Whether `policy` would answer without the ledger."""
-        return self._policies.is_cached(definition.name)
-
-    def read_policy(self, definition: JobDefinition[Any]) -> None:
-        """Read the job's recorded policy into the cache (writing nothing)."""
-        self._policies.read(definition.name)
-
-    def keyring_for(self, options: DispatchOptions) -> Keyring | None:
-        """The keyring a secret dispatch seals with (or why it may not); None otherwise."""
-        return self._keyring() if options.secret_payload else None
-
-    def send_unledgered(
-        self,
-        job_name: str,
-        dispatch_id: str,
-        body: dict[str, Any],
-        options: DispatchOptions,
-        trace: Mapping[str, str] | None = None,
-    ) -> None:
-        self._sender.send(
-            job_name=job_name,
-            dispatch_id=dispatch_id,
-            payload=body,
-            header=MessageHeader(ledgered=False, run=options.run),
-            priority=options.priority,
-            queue=options.queue,
-            eta=options.start_after,
-            trace=trace,
-        )
-
-    def send_plain(
-        self, job_name: str, items: list[tuple[str, dict[str, Any], DispatchOptions]]
-    ) -> None:
-        """Send dispatches that need no ledger row, as `apply_async` would: a refusal
-        raises `BrokerError` (the ledgered items of the call are safe by then)."""
-        try:
-            with self._sender.batch(len(items)):
-                for dispatch_id, body, item in items:
-                    self.send_unledgered(job_name, dispatch_id, body, item)
-        except BrokerError as exc:
-            raise BrokerError(
-                f"the broker refused a batch of {len(items)} unkeyed dispatches of job "
-                f"{job_name!r} ({type(exc.__cause__).__name__}); sent in one pipeline, some "
-                "may have arrived and will run. Items with idempotency keys are ledgered "
-                "and can be published again safely"
-            ) from exc.__cause__
-
     def _publish(
         self,
         definition: JobDefinition[Any],
@@ -207,7 +217,7 @@ class Publisher:
         connection: Connection | None,
         span: telemetry.Span,
     ) -> str | None:
-        keyring = self.keyring_for(options)
+        keyring = keyring_for(self._keyring, options)
         body = definition.to_json(payload)
         if session is None and connection is None and self._ledger.ambient is None:
             # The common case, on every plain publish: no caller's transaction to look for.
@@ -238,35 +248,37 @@ class Publisher:
                 "connection=, or a Django atomic block): its window is taken in a "
                 "transaction of its own"
             )
-        policy = self.policy(definition, options, span)
+        policy = queue_policy(self._policies, definition, options, span)
         plan = planner.Plan(
             definition,
             bodies,
             options,
             policy,
             keyring,
-            self._outbox,
+            self._eager,
             in_transaction=caller is not None,
             commit_hook=caller is None or caller.after_commit is not None,
         )
-        conn = caller.connection if caller is not None else None
         if options[0].flow_controlled:
             return [self._publish_controlled(plan, index, caller) for index in range(len(bodies))]
         if not many:
             return [self._publish_one(plan, caller)]
-        ids: list[str | None] = []
-        for chunk in plan.chunks(BATCH_SIZE):
-            inserted = self._ledger.insert_many(chunk.rows, conn)
-            contested = chunk.contested(inserted)
-            known = self._ledger.existing(contested, conn) if contested else set()
-            settled = chunk.settle(inserted, known)
-            for row in settled.suppressed:
-                report_suppressed(row)
-            self._hand_over(settled, caller)
-            if chunk.plain:
-                self.send_plain(definition.name, chunk.plain)
-            ids += chunk.ids
-        return ids
+        conn = caller.connection if caller is not None else None
+
+        def run(step: planner.Step) -> set[str] | None:
+            """One step of the plan: a statement (in `caller`'s transaction when there is
+            one), or a chunk's sends."""
+            if isinstance(step, planner.Insert):
+                return self._ledger.insert_many(step.rows, conn)
+            if isinstance(step, planner.ReadBack):
+                return self._ledger.existing(step.dispatch_ids, conn)
+            report(step.settled)
+            self._hand_over(step.settled, caller)
+            if step.plain:
+                send_plain(self._sender, definition.name, step.plain)
+            return None
+
+        return planner.drive(planner.publish(plan, BATCH_SIZE), run)
 
     def _publish_one(self, plan: planner.Plan, caller: CallerTransaction | None) -> str | None:
         """A plan of one item, decided as a chunk of one would be, without a chunk's
@@ -275,7 +287,7 @@ class Publisher:
         new = route.new
         if new is None:
             assert route.plain is not None
-            self.send_unledgered(plan.job_name, route.dispatch_id, *route.plain)
+            send_unledgered(self._sender, plan.job_name, route.dispatch_id, *route.plain)
             return route.dispatch_id
         conn = caller.connection if caller is not None else None
         if self._insert(new, conn):

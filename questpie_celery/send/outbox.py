@@ -45,6 +45,11 @@ MAX_RELAY_BACKOFF_SECONDS = 3600.0
 DEFAULT_REDELIVER_AFTER_SECONDS = 3600.0
 
 
+def is_far_off(start_after: datetime | None, now: datetime) -> bool:
+    """Too far ahead for a broker ETA: the dispatch waits in the ledger."""
+    return start_after is not None and start_after > now + timedelta(seconds=ETA_HORIZON_SECONDS)
+
+
 class Sendable(Protocol):
     """What a send needs of a row: a stored row and a new one both have it."""
 
@@ -127,28 +132,6 @@ class Outbox:
 
     # --- when ---------------------------------------------------------------------------
 
-    @staticmethod
-    def is_far_off(start_after: datetime | None, now: datetime) -> bool:
-        """Too far ahead for a broker ETA: the dispatch waits in the ledger."""
-        return start_after is not None and start_after > now + timedelta(
-            seconds=ETA_HORIZON_SECONDS
-        )
-
-    def first_send(
-        self, start_after: datetime | None, now: datetime, *, after_commit_hook: bool
-    ) -> FirstSend:
-        if self._sender.eager and after_commit_hook:
-            return FirstSend(True)  # eager mode runs everything at once, as Celery's does
-        if self.is_far_off(start_after, now) and start_after is not None:
-            return FirstSend(
-                False, next_send_at=start_after - timedelta(seconds=ETA_HORIZON_SECONDS)
-            )
-        if not after_commit_hook:
-            # A Connection has no after-commit hook: the relay sends it once committed,
-            # woken by the commit where the database can say so.
-            return FirstSend(False, send_in=0.0, wake_relays=True)
-        return FirstSend(True)
-
     def plan_retry(self, delay: float) -> RetryPlan:
         if delay <= ETA_HORIZON_SECONDS or self._sender.eager:
             return RetryPlan(delay, delay + self.redeliver_after, send_now=True)
@@ -187,7 +170,7 @@ class Outbox:
         retried has the newest).
         """
         now = datetime.now(UTC)
-        if not self._sender.eager and self.is_far_off(row.run_after, now):
+        if not self._sender.eager and is_far_off(row.run_after, now):
             # Its start moved far ahead while it waited (a debounced burst that gathered
             # while parked): it waits in the ledger, as a far-off publish does, and the
             # relay sends it with an ETA inside the horizon.

@@ -1,18 +1,24 @@
-"""The decisions of a publish with no ledger and no broker: what a chunk's insert settles
-(publish/planner.py), and what an insert that ran twice counts as inserted (ledger/inserts.py)."""
+"""The decisions of a publish with no ledger and no broker: what a chunk's insert settles,
+who first sends a new row, and the steps of a publish's chunk plan (publish/planner.py);
+what an insert that ran twice counts as inserted (ledger/inserts.py)."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from pydantic import BaseModel
 
-from questpie_celery.jobs.options import StoredOptions
+from questpie_celery.jobs.definition import JobContext, JobDefinition
+from questpie_celery.jobs.ids import derive_dispatch_id
+from questpie_celery.jobs.options import StoredOptions, resolve_options
 from questpie_celery.jobs.policies import QueuePolicy
 from questpie_celery.ledger import NewDispatch, inserts
 from questpie_celery.ledger.dispatches import DispatchStatements
-from questpie_celery.publish.planner import Chunk, Route
-from questpie_celery.send.outbox import FirstSend
+from questpie_celery.publish import planner
+from questpie_celery.publish.planner import Chunk, Route, first_send
+from questpie_celery.send.outbox import ETA_HORIZON_SECONDS, FirstSend, is_far_off
 
 
 def _row(
@@ -125,3 +131,115 @@ def test_an_insert_that_ran_twice_reads_back_what_it_did_not_see(dialect: str) -
     assert inserts.drive(inserts.insert_many(sql, []), run([])) == set()
     assert inserts.drive(inserts.existing(sql, []), run([])) == set()
     assert not steps
+
+
+NOW = datetime(2030, 1, 1, tzinfo=UTC)
+FAR = NOW + timedelta(seconds=ETA_HORIZON_SECONDS + 1)
+NEAR = NOW + timedelta(seconds=ETA_HORIZON_SECONDS)
+
+
+def test_a_start_beyond_the_eta_horizon_is_far_off_and_waits_for_the_relay() -> None:
+    assert is_far_off(FAR, NOW) and not is_far_off(NEAR, NOW) and not is_far_off(None, NOW)
+    # Beyond the horizon the relay sends it, a horizon before its start; eager mode
+    # sends everything at once, unless there is no commit hook to send it after.
+    horizon = timedelta(seconds=ETA_HORIZON_SECONDS)
+    relayed = FirstSend(False, next_send_at=FAR - horizon)
+    assert first_send(FAR, NOW, eager=False, after_commit_hook=True) == relayed
+    assert first_send(FAR, NOW, eager=True, after_commit_hook=True) == FirstSend(True)
+    assert first_send(FAR, NOW, eager=True, after_commit_hook=False) == relayed
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_a_row_with_no_commit_hook_wakes_the_relays_and_any_other_is_sent_by_its_publisher(
+    eager: bool,
+) -> None:
+    woken = FirstSend(False, send_in=0.0, wake_relays=True)
+    assert first_send(NEAR, NOW, eager=eager, after_commit_hook=False) == woken
+    assert first_send(None, NOW, eager=eager, after_commit_hook=True) == FirstSend(True)
+
+
+class _Body(BaseModel):
+    n: int
+
+
+def _handler(payload: _Body, ctx: JobContext) -> None:
+    del payload, ctx
+
+
+DEFINITION = JobDefinition(name="planner.numbers", schema=_Body, handler=_handler)
+
+
+def _plan(keys: list[str | None], policy: QueuePolicy = QueuePolicy.STANDARD) -> planner.Plan:
+    options = [resolve_options({}, {"idempotency_key": key}) for key in keys]
+    bodies = [{"n": n} for n in range(len(keys))]
+    return planner.Plan(DEFINITION, bodies, options, policy, None, lambda: False)
+
+
+def _driven(plan: planner.Plan, size: int, answers: dict[str, Any]) -> tuple[Any, list[Any]]:
+    """Drive `planner.publish`, answering an insert with the rows `answers["inserted"]`
+    names (all when absent) and a read-back with `answers["known"]`."""
+    steps: list[Any] = []
+
+    def run(step: planner.Step) -> Any:
+        steps.append(step)
+        if isinstance(step, planner.Insert):
+            inserted = answers.get("inserted")
+            return {row.id for row in step.rows if inserted is None or row.id in inserted}
+        if isinstance(step, planner.ReadBack):
+            return answers["known"]
+        return None
+
+    return planner.drive(planner.publish(plan, size), run), steps
+
+
+def test_the_chunk_plan_inserts_settles_and_sends_each_chunk_before_the_next() -> None:
+    plan = _plan(["a", None, "c"])
+    ids, steps = _driven(plan, 2, {})
+    assert [type(step).__name__ for step in steps] == ["Insert", "Send", "Insert", "Send"]
+    # Unkeyed items of a standard job are plain messages, with no row.
+    first, second = steps[1], steps[3]
+    assert [row.id for row in first.settled.send] == [ids[0]] and len(first.plain) == 1
+    assert first.plain[0][0] == ids[1]
+    assert [row.id for row in second.settled.send] == [ids[2]] and not second.plain
+    assert all(isinstance(dispatch_id, str) for dispatch_id in ids)
+
+
+def test_the_chunk_plan_reads_back_only_contested_rows_and_answers_none_for_the_refused() -> None:
+    known, taken = (derive_dispatch_id(DEFINITION.name, key) for key in ("known", "taken"))
+    plan = _plan(["known", "taken", None], QueuePolicy.EXCLUSIVE)
+    ids, steps = _driven(plan, 10, {"inserted": set(), "known": {known}})
+    assert [type(step).__name__ for step in steps] == ["Insert", "ReadBack", "Send"]
+    # The unkeyed row can only have met the slot: it needs no read-back.
+    assert steps[1] == planner.ReadBack([known, taken])
+    assert ids == [known, None, None]
+    assert [row.idempotency_key for row in steps[2].settled.suppressed] == ["taken", None]
+    assert not steps[2].settled.send and not steps[2].plain
+
+
+def test_a_read_back_answered_none_leaves_the_contested_items_undecided() -> None:
+    chunk = _chunk(
+        _row("in", key="k0", policy=EXCLUSIVE),
+        _row("contested", key="k1", policy=EXCLUSIVE),
+    )
+    steps = planner.insert_chunk(chunk)
+    assert isinstance(next(steps), planner.Insert)
+    assert steps.send({"in"}) == planner.ReadBack(["contested"])
+    with pytest.raises(StopIteration) as done:
+        steps.send(None)
+    assert done.value.value.undecided == [1]
+
+
+def test_a_plan_of_plain_messages_never_asks_whether_sends_are_eager() -> None:
+    asked: list[bool] = []
+
+    def eager() -> bool:
+        asked.append(True)
+        return False
+
+    options = [resolve_options({}, {}) for _ in range(3)]
+    bodies = [{"n": n} for n in range(3)]
+    plain = planner.Plan(DEFINITION, bodies, options, QueuePolicy.STANDARD, None, eager)
+    assert all(plain.route(index).new is None for index in range(3)) and not asked
+    keyed = [resolve_options({}, {"idempotency_key": f"k{n}"}) for n in range(3)]
+    rows = planner.Plan(DEFINITION, bodies, keyed, QueuePolicy.STANDARD, None, eager)
+    assert all(rows.route(index).new is not None for index in range(3)) and asked == [True]
