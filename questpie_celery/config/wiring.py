@@ -97,7 +97,6 @@ def wire(settings: Settings, discover: Callable[[], None]) -> Parts:
         outcomes,
         settings.keyring,
         context=context,
-        sender=sender,
         waits=waits,
         admission=admission,
     )

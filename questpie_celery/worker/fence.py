@@ -23,7 +23,7 @@ import os
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from celery import Task
@@ -43,10 +43,10 @@ from ..jobs.context import AppContext
 from ..jobs.crypto import Keyring, Sealed
 from ..jobs.definition import JobContext, JobDefinition
 from ..jobs.ids import shown_id, unstorable_id
-from ..jobs.limits import NO_LIMITS, Rate, group_of
+from ..jobs.limits import NO_LIMITS, Limits, group_of
 from ..jobs.policies import QueuePolicy
 from ..ledger import Claim, DispatchRow, Ledger
-from ..send.broker import MessageHeader, Sender, carry_for_retry
+from ..send.broker import MessageHeader, carry_for_retry
 from .admission import Admission
 from .delivery_wait import DeliveryWait, time_before_soft_limit
 from .leases import LeaseKeeper, renewal_cap
@@ -80,6 +80,33 @@ class _Ending:
     visible: Exception | None = None  # what Celery may see of it
 
 
+@dataclass
+class Delivery:
+    """One delivery on its way through the fence's stages: what its message said, and
+    what the stages learn of it."""
+
+    task: Task
+    dispatch_id: str
+    definition: JobDefinition[Any]
+    attempt: int
+    payload: Any
+    back: MessageHeader
+    token: str
+    span: telemetry.Span  # the delivery's own, which its outcome is set on
+    eager: bool
+    limits: Limits
+    policy: Callable[[], QueuePolicy] | None  # read only when a relaxed ledger lost the row
+    claim: Claim = field(default_factory=lambda: Claim("unknown"))  # until it is claimed
+    # When the latest claim statement was sent: the lease it takes runs from no earlier,
+    # which is what a stall of this process is measured against.
+    claimed_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def claimed_row(self) -> DispatchRow | None:
+        """The row, once this delivery holds its claim."""
+        return self.claim.row if self.claim.outcome == "claimed" else None
+
+
 class Fence:
     def __init__(
         self,
@@ -90,7 +117,6 @@ class Fence:
         keyring: Keyring | None,
         *,
         context: AppContext,
-        sender: Sender,
         waits: DeliveryWait,
         admission: Admission,
     ) -> None:
@@ -176,110 +202,203 @@ class Fence:
         back: MessageHeader,
         policy: Callable[[], QueuePolicy] | None = None,
     ) -> Any:
-        dispatch_id: str = task.request.id
-        token = back.token or ""
-        delivery = telemetry.current()
-        delivery.set(attempt=attempt)
+        """The delivery through the fence's stages, in order. Each stage returns (the
+        delivery moves on) or raises what Celery sees: `Ignore`, `Retry` or the run's
+        recorded failure."""
         # Eager mode runs each call at once, in the caller, as Celery's does: no limit can
         # make it wait.
         eager = bool(task.request.is_eager)
-        limits = NO_LIMITS if eager else definition.limits
-        # When the latest claim statement was sent: the lease it takes runs from no
-        # earlier, which is what a stall of this process is measured against.
-        claimed_at = time.monotonic()
-        with telemetry.span("questpie.claim", attempt=attempt) as claiming:
+        d = Delivery(
+            task=task,
+            dispatch_id=task.request.id,
+            definition=definition,
+            attempt=attempt,
+            payload=payload,
+            back=back,
+            token=back.token or "",
+            span=telemetry.current(),
+            eager=eager,
+            limits=NO_LIMITS if eager else definition.limits,
+            policy=policy,
+        )
+        d.span.set(attempt=attempt)
+        self._claim(d)
+        self._park_if_blocked(d)
+        self._end_if_cancelled(d)
+        self._take_start(d)
+        self._drop_if_early(d)
+        row = self._skip_unclaimed(d)
+        ending = self._lease_and_call(d, row)
+        return self._end(d, row, ending)
 
-            def claim_it() -> Claim:
-                nonlocal claimed_at
-                claimed_at = time.monotonic()
-                return self._ledger.claim(
-                    dispatch_id,
-                    definition.name,
-                    attempt,
-                    self._leases.lease_seconds,
-                    token,
-                    any_time=eager,
-                    concurrency=limits.concurrency,
-                )
+    def _wait(self, d: Delivery, step: Callable[[], T]) -> T:
+        """One ledger step of the delivery, through `DeliveryWait.run`."""
+        return self._waits.run(d.task, step, d.back)
 
-            claim = self._when_due(task, self._waits.run(task, claim_it, back), claim_it, back)
-            read_policy = policy
+    def _claim(self, d: Delivery) -> None:
+        """Take the delivery's execution claim: once the row is due, for a delivery a
+        little early; again after a relaxed ledger's lost row was taken back."""
+        with telemetry.span("questpie.claim", attempt=d.attempt) as claiming:
+            d.claim = self._when_due(d, self._wait(d, lambda: self._claim_once(d)))
+            read_policy = d.policy
             if (
-                claim.outcome == "unknown"
+                d.claim.outcome == "unknown"
                 and self._ledger.relaxed
                 and read_policy is not None
-                and self._waits.run(
-                    task,
+                and self._wait(
+                    d,
                     lambda: self._admission.take_back(
-                        task, definition, attempt, payload, back, read_policy
+                        d.task, d.definition, d.attempt, d.payload, d.back, read_policy
                     ),
-                    back,
                 )
             ):
-                claim = self._waits.run(task, claim_it, back)
-            claiming.set(outcome=claim.outcome)
-        if claim.outcome == "blocked":
-            # Another run holds the slot (or every seat): set this one aside, acknowledged
-            # and uncounted.
-            for_seat = claim.blocked_by == "concurrency"
-            self._waits.run(
-                task,
-                lambda: self._slots.park(dispatch_id, definition.name, attempt, for_seat=for_seat),
-                back,
-            )
-            delivery.set(outcome="parked")
-            raise Ignore()
-        if claim.outcome == "claimed" and claim.row is not None:
-            if claim.row.cancel_requested_at is not None:
-                # Cancelled between its claim and this look (a claim whose reply was lost
-                # and read back, or a delivery sent back while the ledger was away): its
-                # handler has not begun, so it never does.
-                claimed = claim.row
-                self._waits.run(task, lambda: self._slots.end_unrun(claimed, token), back)
-                delivery.set(outcome="cancelled")
-                raise Ignore()
-            if limits.rate is not None:
-                self._take_start(task, claim.row, token, limits.rate, back)
-        if claim.outcome == "early":
-            self._drop_early(task, definition, attempt, claim, back)
-        if claim.outcome != "claimed" or claim.row is None:
-            delivery.set(outcome=f"skipped: {claim.outcome}")
-            log.info(
-                "dispatch %s of job %s: delivery for attempt %d skipped (%s)",
-                dispatch_id,
-                definition.name,
-                attempt,
-                claim.outcome,
-                extra={"dispatch_id": dispatch_id, "job_name": definition.name},
-            )
-            raise Ignore()
-        row = claim.row
-        delivery.set(policy=str(row.policy or "standard"))
-        cap = renewal_cap(row.options.run.expire_in_seconds, _hard_limit_left(task))
+                d.claim = self._wait(d, lambda: self._claim_once(d))
+            claiming.set(outcome=d.claim.outcome)
+
+    def _claim_once(self, d: Delivery) -> Claim:
+        """One claim statement, noting when it was sent."""
+        d.claimed_at = time.monotonic()
+        return self._ledger.claim(
+            d.dispatch_id,
+            d.definition.name,
+            d.attempt,
+            self._leases.lease_seconds,
+            d.token,
+            any_time=d.eager,
+            concurrency=d.limits.concurrency,
+        )
+
+    def _when_due(self, d: Delivery, claim: Claim) -> Claim:
+        """Claim again once the row is due, for a delivery a little early: a retry's
+        countdown or an ETA that a clock ahead of the database's judged. Never past the
+        run's soft time limit."""
+        for _ in range(EARLY_TRIES):
+            if claim.outcome != "early" or claim.due_in > min(
+                EARLY_WAIT_SECONDS, time_before_soft_limit(d.task)
+            ):
+                return claim
+            time.sleep(claim.due_in + EARLY_MARGIN_SECONDS)
+            claim = self._wait(d, lambda: self._claim_once(d))
+        return claim
+
+    def _park_if_blocked(self, d: Delivery) -> None:
+        """Another run holds the slot (or every seat): set this one aside, acknowledged
+        and uncounted."""
+        if d.claim.outcome != "blocked":
+            return
+        for_seat = d.claim.blocked_by == "concurrency"
+        self._wait(
+            d,
+            lambda: self._slots.park(
+                d.dispatch_id, d.definition.name, d.attempt, for_seat=for_seat
+            ),
+        )
+        d.span.set(outcome="parked")
+        raise Ignore()
+
+    def _end_if_cancelled(self, d: Delivery) -> None:
+        """Cancelled between its claim and this look (a claim whose reply was lost and
+        read back, or a delivery sent back while the ledger was away): its handler has
+        not begun, so it never does."""
+        claimed = d.claimed_row
+        if claimed is None or claimed.cancel_requested_at is None:
+            return
+        self._wait(d, lambda: self._slots.end_unrun(claimed, d.token))
+        d.span.set(outcome="cancelled")
+        raise Ignore()
+
+    def _take_start(self, d: Delivery) -> None:
+        """Take a start of the job's rate limit for the claimed run, before anything of
+        its handler runs; with none free, set the run back to wait for its window
+        (acknowledged, not an attempt) and end the delivery."""
+        row, rate = d.claimed_row, d.limits.rate
+        if row is None or rate is None:
+            return
+        group = group_of(row.group_key)
+        wait = self._wait(
+            d, lambda: self._ledger.take_permit(row.job_name, group, rate.count, rate.per_seconds)
+        )
+        if wait is None:
+            return
+        self._wait(d, lambda: self._slots.wait_for_rate(row, d.token, rate))
+        d.span.set(outcome="waiting: rate")
+        raise Ignore()
+
+    def _drop_if_early(self, d: Delivery) -> None:
+        """A delivery far too early for its row (a forged or stale copy; or the row's own
+        message, judged by a clock far ahead): acknowledged without running, and the row
+        due for the relay at its start, so it runs then even if this was its message."""
+        if d.claim.outcome != "early":
+            return
+        self._wait(
+            d, lambda: self._ledger.send_when_due(d.dispatch_id, d.definition.name, d.attempt)
+        )
+        log.warning(
+            "dispatch %s of job %s: delivery for attempt %d came %.1f s before the row is "
+            "due; dropped, and the relay sends the row when it is due",
+            d.dispatch_id,
+            d.definition.name,
+            d.attempt,
+            d.claim.due_in,
+            extra={"dispatch_id": d.dispatch_id, "job_name": d.definition.name},
+        )
+
+    def _skip_unclaimed(self, d: Delivery) -> DispatchRow:
+        """The claimed row, for the stages that run it; a delivery without one (finished,
+        stale, claimed elsewhere, another job's id, or dropped as early) ends here."""
+        row = d.claimed_row
+        if row is not None:
+            return row
+        d.span.set(outcome=f"skipped: {d.claim.outcome}")
+        log.info(
+            "dispatch %s of job %s: delivery for attempt %d skipped (%s)",
+            d.dispatch_id,
+            d.definition.name,
+            d.attempt,
+            d.claim.outcome,
+            extra={"dispatch_id": d.dispatch_id, "job_name": d.definition.name},
+        )
+        raise Ignore()
+
+    def _lease_and_call(self, d: Delivery, row: DispatchRow) -> _Ending:
+        """Run the handler while its claim is renewed, up to the cap its expiry and the
+        hard time limit put on the renewal."""
+        d.span.set(policy=str(row.policy or "standard"))
+        cap = renewal_cap(row.options.run.expire_in_seconds, _hard_limit_left(d.task))
         with self._leases.hold(
-            dispatch_id, token, cap.seconds, claimed_at=claimed_at, ends_process=cap.ends_process
+            d.dispatch_id,
+            d.token,
+            cap.seconds,
+            claimed_at=d.claimed_at,
+            ends_process=cap.ends_process,
         ) as lease:
             # Inside the hold: a result backend that stalls must not let the lease lapse.
-            mark_started(task)
+            mark_started(d.task)
             with telemetry.span("questpie.run", attempt=row.attempt) as running:
                 ending = self._call(
-                    definition, row, payload, lease.still_held, lambda: lease.cancel_requested
+                    d.definition, row, d.payload, lease.still_held, lambda: lease.cancel_requested
                 )
                 running.set(outcome="returned" if ending.error is None else ending.error)
+        return ending
+
+    def _end(self, d: Delivery, row: DispatchRow, ending: _Ending) -> Any:
+        """Record how the run ended, then let Celery see it: the result of a recorded
+        completion, the failure of a failed run, a `Retry` for a retried one, and
+        `Ignore` for an end this delivery did not record (its claim was lost)."""
         with telemetry.span("questpie.end", attempt=row.attempt) as ending_span:
             if ending.error is None:
-                recorded = self._outcomes.completed(row, token)
+                recorded = self._outcomes.completed(row, d.token)
                 result = "completed" if recorded else "lost"
             else:
                 result = self._outcomes.attempt_failed(
                     row,
-                    token,
+                    d.token,
                     ending.error,
                     for_good=ending.for_good,
-                    carry=carry_for_retry(row.options.carry, task.request),
+                    carry=carry_for_retry(row.options.carry, d.task.request),
                 )
             ending_span.set(outcome=result)
-            delivery.set(outcome=result)
+            d.span.set(outcome=result)
         if ending.error is None:
             if result != "completed":
                 raise Ignore()
@@ -291,64 +410,6 @@ class Fence:
         if result == "retrying":
             raise Retry(exc=ending.visible, when=row.options.run.delay_before_retry(row.attempt))
         raise Ignore()
-
-    def _take_start(
-        self, task: Task, row: DispatchRow, token: str, rate: Rate, back: MessageHeader
-    ) -> None:
-        """Take a start of the job's rate limit for the claimed run, before anything of
-        its handler runs; with none free, set the run back to wait for its window
-        (acknowledged, not an attempt) and end the delivery."""
-        group = group_of(row.group_key)
-        wait = self._waits.run(
-            task,
-            lambda: self._ledger.take_permit(row.job_name, group, rate.count, rate.per_seconds),
-            back,
-        )
-        if wait is None:
-            return
-        self._waits.run(task, lambda: self._slots.wait_for_rate(row, token, rate), back)
-        telemetry.current().set(outcome="waiting: rate")
-        raise Ignore()
-
-    def _when_due(
-        self, task: Task, claim: Claim, claim_it: Callable[[], Claim], back: MessageHeader
-    ) -> Claim:
-        """Claim again once the row is due, for a delivery a little early: a retry's
-        countdown or an ETA that a clock ahead of the database's judged. Never past the
-        run's soft time limit."""
-        for _ in range(EARLY_TRIES):
-            if claim.outcome != "early" or claim.due_in > min(
-                EARLY_WAIT_SECONDS, time_before_soft_limit(task)
-            ):
-                return claim
-            time.sleep(claim.due_in + EARLY_MARGIN_SECONDS)
-            claim = self._waits.run(task, claim_it, back)
-        return claim
-
-    def _drop_early(
-        self,
-        task: Task,
-        definition: JobDefinition[Any],
-        attempt: int,
-        claim: Claim,
-        back: MessageHeader,
-    ) -> None:
-        """A delivery far too early for its row (a forged or stale copy; or the row's own
-        message, judged by a clock far ahead): acknowledged without running, and the row
-        due for the relay at its start, so it runs then even if this was its message."""
-        dispatch_id: str = task.request.id
-        self._waits.run(
-            task, lambda: self._ledger.send_when_due(dispatch_id, definition.name, attempt), back
-        )
-        log.warning(
-            "dispatch %s of job %s: delivery for attempt %d came %.1f s before the row is "
-            "due; dropped, and the relay sends the row when it is due",
-            dispatch_id,
-            definition.name,
-            attempt,
-            claim.due_in,
-            extra={"dispatch_id": dispatch_id, "job_name": definition.name},
-        )
 
     def _call(
         self,
