@@ -10,13 +10,14 @@ connection counts as inserted) is written once, here.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Generator, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from sqlalchemy import Insert, Select
 from sqlalchemy.sql import Executable
 
+from .._runtime.plans import adrive, drive
 from .rows import NewDispatch
 
 T = TypeVar("T")
@@ -47,39 +48,7 @@ class Run:
 Ran = tuple[Any, bool]
 Plan = Generator[Run, Ran, T]
 
-
-def _answer(plan: Plan[T], done: StopIteration) -> T:
-    """What a finished plan answered."""
-    answer: T = done.value
-    return answer
-
-
-def drive(plan: Plan[T], run: Callable[[Run], Ran]) -> T:
-    """Run each statement of `plan` with `run`; return the plan's answer."""
-    try:
-        step = next(plan)
-    except StopIteration as done:
-        return _answer(plan, done)
-    while True:
-        ran = run(step)  # outside the `try`: a StopIteration of its own is no answer
-        try:
-            step = plan.send(ran)
-        except StopIteration as done:
-            return _answer(plan, done)
-
-
-async def adrive(plan: Plan[T], run: Callable[[Run], Awaitable[Ran]]) -> T:
-    """As `drive`, awaiting each statement."""
-    try:
-        step = next(plan)
-    except StopIteration as done:
-        return _answer(plan, done)
-    while True:
-        ran = await run(step)  # outside the `try`: a StopIteration of its own is no answer
-        try:
-            step = plan.send(ran)
-        except StopIteration as done:
-            return _answer(plan, done)
+__all__ = ["Plan", "Ran", "Run", "Statements", "adrive", "drive"]
 
 
 def insert(sql: Statements, new: NewDispatch, *, again: bool = False) -> Plan[bool]:

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from .._runtime import telemetry
+from .._runtime.plans import adrive
 from ..errors import PublishOptionsError, QuestpieError
 from ..jobs.crypto import Keyring
 from ..jobs.definition import JobDefinition
@@ -215,7 +216,7 @@ class AsyncPublisher:
             await asyncio.sleep(0)
             return None
 
-        return await planner.adrive(planner.publish(plan, FLUSH_SIZE), run)
+        return await adrive(planner.publish(plan, FLUSH_SIZE), run)
 
     async def _execute(self, step: planner.Insert | planner.ReadBack) -> set[str]:
         """A plan's statement: a chunk's insert in one statement, or its read-back."""
@@ -284,7 +285,7 @@ class AsyncPublisher:
             return await self._execute(step)
 
         try:
-            settled = await planner.adrive(planner.insert_chunk(chunk), run)
+            settled = await adrive(planner.insert_chunk(chunk), run)
         except BaseException as exc:  # nothing of the group was written (or it is unknown)
             for wanted, _ in group.items:
                 _fail(wanted, exc)

@@ -14,19 +14,19 @@ ledger row first.
 A plan's items are taken a chunk at a time (one insert, one pipelined send each), by
 `publish`, a generator in the style of `ledger/inserts.py`: it yields each step (`Insert`
 a chunk's rows, `ReadBack` its contested ones, `Send` what it settled) and is sent back
-that step's answer. `publish/publisher.py` drives it (`drive`), `publish/aio.py` awaits
-it (`adrive`); the batcher of concurrent `apublish` calls awaits one chunk's
-`insert_chunk`. A single publish, the most frequent call, is decided by the same rules
-on its one row, with none of a chunk's bookkeeping (`Route`, `contested`, `refused`,
-`first_sent`).
+that step's answer. `publish/publisher.py` drives it, `publish/aio.py` awaits it (with
+`_runtime/plans.py`'s `drive` and `adrive`); the batcher of concurrent `apublish` calls
+awaits one chunk's `insert_chunk`. A single publish, the most frequent call, is decided
+by the same rules on its one row, with none of a chunk's bookkeeping (`Route`,
+`contested`, `refused`, `first_sent`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
-from typing import Any, TypeVar
+from typing import Any
 
 from ..errors import PayloadValidationError
 from ..jobs.crypto import Keyring
@@ -37,9 +37,6 @@ from ..jobs.policies import QueuePolicy
 from ..ledger import NewDispatch
 from ..send.outbox import ETA_HORIZON_SECONDS, FirstSend, is_far_off
 from .dispatch_rows import new_dispatch
-
-S = TypeVar("S")
-T = TypeVar("T")
 
 
 def validate(
@@ -320,38 +317,3 @@ def publish(plan: Plan, size: int) -> Generator[Step, Any, list[str | None]]:
         yield Send(settled, chunk.plain)
         ids += chunk.ids
     return ids
-
-
-def drive(steps: Generator[S, Any, T], run: Callable[[S], Any]) -> T:
-    """Execute each step of `steps` with `run`, sending back its answer; return the
-    plan's answer (as `ledger/inserts.py`'s `drive` runs a statement plan)."""
-    try:
-        step = next(steps)
-    except StopIteration as done:
-        return _answer(steps, done)
-    while True:
-        answer = run(step)  # outside the `try`: a StopIteration of its own is no answer
-        try:
-            step = steps.send(answer)
-        except StopIteration as done:
-            return _answer(steps, done)
-
-
-async def adrive(steps: Generator[S, Any, T], run: Callable[[S], Awaitable[Any]]) -> T:
-    """As `drive`, awaiting each step."""
-    try:
-        step = next(steps)
-    except StopIteration as done:
-        return _answer(steps, done)
-    while True:
-        answer = await run(step)  # outside the `try`, as in `drive`
-        try:
-            step = steps.send(answer)
-        except StopIteration as done:
-            return _answer(steps, done)
-
-
-def _answer(steps: Generator[Any, Any, T], done: StopIteration) -> T:
-    """What a finished plan answered."""
-    answer: T = done.value
-    return answer

@@ -23,6 +23,7 @@ from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
 from .._runtime import telemetry
+from .._runtime.plans import drive
 from ..errors import BrokerError, PublishOptionsError
 from ..jobs.crypto import Keyring
 from ..jobs.definition import JobDefinition
@@ -278,7 +279,7 @@ class Publisher:
                 send_plain(self._sender, definition.name, step.plain)
             return None
 
-        return planner.drive(planner.publish(plan, BATCH_SIZE), run)
+        return drive(planner.publish(plan, BATCH_SIZE), run)
 
     def _publish_one(self, plan: planner.Plan, caller: CallerTransaction | None) -> str | None:
         """A plan of one item, decided as a chunk of one would be, without a chunk's

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel
 
+from questpie_celery._runtime.plans import drive
 from questpie_celery.jobs.definition import JobContext, JobDefinition
 from questpie_celery.jobs.ids import derive_dispatch_id
 from questpie_celery.jobs.options import StoredOptions, resolve_options
@@ -189,7 +190,7 @@ def _driven(plan: planner.Plan, size: int, answers: dict[str, Any]) -> tuple[Any
             return answers["known"]
         return None
 
-    return planner.drive(planner.publish(plan, size), run), steps
+    return drive(planner.publish(plan, size), run), steps
 
 
 def test_the_chunk_plan_inserts_settles_and_sends_each_chunk_before_the_next() -> None:
