@@ -12,7 +12,6 @@ import asyncio
 import gc
 import logging
 import threading
-import time
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
@@ -639,9 +638,9 @@ def test_eager_apublish_in_a_session_runs_after_commit_and_not_after_rollback(
 
     try:
         run(questpie, body)
-        deadline = time.monotonic() + 10
-        while ran(kept) == 0 and time.monotonic() < deadline:
-            time.sleep(0.05)  # the after-commit send runs on a send thread
+        # The after-commit send (which runs the job, eagerly) is on a send thread.
+        wait_until(lambda: ran(kept), f"the committed {kept} to run", 10, 0.05)
+        assert questpie.flush(timeout=10)  # every send handed over has been made
         assert ran(kept) == 1
         assert ran(dropped) == 0
         assert questpie.queue.get_status(derive_dispatch_id("record", dropped)) is None

@@ -7,12 +7,12 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 from sqlalchemy import create_engine, text
 
 from tests.support.services import ROOT, PostgresServer, RedisServer, Worker
+from tests.support.waiting import wait_until
 
 CELERY_MODULE = """
 import os
@@ -90,21 +90,31 @@ def test_autodiscovered_jobs_are_registered_without_listing(
         ids = published.stdout.split()
         assert len(ids) == 2
         engine = create_engine(settings["PROJ_LEDGER"])
-        deadline = time.monotonic() + 60
         states: dict[str, str | None] = {}
-        while time.monotonic() < deadline:
+
+        def completed() -> bool:
             with engine.connect() as conn:
-                states = {
-                    i: conn.execute(
-                        text("SELECT status FROM questpie_queue_dispatch WHERE id = :id"),
-                        {"id": i},
-                    ).scalar()
+                states.update(
+                    (
+                        i,
+                        conn.execute(
+                            text("SELECT status FROM questpie_queue_dispatch WHERE id = :id"),
+                            {"id": i},
+                        ).scalar(),
+                    )
                     for i in ids
-                }
-            if set(states.values()) == {"completed"}:
-                break
-            time.sleep(0.1)
-        engine.dispose()
-        assert set(states.values()) == {"completed"}, worker.log()
+                )
+            return set(states.values()) == {"completed"}
+
+        try:
+            wait_until(
+                completed,
+                f"both dispatches {ids} to complete",
+                60,
+                0.1,
+                explain=lambda: f"they are {states}\n{worker.log()}",
+            )
+        finally:
+            engine.dispose()
     finally:
         worker.stop()

@@ -168,10 +168,34 @@ def test_two_beats_fire_each_tick_once_pick_up_changes_and_survive_a_kill(
             seconds_until(second + timedelta(seconds=30)),
             0.2,
         )
-        # Anything a second beat might have doubled would have run by now, within the
-        # second after each tick; the worker is idle and has drained its queue.
+        # A second beat would have doubled a tick as it came, before both of its runs
+        # were seen. A control report published now is taken after every message sent
+        # before it (one worker, a first-in first-out queue); once it completed and the
+        # worker ended every delivery it took, whatever was doubled has run.
+        control = report.publish(
+            {"note": "control"}, idempotency_key="control", queue=env["BP_QUEUE"]
+        )  # keyed: a ledgered dispatch, with a state to wait for
+        assert control is not None
+        wait_until(
+            lambda: (status := admin.queue.get_status(control)) and status.status == "completed",
+            "the control report to complete",
+            60,
+            0.2,
+            explain=worker.log,
+        )
+        wait_until(
+            lambda: worker.unfinished() == 0,
+            "the worker to end every delivery it took",
+            30,
+            0.2,
+            explain=worker.log,
+        )
         settled = runs()
-        reports = [(note, minute) for name, note, minute in settled if name == "report"]
+        reports = [
+            (note, minute)
+            for name, note, minute in settled
+            if name == "report" and note != "control"
+        ]
         assert reports == [("v1", first), ("v2", second)]
         plain_minutes = [minute for name, _, minute in settled if name == "plain"]
         assert plain_minutes.count(first) == 1 and plain_minutes.count(second) == 1

@@ -8,7 +8,6 @@ gate stays active for as long as the test wants.
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -28,6 +27,7 @@ from tests.support.brokers import deliver
 from tests.support.faultproxy import FaultProxy
 from tests.support.faults import SHORT_LEASE, held_dispatch
 from tests.support.stack import Stack, tag
+from tests.support.waiting import wait_until
 
 BROKERS = ["redis", "rabbitmq"]
 
@@ -137,7 +137,9 @@ def test_a_running_dispatch_goes_on_sees_the_cancel_and_is_not_retried(
     assert end["note"] == "cancel_requested=True"
     status = stack.questpie.queue.get_status(dispatch_id)
     assert status is not None and status.cancel_requested_at is not None
-    time.sleep(1.5)  # a retry would be due at once (no retry delay)
+    # A retry would be due at once (no retry delay): its message would have been taken,
+    # and its delivery ended, by now.
+    stack.wait_settled(dispatch_id)
     assert len(stack.runs(t)) == 1
     assert stack.row(dispatch_id).status == "cancelled"
     assert stack.questpie.queue.cancel(dispatch_id) is False
@@ -330,8 +332,11 @@ def test_a_run_cancelled_while_it_runs_is_never_retried_whatever_ends_it(
     claim = ledger.claim(lapsing.id, "job", 1, 0.2)
     assert claim.row is not None and claim.token is not None
     assert cancellation.cancel(lapsing.id) is True
-    time.sleep(0.4)
-    [expired] = [r for r in ledger.expired_claims() if r.id == lapsing.id]
+    [expired] = wait_until(
+        lambda: [r for r in ledger.expired_claims() if r.id == lapsing.id],
+        "its lease to lapse (the row among the expired claims)",
+        10,
+    )
     assert not ledger.lapse(expired, retry_in=0, relay_in=0)
     assert ledger.lapse(expired, retry_in=None, relay_in=0)
     row = ledger.get(lapsing.id)

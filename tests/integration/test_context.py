@@ -7,7 +7,6 @@ per run and records opening, using and closing it (see that module).
 from __future__ import annotations
 
 import os
-import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -20,6 +19,7 @@ from tests.integration.conftest import StackFactory
 from tests.support import contextapp
 from tests.support.brokers import capture, deliver
 from tests.support.stack import Stack, tag
+from tests.support.waiting import wait_until
 
 
 @pytest.fixture
@@ -53,10 +53,13 @@ def uses(stack: Stack, t: str) -> list[dict[str, Any]]:
 
 
 def wait_closed(stack: Stack, services_id: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while "close" not in [event for event, _ in lifecycle(stack, services_id)]:
-        assert time.monotonic() < deadline, f"services {services_id} never closed"
-        time.sleep(0.05)
+    wait_until(
+        lambda: "close" in [event for event, _ in lifecycle(stack, services_id)],
+        f"services {services_id} to close",
+        timeout,
+        0.05,
+        explain=lambda: f"its events: {lifecycle(stack, services_id)}",
+    )
 
 
 def test_each_attempt_builds_uses_and_closes_its_own_services_in_the_worker(

@@ -69,7 +69,10 @@ def test_a_burst_is_one_row_with_the_latest_payload_and_a_later_start(ledger: Le
     assert started.run_after - started.created_at == pytest.approx(
         timedelta(seconds=5), abs=timedelta(seconds=1)
     )
-    time.sleep(0.2)
+    wait_until(
+        lambda: ledger.now() > started.created_at,
+        "the database's clock to move past the burst's first publish",
+    )
     second = new_row(payload={"n": 2})
     assert ledger.debounce(second, key="", debounce=5.0, most=50.0) == (burst, False)
     pushed = row_of(ledger, burst)
@@ -102,7 +105,8 @@ def test_a_burst_never_starts_later_than_its_most_after_the_first_publish(ledger
 
 def test_a_claimed_run_leaves_its_burst(ledger: Ledger) -> None:
     burst, _ = ledger.debounce(new_row(), key="", debounce=0.01, most=0.1)
-    time.sleep(0.1)
+    start = row_of(ledger, burst).run_after
+    wait_until(lambda: ledger.now() >= start, "the burst's start, by the database's clock")
     claim = ledger.claim(burst, "debounced", 1, lease_seconds=30)
     assert claim.outcome == "claimed", claim
     assert row_of(ledger, burst).debounce_key is None
@@ -133,8 +137,11 @@ def test_a_push_never_brings_the_relays_next_send_forward(ledger: Ledger) -> Non
     it, and the burst, with every publish that returned its id, was lost."""
     burst, _ = ledger.debounce(new_row(send_in=30.0), key="", debounce=0.2, most=0.2)
     ledger.mark_queued([burst], redeliver_in=3600)  # its message is in the broker
-    time.sleep(0.3)  # past its longest start
     queued = row_of(ledger, burst)
+    wait_until(
+        lambda: ledger.now() > queued.run_after,
+        "the database's clock to pass the burst's longest start",
+    )
     assert ledger.debounce(new_row(payload={"n": 1}), key="", debounce=0.2, most=0.2) == (
         burst,
         False,
@@ -191,7 +198,13 @@ def test_one_window_per_key_measured_from_the_accepted_one(ledger: Ledger) -> No
     assert ledger.throttle(closed, key="", window=0.5) == "closed"
     assert ledger.get(closed.id) is None  # rolled back with the window refused
     assert ledger.throttle(new_row("throttled"), key="k", window=0.5) == "accepted"  # its own key
-    time.sleep(0.6)
+    with ledger.engine.connect() as conn:
+        opens = conn.execute(
+            select(throttle_table.c.open_at).where(
+                throttle_table.c.job_name == "throttled", throttle_table.c.throttle_key == ""
+            )
+        ).scalar_one()
+    wait_until(lambda: ledger.now() >= opens, "the window to open, by the database's clock")
     again = new_row("throttled")
     assert ledger.throttle(again, key="", window=0.5) == "accepted"
     with ledger.engine.connect() as conn:
@@ -282,7 +295,7 @@ def test_a_burst_from_four_processes_runs_once_with_the_last_payload(pg_redis: S
     assert row.run_after is not None and row.started_at is not None
     assert row.run_after >= before_last + timedelta(seconds=BURST["debounce_seconds"])
     assert row.started_at >= row.run_after
-    time.sleep(1.5)
+    stack.wait_settled(last)  # every message of the burst taken, every delivery of it ended
     assert len(stack.runs(t)) == 1  # once, and only once
 
 
@@ -295,11 +308,21 @@ def test_a_stream_that_never_pauses_still_runs_by_its_most(stack: Stack) -> None
     t = tag()
     client = stack.questpie.queue["debounce.record"]  # 1 s of quiet, at most 3 s
     ids: list[str | None] = []
-    deadline = time.monotonic() + 60
-    while not (stack.runs(t) and len(set(ids)) >= 2):
-        assert time.monotonic() < deadline, f"a stream that never paused never ran: {ids}"
+
+    def ran_while_streaming() -> bool:
+        if stack.runs(t) and len(set(ids)) >= 2:
+            return True
         ids.append(client.publish({"tag": t, "seq": str(len(ids))}))
-        time.sleep(0.2)
+        return False
+
+    # The stream itself: a publish every 0.2 s (the interval) until the first burst ran.
+    wait_until(
+        ran_while_streaming,
+        "a burst of a stream that never paused to run",
+        60,
+        0.2,
+        explain=lambda: f"published {ids}",
+    )
     assert None not in ids
     bursts = list(dict.fromkeys(ids))  # in order
     first = stack.wait_status(bursts[0], "completed")
@@ -469,13 +492,13 @@ def test_a_stream_past_the_longest_start_while_no_worker_is_free_runs_once_later
     client = stack.questpie.queue["debounce.record"]
     ids: list[str | None] = []
     began = time.monotonic()
-    while time.monotonic() - began < 10.0:
+    while time.monotonic() - began < 10.0:  # the scenario: a steady stream for 10 s
         ids.append(
             client.publish(
                 {"tag": t, "seq": str(len(ids))}, debounce_seconds=0.5, debounce_max_seconds=0.5
             )
         )
-        time.sleep(0.3)
+        time.sleep(0.3)  # the stream's rhythm
     bursts = list(dict.fromkeys(ids))
     assert None not in bursts and ids.count(bursts[0]) >= 3, ids
     gate.open()
@@ -606,11 +629,15 @@ def test_a_publish_in_a_long_callers_transaction_starts_its_quiet_period_at_the_
     options: dict[str, Any] = {"debounce_seconds": 5.0, "debounce_max_seconds": 50.0}
     with Session(caller_engine) as session:
         session.execute(select(1))  # the caller's transaction is open ...
-        time.sleep(6.0)  # ... doing its own work
+        time.sleep(6.0)  # ... doing its own work: the scenario, a transaction open for long
         burst = client.publish({"tag": t, "seq": "1"}, singleton_key=k, **options)
         assert burst is not None
-        before = stack.row(burst).run_after
-        time.sleep(1.0)
+        first = stack.row(burst)
+        before = first.run_after
+        wait_until(
+            lambda: stack.ledger.now() > first.created_at,
+            "the database's clock to move past the first publish",
+        )
         published = stack.ledger.now()  # the database's clock, just before the publish
         again = client.publish({"tag": t, "seq": "2"}, singleton_key=k, session=session, **options)
         assert again == burst
@@ -686,7 +713,9 @@ def test_a_burst_and_a_window_on_sqlite_with_a_real_worker(sqlite_fs: Stack) -> 
     assert {r["dispatch_id"] for r in runs} == {ids[0], windows[0]}
     (burst,) = [r for r in runs if r["dispatch_id"] == ids[0]]
     assert burst["note"] == "9"
-    time.sleep(1.0)
+    stack.wait_status(ids[0], "completed")
+    stack.wait_status(windows[0], "completed")
+    stack.wait_settled(ids[0], windows[0])  # every message taken, every delivery ended
     assert len(stack.runs(t)) == 2
 
 

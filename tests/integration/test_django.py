@@ -19,7 +19,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -44,7 +43,7 @@ from sqlalchemy import (
     text,
 )
 
-from questpie_celery.ledger import Ledger, dispatch_table, metadata, open_ledger
+from questpie_celery.ledger import DispatchRow, Ledger, dispatch_table, metadata, open_ledger
 from tests.support.services import ROOT, PgBouncerServer, PostgresServer, RedisServer, Worker
 from tests.support.waiting import wait_until
 
@@ -90,14 +89,19 @@ class DjangoProject:
             return [dict(row) for row in rows.mappings()]
 
     def wait_status(self, dispatch_id: str, status: str, timeout: float = 30) -> None:
-        deadline = time.monotonic() + timeout
-        row = None
-        while time.monotonic() < deadline:
-            row = self.ledger.get(dispatch_id)
-            if row is not None and row.status == status:
-                return
-            time.sleep(0.05)
-        raise AssertionError(f"{dispatch_id} is {row and row.status}, not {status}:\n{self.log}")
+        last: list[DispatchRow | None] = [None]
+
+        def reached() -> bool:
+            last[0] = row = self.ledger.get(dispatch_id)
+            return row is not None and row.status == status
+
+        wait_until(
+            reached,
+            f"dispatch {dispatch_id} to be {status}",
+            timeout,
+            0.05,
+            explain=lambda: f"it is {last[0] and last[0].status}:\n{self.log}",
+        )
 
     def wait_taken(self) -> None:
         """Wait until the worker has taken every message sent so far (see
@@ -398,11 +402,17 @@ def test_publish_inside_atomic_rides_the_transaction(project: DjangoProject) -> 
     # Invisible to any other connection until the outermost commit, then there.
     assert seen["a_seen_before_commit"] is False
     assert seen["a_seen_after_commit"] is True
-    # The rows that committed each ran once, and only after the commit: a message sent
-    # before it would have reached the idle worker during the second the block slept.
+    # The rows that committed each ran once, and only after the commit: the worker
+    # received each one's message after the marker sent at the end of the block, so
+    # none was sent before the commit.
     sent = [seen["a"], seen["b"], *seen["many"], seen["e"]]
     for dispatch_id in sent:
         project.wait_status(dispatch_id, "completed")
+    received = [line for line in project.worker.log().splitlines() if "] received" in line]
+    marker = next(n for n, line in enumerate(received) if seen["marker"] in line)
+    for dispatch_id in sent:
+        first = next(n for n, line in enumerate(received) if dispatch_id in line)
+        assert first > marker, f"{dispatch_id} was sent before the commit:\n{project.log}"
     runs = project.runs(tag)
     assert sorted(run["dispatch_id"] for run in runs) == sorted(sent), project.log
     committed_at = seen["committed_at"]

@@ -187,18 +187,22 @@ def test_the_primary_dies_and_its_synchronous_standby_takes_over(
                 (row := stack.ledger.get(i)) is not None and row.status == "completed" for i in ids
             ) and all(fired.get(tick) == "completed" for tick in ticks)
 
-        deadline = time.monotonic() + 120
-        while not settled():
-            if time.monotonic() > deadline:
-                rows = {i: stack.ledger.get(i) for i in ids}
-                missing = sorted(i for i, row in rows.items() if row is None)
-                waiting = Counter(row.status for row in rows.values() if row is not None)
-                raise AssertionError(
-                    f"{len(missing)} published dispatches are not in the ledger after the "
-                    f"failover (e.g. {missing[:3]}); statuses {dict(waiting)}; ticks "
-                    f"{fire_rows()}"
-                )
-            time.sleep(0.2)
+        def unsettled() -> str:
+            rows = {i: stack.ledger.get(i) for i in ids}
+            missing = sorted(i for i, row in rows.items() if row is None)
+            waiting = Counter(row.status for row in rows.values() if row is not None)
+            return (
+                f"{len(missing)} published dispatches are not in the ledger after the "
+                f"failover (e.g. {missing[:3]}); statuses {dict(waiting)}; ticks {fire_rows()}"
+            )
+
+        wait_until(
+            settled,
+            "every dispatch and schedule tick to complete after the failover",
+            120,
+            0.2,
+            explain=unsettled,
+        )
         for beat in beats:
             beat.stop()
         stack.worker.stop()  # gracefully: any run still going records its end first

@@ -18,7 +18,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
@@ -37,6 +36,7 @@ from questpie_celery import derive_dispatch_id
 from questpie_celery.ledger import dispatch_table
 from tests.integration.test_secrets import assert_absent, redis_dump
 from tests.support.services import ROOT, PostgresServer, RedisServer, Worker
+from tests.support.waiting import await_until
 
 T = TypeVar("T")
 
@@ -98,10 +98,13 @@ async def serving(app: Any) -> AsyncIterator[httpx.AsyncClient]:
     # log_config=None: uvicorn leaves logging alone, so its access log reaches caplog.
     server = uvicorn.Server(uvicorn.Config(app, lifespan="on", log_config=None))
     task = asyncio.create_task(server.serve(sockets=[sock]))
+
+    async def started() -> bool:
+        assert not task.done(), "uvicorn exited before serving"
+        return bool(server.started)
+
     try:
-        while not server.started:
-            assert not task.done(), "uvicorn exited before serving"
-            await asyncio.sleep(0.01)
+        await await_until(started, "uvicorn to serve", 30, 0.01)
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
             yield client
     finally:
@@ -114,13 +117,17 @@ async def poll(
     client: httpx.AsyncClient, path: str, status: str, timeout: float = 30
 ) -> dict[str, Any]:
     """GET `path` until its JSON says `status`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        response = await client.get(path)
+    last: list[httpx.Response] = []
+
+    async def says() -> dict[str, Any] | None:
+        last[:] = [response := await client.get(path)]
         if response.status_code == 200 and response.json()["status"] == status:
             return dict(response.json())
-        assert time.monotonic() < deadline, f"{path} is {response.text}, not {status}"
-        await asyncio.sleep(0.05)
+        return None
+
+    return await await_until(
+        says, f"{path} to say {status}", timeout, 0.05, explain=lambda: f"it is {last[0].text}"
+    )
 
 
 async def wait_taken(client: httpx.AsyncClient) -> None:

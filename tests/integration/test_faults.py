@@ -13,7 +13,6 @@ import logging
 import re
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -86,13 +85,12 @@ def runs_database(postgres: PostgresServer) -> str:
 
 def wait_while(stack: Stack, dispatch_id: str, status: str, timeout: float) -> DispatchRow:
     """Poll the ledger until the row leaves `status`; fail if it is still there."""
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def left() -> DispatchRow | None:
         row = stack.row(dispatch_id)
-        if row.status != status:
-            return row
-        assert time.monotonic() < deadline, f"dispatch {dispatch_id} stayed {status}"
-        time.sleep(0.05)
+        return row if row.status != status else None
+
+    return wait_until(left, f"dispatch {dispatch_id} to leave {status}", timeout, 0.05)
 
 
 def assert_no_lost_claim(stack: Stack, dispatch_id: str) -> None:

@@ -11,7 +11,6 @@ import copy
 import hashlib
 import json
 import math
-import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -29,6 +28,7 @@ from tests.support import jobapp
 from tests.support.brokers import capture, deliver, idle_queue
 from tests.support.services import RedisServer
 from tests.support.stack import Stack, tag
+from tests.support.waiting import wait_until
 
 SECRET = "f" * 16 + "-fence-secret-0123456789abcdef"
 REQUEST_ID = "req-4711"
@@ -70,10 +70,13 @@ def digest(value: str) -> str:
 def wait_state(stack: Stack, dispatch_id: str, state: str, timeout: float = 20.0) -> None:
     """Wait for a lasting Celery result state in the result backend."""
     result = AsyncResult(dispatch_id, app=stack.celery_app)
-    deadline = time.monotonic() + timeout
-    while result.state != state:
-        assert time.monotonic() < deadline, f"{dispatch_id} is {result.state}, not {state}"
-        time.sleep(0.05)
+    wait_until(
+        lambda: result.state == state,
+        f"{dispatch_id}'s result to be {state}",
+        timeout,
+        0.05,
+        explain=lambda: f"it is {result.state}",
+    )
 
 
 def assert_serves_work(stack: Stack) -> None:

@@ -9,10 +9,10 @@ worker inspection, its metrics, its log and the task states it saves from the ev
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 
 from tests.integration.conftest import new_stack
@@ -43,25 +43,42 @@ def wait_heard(flower: Flower, heard: dict[str, tuple[str, ...]]) -> dict[str, A
     """Wait until Flower's task list shows, for each task id, that it heard each named
     event (Flower sets a field of that name, `succeeded` say, to the event's time, in
     whatever order its events come); return the list."""
-    deadline = time.monotonic() + 60
-    while True:
-        tasks: dict[str, Any] = flower.get("/api/tasks").json()
-        missing = {
-            task_id: [name for name in names if tasks.get(task_id, {}).get(name) is None]
+    tasks: dict[str, Any] = {}
+    missing: dict[str, list[str]] = {}
+
+    def all_heard() -> dict[str, Any] | None:
+        tasks.clear()
+        tasks.update(flower.get("/api/tasks").json())
+        missing.clear()
+        missing.update(
+            (task_id, [name for name in names if tasks.get(task_id, {}).get(name) is None])
             for task_id, names in heard.items()
-        }
-        if not any(missing.values()):
-            return tasks
-        assert time.monotonic() < deadline, f"flower did not hear {missing}: {tasks}"
-        time.sleep(0.1)
+        )
+        return dict(tasks) if not any(missing.values()) else None
+
+    return wait_until(
+        all_heard,
+        "flower to hear every event",
+        60,
+        0.1,
+        explain=lambda: f"flower did not hear {missing}: {tasks}",
+    )
 
 
 def wait_page(flower: Flower, path: str) -> str:
-    deadline = time.monotonic() + 60
-    while (response := flower.get(path)).status_code != 200:
-        assert time.monotonic() < deadline, (path, response.status_code, response.text[:500])
-        time.sleep(0.1)
-    return response.text
+    last: list[httpx.Response] = []
+
+    def served() -> str | None:
+        last[:] = [response := flower.get(path)]
+        return response.text if response.status_code == 200 else None
+
+    return wait_until(
+        served,
+        f"flower to serve {path}",
+        60,
+        0.1,
+        explain=lambda: f"it answers {last[0].status_code}: {last[0].text[:500]}",
+    )
 
 
 def test_flower_shows_jobs_by_name_and_dispatch_id_and_no_secret(

@@ -48,7 +48,7 @@ from questpie_celery.ledger.aio import AsyncLedger
 from questpie_celery.ledger.direct import DriverStatement
 from questpie_celery.ledger.hot import HotConnection
 from questpie_celery.ledger.schema import TERMINAL, UTCDateTime, schema_version_table
-from questpie_celery.ledger.statements import by_id, db_time
+from questpie_celery.ledger.statements import RELAY_WAKE_CHANNEL, by_id, db_time
 from questpie_celery.ops.receipts import DispatchDetail
 from tests.support.services import PostgresServer, free_port
 from tests.support.tracing import at_line
@@ -158,7 +158,11 @@ def test_an_acceptance_mark_that_lands_after_the_run_keeps_the_times_in_order(
     assert ledger.insert(waiting)
     # Past the 0.2 s the mark dates back, or it would date from the row's creation, in
     # the same millisecond as `before` on a fast machine.
-    time.sleep(0.3)
+    created = _row(ledger, waiting.id).created_at
+    wait_until(
+        lambda: ledger.now() > created + timedelta(seconds=0.2),
+        "the database's clock to pass 0.2 s after the row's creation",
+    )
     before = ledger.now()
     ledger.mark_queued([waiting.id], 3600, accepted_ago=0.2)
     marked = _row(ledger, waiting.id)
@@ -676,22 +680,55 @@ def test_wake_relays_notifies_listeners_at_commit_only(ledger: Ledger) -> None:
     assert wakeups is not None
     # The caller's transactions: not the ledger's own autocommit.
     caller = ledger.engine.execution_options(isolation_level="READ COMMITTED")
+    heard = Notifications(ledger)  # every notification on the relays' channel, in order
     wakeups.open()
     try:
+        # Nothing to hear yet: the wait's own timeout (what it measures) runs out.
         assert wakeups.wait(0.1) is False
         with caller.begin() as conn:
             ledger.wake_relays(conn)
             ledger.wake_relays(conn)
-            assert wakeups.wait(0.3) is False, "notified before the commit"
-        assert wakeups.wait(5) is True
-        assert wakeups.wait(0.3) is False, "one commit, one wake-up"
+            assert heard.until_control() == [], "notified before the commit"
+        assert heard.until_control() == [""], "one commit, one wake-up"
+        assert wakeups.wait(5) is True  # the relay's listener heard it (and the controls)
         with caller.connect() as conn:
             transaction = conn.begin()
             ledger.wake_relays(conn)
             transaction.rollback()
-        assert wakeups.wait(0.3) is False, "a rolled-back transaction woke the relays"
+        assert heard.until_control() == [], "a rolled-back transaction woke the relays"
     finally:
         wakeups.close()
+        heard.close()
+
+
+class Notifications:
+    """A listener of our own on the relays' channel that reads what each notification
+    says. `until_control()` sends a control notification from a connection of its own
+    (committed at once) and returns the payloads heard before it: notifications are
+    delivered in the order their transactions committed, so anything committed before
+    the control, or by a transaction still open, shows (or not) by then."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        url = ledger.engine.url.set(drivername="postgresql")
+        self._url = url.render_as_string(hide_password=False)
+        self._listening = psycopg.connect(self._url, autocommit=True)
+        self._listening.execute(f"LISTEN {RELAY_WAKE_CHANNEL}")
+        self._controls = 0
+
+    def until_control(self) -> list[str]:
+        self._controls += 1
+        control = f"control-{self._controls}"
+        with psycopg.connect(self._url, autocommit=True) as other:
+            other.execute("SELECT pg_notify(%s, %s)", (RELAY_WAKE_CHANNEL, control))
+        before: list[str] = []
+        for notification in self._listening.notifies(timeout=10):
+            if notification.payload == control:
+                return before
+            before.append(notification.payload)
+        raise AssertionError(f"the control notification {control} never came: {before}")
+
+    def close(self) -> None:
+        self._listening.close()
 
 
 # --- a connection the server dropped (PostgreSQL) -------------------------------------------
@@ -1318,7 +1355,9 @@ def test_a_row_due_between_the_claim_and_its_read_back_is_claimed(
 
     def slow_read_back(stmt: Any, params: Any) -> Any:
         if stmt is read_back:
-            time.sleep(0.5)  # the row comes due between the claim and this read
+            # The scenario: a read-back slow enough (0.5 s) that the row, due 0.3 s after
+            # its insert, comes due between the claim and this read.
+            time.sleep(0.5)
         return first(stmt, params)
 
     monkeypatch.setattr(ledger, "_first", slow_read_back)

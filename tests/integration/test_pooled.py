@@ -44,6 +44,7 @@ from tests.support.brokers import capture, deliver, idle_queue
 from tests.support.faults import held_dispatch
 from tests.support.services import PgBouncerServer, PostgresServer, free_port
 from tests.support.stack import Stack, tag
+from tests.support.waiting import wait_until
 
 JOB = "record"
 #: What every entry point's error says to do.
@@ -90,10 +91,12 @@ def run_apart(calls: dict[str, Callable[[], object]]) -> dict[str, BaseException
     threads = [threading.Thread(target=run, args=item) for item in calls.items()]
     for thread in threads:
         thread.start()
-    deadline = time.monotonic() + 60
-    for thread in threads:
-        thread.join(max(deadline - time.monotonic(), 0))
-    assert not any(thread.is_alive() for thread in threads), "a write hung on the caller"
+    wait_until(
+        lambda: not any(thread.is_alive() for thread in threads),
+        "every call to return (a write hung on the caller)",
+        60,
+        0.05,
+    )
     return outcomes
 
 

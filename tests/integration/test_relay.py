@@ -15,7 +15,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -107,11 +106,12 @@ def test_lost_message_is_sent_again_after_redeliver_after(
     # Passes until one sends it: that one ended after the row was due (by the database's
     # clock, the relay's own), so it was not sent early.
     passes: list[tuple[int, datetime]] = []  # (sent, the database's clock after the pass)
-    deadline = time.monotonic() + 15
-    while not passes or passes[-1][0] == 0:
-        assert time.monotonic() < deadline, "the relay never sent the lost message again"
-        time.sleep(0.1)
+
+    def a_pass_sent() -> int:
         passes.append((stack.questpie.run_relay(once=True), stack.ledger.now()))
+        return passes[-1][0]
+
+    wait_until(a_pass_sent, "a relay pass to send the lost message again", 15, 0.1)
     sent, ended = passes[-1]
     assert sent == 1 and ended >= row.next_send_at, (row.next_send_at, passes)
     again = capture(stack, stack.queue_name)
@@ -448,12 +448,21 @@ def assert_due_again(stack: Stack, rows: list[Any], *, counted: int, since: date
 def sent_again_once_each(stack: Stack, ids: list[str], already: list[str]) -> list[str]:
     """Make passes until every dispatch has reached the broker; all the ids it took."""
     taken = list(already)
-    deadline = time.monotonic() + 30
-    while set(taken) != set(ids):
-        assert time.monotonic() < deadline, "rows left due again were never sent"
+
+    def all_taken() -> bool:
+        if set(taken) == set(ids):
+            return True
         stack.questpie.run_relay(once=True)
-        taken += take_ids(stack)
-        time.sleep(0.2)
+        taken.extend(take_ids(stack))
+        return set(taken) == set(ids)
+
+    wait_until(
+        all_taken,
+        "relay passes to send the rows left due again",
+        30,
+        0.2,
+        explain=lambda: f"{len(set(ids) - set(taken))} of {len(ids)} never reached the broker",
+    )
     return taken
 
 
@@ -525,46 +534,89 @@ def listening_backends(engine: Engine) -> list[int]:
         )
 
 
+class RelayPasses:
+    """When each pass of a running relay began and ended: the relay is idle, waiting out
+    its interval, once as many passes ended as began."""
+
+    def __init__(self, questpie: Questpie, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.began = 0
+        self.ended = 0
+        relay = questpie._relay
+        real = relay._pass
+
+        def counted(**kwargs: Any) -> tuple[int, bool]:
+            self.began += 1
+            try:
+                return real(**kwargs)
+            finally:
+                self.ended += 1
+
+        monkeypatch.setattr(relay, "_pass", counted)
+
+    def wait_idle(self) -> int:
+        """Wait until the relay ended a pass and began no other; how many began so far."""
+        wait_until(
+            lambda: self.ended >= 1 and self.ended == self.began,
+            "the relay to end its pass and wait out its interval",
+            15,
+            explain=lambda: f"{self.began} passes began, {self.ended} ended",
+        )
+        return self.began
+
+
 def test_a_commit_wakes_a_relay_long_before_its_interval(
-    make_stack: StackFactory, caplog: pytest.LogCaptureFixture
+    make_stack: StackFactory, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A publish(connection=...) notifies the relays in the caller's transaction: with a
     30 s interval, a relay still sends the row within seconds of the commit. And when its
     listening connection is lost, the relay polls meanwhile and listens again."""
     stack = relay_stack(make_stack, "redis", QP_TEST_RELAY="30")
+    passes = RelayPasses(stack.questpie, monkeypatch)  # counted before the relay starts
     stop = threading.Event()
     relay = threading.Thread(target=lambda: stack.questpie.run_relay(stop=stop), daemon=True)
     relay.start()
     try:
-        deadline = time.monotonic() + 15
-        while not (listening := listening_backends(stack.ledger.engine)):
-            assert time.monotonic() < deadline, "the relay never listened"
-            time.sleep(0.1)
+        listening = wait_until(
+            lambda: listening_backends(stack.ledger.engine), "the relay to listen", 15, 0.1
+        )
         for _ in range(2):
-            time.sleep(0.5)  # the relay is idle, waiting out its interval
+            # Idle, its next pass 30 s away: only the commit's notification starts one.
+            idle_after = passes.wait_idle()
             (dispatch_id,) = backlog(stack, 1)
             message = capture(stack, stack.queue_name, timeout=5)
             assert message.headers["id"] == dispatch_id
-        time.sleep(0.5)
+            assert passes.began > idle_after  # a pass the commit woke sent it
+        idle_after = passes.wait_idle()
         with stack.runs_engine.begin() as conn:  # publish_many(connection=...) wakes it too
             many = stack.questpie.queue.record.publish_many(
                 [{"tag": tag()} for _ in range(3)], connection=conn
             )
-        deadline = time.monotonic() + 5
         arrived: list[str] = []
-        while sorted(arrived) != sorted(many):
-            assert time.monotonic() < deadline, f"publish_many sent {arrived} of {many}"
-            arrived += take_ids(stack)
+
+        def all_arrived() -> bool:
+            arrived.extend(take_ids(stack))  # waits a second for each message
+            return sorted(arrived) == sorted(many)
+
+        wait_until(
+            all_arrived,
+            "publish_many's dispatches to be sent",
+            5,
+            0,
+            explain=lambda: f"it sent {arrived} of {many}",
+        )
+        assert passes.began > idle_after
         # The listening connection dies (a failover, an idle timeout): the relay listens
         # again within seconds, and a commit wakes it as before. The ledger itself
         # stayed reachable: said at INFO, and no outage.
         with caplog.at_level(logging.INFO, logger="questpie_celery"):
             with stack.ledger.engine.connect() as conn:
                 conn.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": listening[0]})
-            deadline = time.monotonic() + 20
-            while listening_backends(stack.ledger.engine) in ([], listening):
-                assert time.monotonic() < deadline, "the relay never listened again"
-                time.sleep(0.1)
+            wait_until(
+                lambda: listening_backends(stack.ledger.engine) not in ([], listening),
+                "the relay to listen again, on another connection",
+                20,
+                0.1,
+            )
             (dispatch_id,) = backlog(stack, 1)
             message = capture(stack, stack.queue_name, timeout=5)
             assert message.headers["id"] == dispatch_id

@@ -54,7 +54,7 @@ class PublishLoop(Background):
             except LedgerUnavailableError as exc:
                 self.refused.append(type(exc).__name__)
                 self.outcomes.append("refused")
-                time.sleep(0.1)
+                time.sleep(0.1)  # the publisher's pace while refused: not a wait
                 continue
             except Exception as exc:
                 self.unexpected.append(exc)
@@ -63,7 +63,7 @@ class PublishLoop(Background):
             self.accepted.append(dispatch_id)
             self.outcomes.append("accepted")
             self.last_success = time.monotonic()
-            time.sleep(0.05)
+            time.sleep(0.05)  # the publisher's pace: not a wait
 
     def successes_after(self, moment: float) -> bool:
         return self.last_success > moment

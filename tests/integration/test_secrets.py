@@ -16,7 +16,6 @@ import contextlib
 import hashlib
 import json
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -110,12 +109,15 @@ class EventLog:
         self._thread.start()
         # Subscribed once an event of our own comes back: none sent later is missed.
         probe = uuid.uuid4().hex
-        deadline = time.monotonic() + 20
         with self.app.events.default_dispatcher() as dispatcher:
-            while not any(e.get("probe") == probe for e in list(self.events)):
-                assert time.monotonic() < deadline, "the event receiver never subscribed"
+
+            def heard() -> bool:
+                if any(e.get("probe") == probe for e in list(self.events)):
+                    return True
                 dispatcher.send("test-probe", probe=probe)
-                time.sleep(0.1)
+                return False
+
+            wait_until(heard, "the event receiver to subscribe (hear a probe)", 20, 0.1)
         return self
 
     def __exit__(self, *exc: object) -> None:

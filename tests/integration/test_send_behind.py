@@ -14,7 +14,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 import uuid
 from typing import Any
 
@@ -29,6 +28,7 @@ from tests.support.brokers import idle_queue, queue_depth
 from tests.support.faultproxy import FaultProxy
 from tests.support.services import ROOT
 from tests.support.stack import Stack, tag
+from tests.support.waiting import wait_until
 
 BROKERS = ["redis", "rabbitmq"]
 
@@ -247,10 +247,12 @@ def test_a_publish_held_up_by_a_row_lock_holds_up_no_other_publish(
             )
         )
         blocked.start()
-        deadline = time.monotonic() + 10
-        while not stack.questpie._publisher._shared._busy:
-            assert time.monotonic() < deadline
-            time.sleep(0.005)
+        wait_until(
+            lambda: stack.questpie._publisher._shared._busy,
+            "the held key's statement to wait for the lock (the shared inserts busy)",
+            10,
+            0.005,
+        )
         # The other publish, while the held key's statement waits for the lock.
         other_id = client.publish({"tag": tag()}, idempotency_key=other, queue=queue)
         assert blocked.is_alive()  # still waiting for the open transaction

@@ -55,6 +55,7 @@ from tests.support.services import (
     child_pids,
 )
 from tests.support.stack import Stack, build_stack, tag
+from tests.support.waiting import wait_until
 
 pytestmark = [pytest.mark.soak, pytest.mark.worker]
 
@@ -406,8 +407,7 @@ class Chaos:
             self.failure = exc
 
     def _kill_a_child(self) -> None:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
+        def killed_one() -> bool:
             alive = [w for w in self.workers if w.alive()]
             candidates = [c for w in alive for c in child_pids(w.proc.pid)]  # type: ignore[union-attr]
             if candidates:
@@ -416,12 +416,13 @@ class Chaos:
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
-                    continue  # it was on its way out: pick another
+                    return False  # it was on its way out: pick another
                 self.figures.child_kills += 1
-                return
+                return True
             self.supervise()
-            time.sleep(0.1)
-        raise AssertionError("no pool child to kill for a minute")
+            return False
+
+        wait_until(killed_one, "a pool child to kill", 60, 0.1)
 
     def _kill_main(self, worker: Worker) -> None:
         """SIGKILL a worker's whole process group, as `Worker.kill()` does; stopped first
@@ -450,15 +451,20 @@ T = TypeVar("T")
 def read(stack: Stack, query: Callable[[SqlConnection], T]) -> T:
     """The test's own look at the ledger, on a connection a restart may have dropped:
     tried again on a fresh one until the server answers."""
-    deadline = time.monotonic() + 60
-    while True:
+    failed: list[OperationalError] = []
+
+    def answered() -> tuple[T] | None:
         try:
             with stack.ledger.engine.connect() as conn:
-                return query(conn)
-        except OperationalError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
+                return (query(conn),)
+        except OperationalError as exc:
+            failed[:] = [exc]
+            return None
+
+    (found,) = wait_until(
+        answered, "the ledger to answer", 60, 0.2, explain=lambda: f"it said: {failed[-1]}"
+    )
+    return found
 
 
 def statuses(stack: Stack) -> Counter[str]:
@@ -701,19 +707,27 @@ def soak(
             f"a key published again got another id: {stream.mismatches[:5]}"
         )
 
-        deadline = time.monotonic() + 240
-        while not ids <= (done := completed_ids(stack)):
-            if time.monotonic() > deadline:
-                waiting = Counter(
-                    row.status for i in ids - done if (row := stack.ledger.get(i)) is not None
-                )
-                raise AssertionError(
-                    f"{len(ids - done)} dispatches not completed ({dict(waiting)}), e.g. "
-                    f"{[stack.ledger.get(i) for i in sorted(ids - done)[:3]]}; replayer "
-                    f"errors {dict(replayer.errors)}, publish errors {dict(stream.errors)}"
-                )
+        done: set[str] = set()
+
+        def all_completed() -> bool:
+            done.clear()
+            done.update(completed_ids(stack))
+            if ids <= done:
+                return True
             chaos.supervise()
-            time.sleep(0.5)
+            return False
+
+        def not_completed() -> str:
+            waiting = Counter(
+                row.status for i in ids - done if (row := stack.ledger.get(i)) is not None
+            )
+            return (
+                f"{len(ids - done)} dispatches not completed ({dict(waiting)}), e.g. "
+                f"{[stack.ledger.get(i) for i in sorted(ids - done)[:3]]}; replayer "
+                f"errors {dict(replayer.errors)}, publish errors {dict(stream.errors)}"
+            )
+
+        wait_until(all_completed, "every dispatch to complete", 240, 0.5, explain=not_completed)
         figures.seconds = round(time.monotonic() - started, 1)
     finally:
         stream.stop()

@@ -54,7 +54,7 @@ def serve(url: str, log: Path | None = None) -> Iterator[str]:
         try:
             try:
                 wait_for_port(port)
-            except RuntimeError:
+            except AssertionError:
                 process.kill()
                 said = process.communicate()[0] if log is None else log.read_bytes()
                 raise RuntimeError(f"the page never served: {said!r}") from None

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -365,23 +364,27 @@ def test_the_worker_drops_the_time_limits_of_finished_runs(
     assert None not in ids
     stack.wait_ends(t, 150, timeout=60)
     seen: list[tuple[int, int]] = []
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
+
+    def purged() -> bool:
         if report.exists():
             now, most = (int(n) for n in report.read_text().split())
             seen.append((now, most))
-            if now == 0 and most > 0:
-                break
-        time.sleep(0.2)
+            return now == 0 and most > 0
+        return False
+
+    wait_until(
+        purged,
+        "the worker's timer to hold no cancelled entry, having held some",
+        15,
+        0.2,
+        explain=lambda: f"(cancelled entries now, most held) seen: {seen}",
+    )
     # The finished runs' entries were there, and then, purged, none are.
     assert seen and seen[-1][0] == 0 and seen[-1][1] >= 20, seen
 
 
 def wait_for_file(path: Path, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.05)
+    wait_until(path.exists, f"{path} to appear", timeout, 0.05)
 
 
 @pytest.mark.parametrize("broker", ["redis", "rabbitmq"])

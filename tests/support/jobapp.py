@@ -63,6 +63,7 @@ from sqlalchemy import (
 
 from questpie_celery import JobContext, PermanentFailure, Questpie, job
 from questpie_celery.worker import hub_timer
+from tests.support.waiting import wait_until
 
 runs_metadata = MetaData()
 runs_table = Table(
@@ -167,11 +168,7 @@ def wait_at(gate: str | None) -> None:
     """Block until the test opens the gate (creates the file)."""
     if gate is None:
         return
-    deadline = time.monotonic() + 120
-    while not os.path.exists(gate):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"gate {gate} never opened")
-        time.sleep(0.01)
+    wait_until(lambda: os.path.exists(gate), f"gate {gate} to open", 120, 0.01)
 
 
 def record(ctx: JobContext, tag: str, phase: str = "start", note: str | None = None) -> None:

@@ -29,6 +29,8 @@ from celery import Celery
 from kombu import Connection
 from sqlalchemy import create_engine, text
 
+from tests.support.waiting import wait_until
+
 ROOT = Path(__file__).resolve().parent.parent.parent
 
 
@@ -93,13 +95,15 @@ def free_port() -> int:
     return _ports.free()
 
 
+def listens(port: int) -> bool:
+    """Whether something accepts connections on `port`."""
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
+        return True
+    return False
+
+
 def wait_for_port(port: int, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
-            return
-        time.sleep(0.05)
-    raise RuntimeError(f"nothing listens on port {port} after {timeout}s")
+    wait_until(lambda: listens(port), f"something to listen on port {port}", timeout, 0.05)
 
 
 def child_pids(pid: int) -> list[int]:
@@ -202,11 +206,11 @@ class PostgresServer:
         for pid in doomed:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        while any(_running(pid) for pid in doomed):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"PostgreSQL's processes outlived SIGKILL: {doomed}")
-            time.sleep(0.02)
+        wait_until(
+            lambda: not any(_running(pid) for pid in doomed),
+            f"PostgreSQL's processes {doomed} to die of SIGKILL",
+            30,
+        )
 
     def create_database(self, prefix: str = "qp") -> str:
         """A new, empty database on this server; returns its URL."""
@@ -301,7 +305,7 @@ class PgBouncerServer:
         )  # fmt: skip
         try:
             wait_for_port(self.port)
-        except RuntimeError:
+        except AssertionError:
             raise RuntimeError(f"pgbouncer did not start:\n{self.log()}") from None
         return self
 
@@ -381,15 +385,22 @@ def synchronous_pair(timeout: float = 60.0) -> tuple[PostgresServer, PostgresSta
             conn.execute(text("ALTER SYSTEM SET synchronous_standby_names = '*'"))
             conn.execute(text("ALTER SYSTEM SET synchronous_commit = 'on'"))
             conn.execute(text("SELECT pg_reload_conf()"))
-        deadline = time.monotonic() + timeout
-        while True:
+        states: list[str] = []
+
+        def synchronous() -> bool:
             with admin.connect() as conn:
-                states = conn.execute(text("SELECT sync_state FROM pg_stat_replication")).all()
-            if [state for (state,) in states] == ["sync"]:
-                return primary, standby
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the standby is not synchronous after {timeout}s: {states}")
-            time.sleep(0.1)
+                found = conn.execute(text("SELECT sync_state FROM pg_stat_replication")).all()
+            states[:] = [state for (state,) in found]
+            return states == ["sync"]
+
+        wait_until(
+            synchronous,
+            "the standby to be synchronous",
+            timeout,
+            0.1,
+            explain=lambda: f"pg_stat_replication says {states}",
+        )
+        return primary, standby
     finally:
         admin.dispose()
 
@@ -499,12 +510,19 @@ class RabbitServer:
                 [self.script], env=self.env, stdout=out, stderr=subprocess.STDOUT,
                 start_new_session=True,
             )  # fmt: skip
-        deadline = time.monotonic() + 90
-        while not _amqp_ready(self.url()):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                log = (self.base / "out.log").read_text(errors="replace")
-                raise RuntimeError(f"RabbitMQ did not start:\n{log}")
-            time.sleep(0.5)
+        proc = self.proc
+
+        def log() -> str:
+            return (self.base / "out.log").read_text(errors="replace")
+
+        def ready() -> bool:
+            if _amqp_ready(self.url()):
+                return True
+            if proc.poll() is not None:
+                raise RuntimeError(f"RabbitMQ exited:\n{log()}")
+            return False
+
+        wait_until(ready, "RabbitMQ to take connections", 90, 0.5, explain=log)
         return self
 
     def stop(self) -> None:
@@ -551,15 +569,20 @@ class CeleryProcess:
                 cmd, cwd=self.cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True,
             )  # fmt: skip
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        proc = self.proc
+
+        def started() -> bool:
             if ready in self.log()[earlier:]:
-                return
-            if self.proc.poll() is not None:
+                return True
+            if proc.poll() is not None:
                 raise RuntimeError(f"{what} exited early:\n{self.log()}")
-            time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"{what} not ready after {timeout}s:\n{self.log()}")
+            return False
+
+        try:
+            wait_until(started, f"{what} to log {ready!r}", timeout, 0.1, explain=self.log)
+        except AssertionError:
+            self.stop()
+            raise
 
     def log(self) -> str:
         """The worker's log as written: a task id may hold a carriage return, which
@@ -587,6 +610,11 @@ class CeleryProcess:
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
+
+
+#: How Celery's worker logs the end of a delivery it took (celery.app.trace): its
+#: success, its failure, its `Ignore` or its retry.
+DELIVERY_ENDS = ("] succeeded in ", "] raised ", "] ignored", "] retry: ", "] INTERNAL ERROR")
 
 
 @dataclass
@@ -620,6 +648,15 @@ class Worker(CeleryProcess):
     def log_about(self, dispatch_id: str) -> list[str]:
         """The worker's log lines that name one dispatch."""
         return [line for line in self.log().splitlines() if dispatch_id in line]
+
+    def unfinished(self, dispatch_id: str | None = None) -> int:
+        """How many deliveries (of one dispatch, or of any) this worker took and has not
+        ended: its "received" lines less the ends Celery logged for them (a success, a
+        failure, an `Ignore`, a retry). The log runs on across restarts: a delivery a
+        killed worker held stays unfinished."""
+        lines = self.log_about(dispatch_id) if dispatch_id else self.log().splitlines()
+        received = sum("] received" in line for line in lines)
+        return received - sum(any(end in line for end in DELIVERY_ENDS) for line in lines)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -699,15 +736,17 @@ class Flower(CeleryProcess):
         is sent until Flower lists that worker, then the probe says it went offline."""
         app = Celery("flower-probe", broker=self.env["QP_TEST_BROKER"])
         probe = f"flower-probe-{uuid.uuid4().hex[:8]}@localhost"
-        deadline = time.monotonic() + timeout
         try:
             with app.connection_for_write() as conn:
                 dispatcher = app.events.Dispatcher(conn, hostname=probe)
-                while probe not in self.get("/workers?json=1").text:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"flower hears no events:\n{self.log()}")
+
+                def heard() -> bool:
+                    if probe in self.get("/workers?json=1").text:
+                        return True
                     dispatcher.send("worker-heartbeat", freq=60.0, active=0, processed=0)
-                    time.sleep(0.1)
+                    return False
+
+                wait_until(heard, "flower to hear events", timeout, 0.1, explain=self.log)
                 dispatcher.send("worker-offline")
                 dispatcher.close()
         finally:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from questpie_celery import Questpie
 from questpie_celery.ledger import DispatchRow, Ledger, dispatch_table, open_ledger
 from tests.support import jobapp
 from tests.support.services import Worker
+from tests.support.waiting import wait_until
 
 
 def tag() -> str:
@@ -70,31 +72,38 @@ class Stack:
 
     def wait_runs(self, tag: str, count: int, timeout: float = 30.0) -> list[dict[str, Any]]:
         """Wait until at least `count` runs of `tag` started; return them all."""
-        deadline = time.monotonic() + timeout
-        while True:
-            found = self.runs(tag)
-            if len(found) >= count or time.monotonic() > deadline:
-                return found
-            time.sleep(0.05)
+        return self._wait_recorded(tag, "start", count, timeout)
 
     def wait_ends(self, tag: str, count: int, timeout: float = 30.0) -> list[dict[str, Any]]:
         """Wait until at least `count` runs of `tag` finished (recorded their end)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            found = self.runs(tag, phase="end")
-            if len(found) >= count or time.monotonic() > deadline:
-                return found
-            time.sleep(0.05)
+        return self._wait_recorded(tag, "end", count, timeout)
+
+    def _wait_recorded(
+        self, tag: str, phase: str, count: int, timeout: float
+    ) -> list[dict[str, Any]]:
+        found: list[dict[str, Any]] = []
+
+        def enough() -> list[dict[str, Any]] | None:
+            found[:] = self.runs(tag, phase)
+            return list(found) if len(found) >= count else None
+
+        return wait_until(
+            enough,
+            f"{count} runs of {tag} to record their {phase}",
+            timeout,
+            interval=0.05,
+            explain=lambda: f"{len(found)} did\n{self._last_lines()}",
+        )
 
     def wait_log(self, dispatch_id: str, text: str, timeout: float = 20.0) -> None:
         """Wait until a worker of this stack logged `text` on a line naming the dispatch."""
-        deadline = time.monotonic() + timeout
-        while True:
-            workers = [self.worker, *self.extra_workers]
-            if any(text in line for w in workers for line in w.log_about(dispatch_id)):
-                return
-            assert time.monotonic() < deadline, f"no worker logged {text!r} for {dispatch_id}"
-            time.sleep(0.05)
+        wait_until(
+            lambda: any(text in line for line in self._lines_about(dispatch_id)),
+            f"a worker to log {text!r} for {dispatch_id}",
+            timeout,
+            interval=0.05,
+            explain=lambda: self._last_lines(dispatch_id),
+        )
 
     def wait_taken(self) -> None:
         """Wait until the worker has taken every message sent to this stack's queue so far.
@@ -114,6 +123,27 @@ class Stack:
         assert control is not None
         self.wait_status(control, "completed")
 
+    def wait_settled(self, *dispatch_ids: str, timeout: float = 30.0) -> None:
+        """Wait until nothing sent so far can still run these dispatches: the worker took
+        every message sent to the queue (`wait_taken`), and ended every delivery of each
+        that it took (for each "received" line, Celery logged the delivery's end: it
+        succeeded, raised, was ignored or retried). A test asserting that a dispatch ran
+        once and no more checks after this, as long as no later send can come (the
+        dispatch ended, or its next send is far off)."""
+        self.wait_taken()
+
+        def ended(dispatch_id: str) -> bool:
+            return sum(w.unfinished(dispatch_id) for w in [self.worker, *self.extra_workers]) <= 0
+
+        for dispatch_id in dispatch_ids:
+            wait_until(
+                partial(ended, dispatch_id),
+                f"every delivery of {dispatch_id} the worker took to end",
+                timeout,
+                0.05,
+                explain=partial(self._last_lines, dispatch_id),
+            )
+
     def row(self, dispatch_id: str) -> DispatchRow:
         found = self.ledger.get(dispatch_id)
         assert found is not None, f"dispatch {dispatch_id} has no ledger row"
@@ -121,22 +151,31 @@ class Stack:
 
     def wait_status(self, dispatch_id: str, status: str, timeout: float = 30.0) -> DispatchRow:
         """Wait for a state that lasts: a terminal one, or one a gate holds."""
-        deadline = time.monotonic() + timeout
-        row = None
-        while time.monotonic() < deadline:
-            row = self.ledger.get(dispatch_id)
-            if row is not None and row.status == status:
-                return row
-            time.sleep(0.05)
-        # What the workers said of it, and their last lines: a failure in CI is all there is.
-        said = [
+
+        last: list[DispatchRow | None] = [None]
+
+        def reached() -> DispatchRow | None:
+            last[0] = row = self.ledger.get(dispatch_id)
+            return row if row is not None and row.status == status else None
+
+        def explain() -> str:
+            return f"it is {last[0] and last[0].status}\n{self._last_lines(dispatch_id)}"
+
+        return wait_until(
+            reached, f"dispatch {dispatch_id} to be {status}", timeout, 0.05, explain=explain
+        )
+
+    def _lines_about(self, dispatch_id: str) -> list[str]:
+        return [
             line for w in [self.worker, *self.extra_workers] for line in w.log_about(dispatch_id)
         ]
+
+    def _last_lines(self, dispatch_id: str | None = None) -> str:
+        """What the workers said of a dispatch, and the worker's last lines: when a wait
+        fails in CI, that is all there is."""
+        said = ["workers logged of it:", *self._lines_about(dispatch_id)] if dispatch_id else []
         last = self.worker.log().splitlines()[-30:]
-        raise AssertionError(
-            f"dispatch {dispatch_id} is {row and row.status}, not {status}\n"
-            + "\n".join(["workers logged of it:", *said, "the worker's last lines:", *last])
-        )
+        return "\n".join([*said, "the worker's last lines:", *last])
 
     def dispatch_count(self) -> int:
         with self.ledger.engine.connect() as conn:

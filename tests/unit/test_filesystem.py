@@ -6,7 +6,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from kombu import Connection, Exchange, Queue
 from questpie_celery import Questpie
 from questpie_celery.filesystem import TRANSPORT, Transport
 from questpie_celery.send.broker import broker_kind
+from tests.support.waiting import wait_until
 
 
 @pytest.fixture
@@ -61,15 +61,18 @@ def test_a_reader_polling_while_messages_are_written_gets_each_whole(
         channel = conn.channel()
         queue(channel).declare()
         writer.start()
-        deadline = time.monotonic() + 60
-        while len(got) + len(failures) < count and time.monotonic() < deadline:
+
+        def all_read() -> bool:
             try:
                 message = queue(channel).get(no_ack=True)
             except Exception as exc:  # what kombu's transport raises: a JSONDecodeError
                 failures.append(exc)
-                continue
-            if message is not None:
-                got.append(message.payload["n"])
+            else:
+                if message is not None:
+                    got.append(message.payload["n"])
+            return len(got) + len(failures) >= count
+
+        wait_until(all_read, f"the {count} messages read as they are written", 60, 0)
     writer.join()
     assert failures == []
     assert sorted(got) == list(range(count))

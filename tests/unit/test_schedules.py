@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -37,6 +36,7 @@ from questpie_celery.ledger import ScheduleRow, dispatch_table, open_ledger
 from questpie_celery.ledger.schema import schedule_table
 from questpie_celery.send.broker import LEDGER_SCHEDULER
 from tests.support import jobapp
+from tests.support.waiting import wait_until
 from tests.unit.helpers import IdleApp, row_count, sqlite_url
 
 
@@ -318,8 +318,9 @@ def test_tick_names_are_the_same_in_every_beat() -> None:
 
 def test_interval_entries_fall_due_at_their_multiples_in_every_beat(idle: IdleApp) -> None:
     beat = LedgerScheduler(idle.celery_app, lazy=True)
-    if datetime.now(UTC).timestamp() % 30 > 28:
-        time.sleep(2.5)  # stay clear of a slot edge while the test looks
+    wait_until(  # stay clear of a slot edge while the test looks
+        lambda: datetime.now(UTC).timestamp() % 30 <= 28, "the clock to leave a slot's end", 5
+    )
     now = datetime.now(UTC)
     slot_start = datetime.fromtimestamp(now.timestamp() // 30 * 30, UTC)
     entry = ScheduleEntry(

@@ -62,8 +62,12 @@ def atomic(tag: str) -> dict[str, Any]:
             [{"tag": f"{tag}-m1"}, {"tag": f"{tag}-m2"}],
             idempotency_keys=[f"{tag}-m1", f"{tag}-m2"],
         )
-        # A message sent before the commit would reach the worker meanwhile.
-        time.sleep(1.0)
+        # A marker sent now, before the commit, as a plain call (sent at once, unledgered;
+        # its tag is not the test's): the worker takes its queue in order, so a message
+        # of the block sent before the commit would be received before the marker.
+        out["marker"] = questpie.celery_app.send_task(
+            "shop.record", args=[{"tag": f"marker-{tag}"}]
+        ).id
         out["committed_at"] = time.time()
     out["a_seen_after_commit"] = seen_elsewhere(out["a"])
     with contextlib.suppress(Boom), transaction.atomic():
