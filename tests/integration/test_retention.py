@@ -31,8 +31,8 @@ from questpie_celery.ledger.statements import db_time
 from questpie_celery.ops.operations import Operator
 from questpie_celery.worker.retention import Retention
 from tests.integration.conftest import StackFactory
-from tests.integration.test_ledger import lock_timeouts
 from tests.support.brokers import capture, deliver
+from tests.support.ledgers import lock_timeouts
 from tests.support.stack import tag
 from tests.support.waiting import wait_until
 
