@@ -23,7 +23,7 @@ there. Each round, one after another:
 - `relay pass, broker down`: one pass over BENCH_DUE due rows (5), which tries one send
   (tests/integration/test_relay.py).
 - `claim of a held row`: a claim of a row another transaction holds, until its
-  LedgerBusyError: the ledger's lock timeout (tests/integration/test_ledger.py).
+  LedgerBusyError: the ledger's lock timeout (tests/integration/test_ledger_driver_cursor.py).
 
 Printed: the median time per case with its min-max over the rounds.
 """
