@@ -15,11 +15,11 @@ from typing import Protocol, get_args
 import click
 
 from ..errors import QuestpieError
+from ..intake import recorded_policy
 from ..jobs.policies import QueuePolicy
 from ..ledger import Ledger, Status, open_ledger
 from ..ops.operations import Operator
 from ..ops.receipts import DispatchDetail
-from ..publish import recorded_policy
 from ..publish.schedules import ScheduleInfo
 from ..worker.retention import DEFAULT_RETENTION_SECONDS, Pruned, Retention
 from .locating import load_questpie

@@ -16,6 +16,7 @@ from celery import Celery
 
 from ..client import JobClient, JobRegistry, Lookups, QueueClient
 from ..errors import PublishOptionsError
+from ..intake.recorded_policy import PolicyBook
 from ..jobs.context import AppContext
 from ..jobs.crypto import MIN_SECRET_BYTES, Keyring
 from ..jobs.definition import JobDefinition
@@ -25,7 +26,6 @@ from ..ledger.aio import AsyncLedger
 from ..ops.receipts import DispatchStatus, Receipt
 from ..publish.aio import AsyncPublisher
 from ..publish.publisher import Publisher
-from ..publish.recorded_policy import PolicyBook
 from ..publish.schedules import Schedules
 from ..send.broker import Sender
 from ..send.outbox import Outbox

@@ -1,5 +1,5 @@
 """The queue policy recorded for each job: the one in force, whatever a process's code
-says (see `publish/recorded_policy.py`, which caches it)."""
+says (see `intake/recorded_policy.py`, which caches it)."""
 
 from __future__ import annotations
 

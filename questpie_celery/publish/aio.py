@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 from .._runtime import telemetry
 from .._runtime.plans import adrive
 from ..errors import PublishOptionsError, QuestpieError
+from ..intake.recorded_policy import PolicyBook
 from ..jobs.crypto import Keyring
 from ..jobs.definition import JobDefinition
 from ..jobs.options import DispatchOptions, resolve_options
@@ -54,7 +55,6 @@ from .publisher import (
     send_plain,
     send_unledgered,
 )
-from .recorded_policy import PolicyBook
 
 log = logging.getLogger(__name__)
 

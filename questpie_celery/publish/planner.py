@@ -29,6 +29,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from ..errors import PayloadValidationError
+from ..intake.new_rows import new_dispatch
 from ..jobs.crypto import Keyring
 from ..jobs.definition import JobDefinition
 from ..jobs.ids import random_dispatch_id
@@ -36,7 +37,6 @@ from ..jobs.options import DispatchOptions, StoredOptions
 from ..jobs.policies import QueuePolicy
 from ..ledger import NewDispatch
 from ..send.outbox import ETA_HORIZON_SECONDS, FirstSend, is_far_off
-from .dispatch_rows import new_dispatch
 
 
 def validate(

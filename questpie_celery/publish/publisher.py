@@ -25,6 +25,8 @@ from sqlalchemy.orm import Session
 from .._runtime import telemetry
 from .._runtime.plans import drive
 from ..errors import BrokerError, PublishOptionsError
+from ..intake.new_rows import report_suppressed
+from ..intake.recorded_policy import PolicyBook
 from ..jobs.crypto import Keyring
 from ..jobs.definition import JobDefinition
 from ..jobs.options import DispatchOptions
@@ -38,8 +40,6 @@ from ..ledger import (
 from ..send.broker import MessageHeader, Sender
 from ..send.outbox import Outbox
 from . import planner
-from .dispatch_rows import report_suppressed
-from .recorded_policy import PolicyBook
 from .shared_inserts import SharedInserts
 
 # Named as before the package had parts: projects configure this logger by name.

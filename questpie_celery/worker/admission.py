@@ -3,7 +3,7 @@
 A plain Celery call (`delay`, `send_task`, Canvas, a beat entry) of a job whose
 queue policy is not `standard` is taken into the ledger first, as a row under the
 message's id, so its policy holds however it was sent. Its row is built, and a taken
-slot reported, exactly as a publish's (`publish/dispatch_rows.py`).
+slot reported, exactly as a publish's (`intake/new_rows.py`).
 
 On a relaxed ledger, a delivery whose row a database crash lost (its commit had not
 reached the disk) has its row written again from its message, so it still runs, once.
@@ -21,12 +21,12 @@ from celery import Task
 from celery.exceptions import Ignore
 
 from ..errors import DispatchIdError, PayloadValidationError
+from ..intake.new_rows import new_dispatch, report_suppressed
 from ..jobs.definition import JobDefinition
 from ..jobs.ids import shown_id, unstorable_id
 from ..jobs.options import StoredOptions, resolve_options
 from ..jobs.policies import QueuePolicy
 from ..ledger import Ledger, NewDispatch
-from ..publish.dispatch_rows import new_dispatch, report_suppressed
 from ..send.broker import MessageHeader, carry_from_request
 from ..send.outbox import FirstSend
 from .delivery_wait import DeliveryWait

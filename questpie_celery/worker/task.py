@@ -22,11 +22,11 @@ from celery.worker.request import Request
 
 from .._runtime import telemetry
 from ..errors import HandlerAbortedError, PermanentFailure
+from ..intake.recorded_policy import PolicyBook
 from ..jobs.context import AppContext
 from ..jobs.definition import JobContext, JobDefinition
 from ..jobs.ids import unstorable_id
 from ..jobs.options import resolve_options
-from ..publish.recorded_policy import PolicyBook
 from ..send.broker import HARD_TIME_LIMIT_GRACE_SECONDS, MessageHeader
 from .admission import Admission
 from .delivery_wait import DeliveryWait

@@ -264,7 +264,7 @@ def test_the_worker_and_publish_lines_keep_the_loggers_operators_filter_on(
     """A publish's suppression is told under `questpie_celery.publish`, and what the worker
     tells of a delivery before its run (a suppressed plain delivery, a refused task id)
     under `questpie_celery.fence`, as before those lines moved to
-    `publish/dispatch_rows.py`, `worker/admission.py` and `worker/delivery_wait.py`: a
+    `intake/new_rows.py`, `worker/admission.py` and `worker/delivery_wait.py`: a
     project's logging configuration names those loggers."""
     short = idle.questpie.queue.policy_short
     with caplog.at_level(logging.INFO):

@@ -39,9 +39,9 @@ from questpie_celery import (
     job,
 )
 from questpie_celery.cli.commands import main
+from questpie_celery.intake import recorded_policy
 from questpie_celery.jobs.definition import job_attribute_name
 from questpie_celery.ledger import SCHEMA_VERSION, create_ledger_engine, open_ledger
-from questpie_celery.publish import recorded_policy
 from tests.unit.helpers import IdleApp
 
 NEW_EXPORTS = (
