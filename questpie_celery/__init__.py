@@ -29,7 +29,7 @@ from .errors import (
 )
 from .jobs.definition import JobContext, JobDefinition, job
 from .jobs.ids import derive_dispatch_id
-from .jobs.options import JobOptions
+from .jobs.keywords import JobOptions
 from .jobs.policies import QueuePolicy, QueuePolicyName
 from .ledger import metadata
 from .ops.receipts import DispatchStatus, Receipt

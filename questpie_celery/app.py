@@ -37,7 +37,7 @@ from .errors import (
 )
 from .jobs.context import ContextFactory
 from .jobs.definition import HandlerContext, JobDefinition, P, declared_jobs, job
-from .jobs.options import JobOptions
+from .jobs.keywords import JobOptions
 from .jobs.policies import QueuePolicy
 from .ops.operations import Operator
 from .publish.schedules import DEFAULT_FIRE_RETENTION_SECONDS, Schedules

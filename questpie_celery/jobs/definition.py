@@ -19,8 +19,9 @@ from pydantic_core import to_jsonable_python
 from typing_extensions import TypeVar as DefaultedTypeVar
 
 from ..errors import JobDefinitionError, PayloadValidationError, PublishOptionsError
+from .keywords import JobOptions
 from .limits import Limits
-from .options import JobOptions, validate_job_options
+from .options import validate_job_options
 
 P = TypeVar("P", bound=BaseModel)
 T = TypeVar("T")

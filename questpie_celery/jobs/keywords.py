@@ -1,6 +1,11 @@
-"""A publishing call's keywords: declared once, for type checkers to check each keyword
-against (`Unpack[PublishOptions]`) and for the client to refuse an unknown one with a
-`TypeError` that names the option meant (Celery's names among them)."""
+"""The option vocabulary, declared once: what a job declares (`JobOptions`) and what a
+publishing call takes (`PublishOptions`, `ManyOptions`), each built from the same
+`SharedOptions`. Type checkers check each keyword against these (`Unpack[...]`); at run
+time `options.py` validates each name with its one validator, and an unknown keyword is
+a `TypeError` that names the option meant (Celery's names among them).
+
+`None` for any option means "not given": a call's `None` leaves the job's value, and a
+job's `None` leaves the default."""
 
 from __future__ import annotations
 
@@ -30,13 +35,10 @@ _CELERY_NAMES = {
 }
 
 
-class ManyOptions(TypedDict, total=False):
-    """The options every publishing call takes (`publish_many` applies each to every
-    item), declared once: type checkers check each keyword against these, and an unknown
-    one is a `TypeError` at run time too."""
+class SharedOptions(TypedDict, total=False):
+    """The options a job declares as defaults and every publish may override."""
 
     queue_policy: QueuePolicy | QueuePolicyName | None
-    secret_payload: bool
     priority: int | None
     start_after: float | str | datetime | None
     retry_limit: int | None
@@ -47,6 +49,26 @@ class ManyOptions(TypedDict, total=False):
     debounce_seconds: float | None
     debounce_max_seconds: float | None
     throttle_seconds: float | None
+
+
+class JobOptions(SharedOptions, total=False):
+    """Options a job declares once (`@job(options=...)`); every publish inherits them."""
+
+    singleton_key: str | None
+    cron: str | None  # a fixed schedule (read in UTC) that fires the job with the payload {}
+    concurrency_limit: int | None  # at most this many runs active at once, per group
+    rate_limit: str | None  # "N/s", "N/m" or "N/h": at most N runs started per window, per group
+
+
+#: Job options that describe the job, not each dispatch: never merged into a publish's.
+JOB_ONLY_OPTIONS = frozenset({"cron", "concurrency_limit", "rate_limit"})
+
+
+class ManyOptions(SharedOptions, total=False):
+    """The options every publishing call takes (`publish_many` applies each to every
+    item)."""
+
+    secret_payload: bool | None
 
 
 class DispatchKeys(TypedDict, total=False):

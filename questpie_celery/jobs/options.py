@@ -11,12 +11,13 @@ import string
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
-from typing import Any, TypedDict, cast
+from typing import Any, cast
 
 from ..errors import PublishOptionsError
 from .cron import Cron
+from .keywords import JOB_ONLY_OPTIONS, JobOptions
 from .limits import Rate, concurrency
-from .policies import QueuePolicy, QueuePolicyName
+from .policies import QueuePolicy
 
 DEFAULT_RETRY_LIMIT = 2
 DEFAULT_RETRY_DELAY = 0.0
@@ -42,29 +43,7 @@ FIRE_KEY_PREFIX = "questpie-schedule:"
 RESERVED_KEY_PREFIXES = (FIRE_KEY_PREFIX,)
 
 
-class JobOptions(TypedDict, total=False):
-    """Options a job declares once; every publish inherits them."""
-
-    singleton_key: str
-    queue_policy: QueuePolicy | QueuePolicyName
-    priority: int
-    start_after: int | float | str | datetime
-    retry_limit: int
-    retry_delay: int | float
-    retry_backoff: bool
-    expire_in_seconds: int
-    queue: str
-    cron: str  # a fixed schedule (read in UTC) that fires the job with the payload {}
-    concurrency_limit: int  # at most this many runs active at once, per group
-    rate_limit: str  # "N/s", "N/m" or "N/h": at most N runs started per window, per group
-    debounce_seconds: int | float  # start this long after the last publish of a burst
-    debounce_max_seconds: int | float  # ...but at most this long after its first
-    throttle_seconds: int | float  # accept at most one dispatch per window, per key
-
-
-JOB_OPTION_NAMES = frozenset(JobOptions.__annotations__)
-#: Job options that describe the job, not each dispatch: never merged into a publish's.
-_JOB_ONLY = frozenset({"cron", "concurrency_limit", "rate_limit"})
+JOB_OPTION_NAMES = frozenset(JobOptions.__optional_keys__)
 
 
 @dataclass(frozen=True)
@@ -210,8 +189,8 @@ def validate_job_options(options: Mapping[str, Any] | None) -> JobOptions:
             f"known: {', '.join(sorted(JOB_OPTION_NAMES))}"
         )
     now = datetime.now(UTC)
-    validated = dict(options)
-    for name, value in options.items():
+    validated = {name: value for name, value in options.items() if value is not None}
+    for name, value in validated.items():
         if name == "cron":
             validated[name] = Cron.parse(value).expression
         elif name == "concurrency_limit":
@@ -289,7 +268,9 @@ def _merge(
 ) -> DispatchOptions:
     given = {k: v for k, v in call_options.items() if v is not None}
     # A job's cron is its schedule, and its limits are its own: not options of a dispatch.
-    inherited = {k: v for k, v in job_options.items() if k not in _JOB_ONLY and k not in ignore}
+    inherited = {
+        k: v for k, v in job_options.items() if k not in JOB_ONLY_OPTIONS and k not in ignore
+    }
     merged: dict[str, Any] = {**inherited, **given}
     now = datetime.now(UTC)
     values = {name: _VALIDATORS[name](value, now) for name, value in merged.items()}

@@ -9,6 +9,8 @@ from typing import Any
 import pytest
 
 from questpie_celery import JobContext, JobDefinitionError, PublishOptionsError, job
+from questpie_celery.jobs import options as vocabulary
+from questpie_celery.jobs.keywords import JOB_ONLY_OPTIONS, JobOptions, PublishOptions
 from questpie_celery.jobs.options import (
     DEFAULT_EXPIRE_IN_SECONDS,
     MAX_EXPIRE_IN_SECONDS,
@@ -224,3 +226,17 @@ def test_malformed_options_column_reads_back_as_defaults(idle: IdleApp) -> None:
     row = idle.ledger.get(new.id)
     assert row is not None
     assert row.options == StoredOptions()
+
+
+def test_every_option_in_the_vocabulary_has_one_validator() -> None:
+    """The vocabulary is declared once (`jobs/keywords.py`): every option a publish takes
+    is validated, every option a job declares is either a publish's or the job's own."""
+    assert vocabulary._VALIDATORS.keys() == PublishOptions.__optional_keys__
+    assert JobOptions.__optional_keys__ - JOB_ONLY_OPTIONS <= vocabulary._VALIDATORS.keys()
+
+
+def test_a_job_option_given_as_none_is_not_given() -> None:
+    @job(name="options.none", schema=Work, options={"retry_limit": None, "queue": None})
+    def handler(payload: Work, ctx: JobContext) -> None: ...
+
+    assert handler.options == {}
