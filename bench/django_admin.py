@@ -60,7 +60,7 @@ def timed(read: Callable[[], float | None]) -> Figure:
 def measure(postgres: PostgresServer, rows: int) -> dict[str, Figure]:
     url = postgres.create_database("admin_bench")
     ledger = open_ledger(url)
-    ledger.migrate()
+    ledger.migration.migrate()
     started = time.perf_counter()
     fill(ledger.engine, rows)
     print(f"filled {rows:,} rows in {time.perf_counter() - started:.0f}s")

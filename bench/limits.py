@@ -124,12 +124,12 @@ def queued(ledger: Ledger, job: str, count: int, group: str | None = None) -> li
         for _ in range(count)
     ]
     for start in range(0, count, 1000):
-        ledger.insert_many(rows[start : start + 1000])
+        ledger.dispatches.insert_many(rows[start : start + 1000])
     return [row.id for row in rows]
 
 
 def claimed(ledger: Ledger, dispatch_id: str, job: str, concurrency: int | None = None) -> str:
-    claim = ledger.claim(dispatch_id, job, 1, LEASE, concurrency=concurrency)
+    claim = ledger.claims.claim(dispatch_id, job, 1, LEASE, concurrency=concurrency)
     if claim.token is None:
         raise RuntimeError(f"claim of {job} came back {claim.outcome}")
     return claim.token
@@ -140,7 +140,7 @@ def main() -> None:
     try:
         url = postgres.url()
         ledger = open_ledger(url)
-        ledger.migrate()
+        ledger.migration.migrate()
         # Weeks of work already in the ledger (bench/fixture.py), so that PostgreSQL plans
         # the claims as it does on a ledger in use, from the first round to the last.
         fill(ledger.engine, FILL_ROWS)
@@ -172,13 +172,13 @@ def claim_costs(
     def unlimited(ids: list[str]) -> None:
         for dispatch_id in ids:
             token = claimed(ledger, dispatch_id, "bench.unlimited")
-            ledger.finish(dispatch_id, token, "completed", None)
+            ledger.claims.finish(dispatch_id, token, "completed", None)
 
     def seated(job: str) -> Callable[[list[str]], None]:
         def run(ids: list[str]) -> None:
             for dispatch_id in ids:
                 token = claimed(ledger, dispatch_id, job, 50)
-                ledger.finish(dispatch_id, token, "completed", None)
+                ledger.claims.finish(dispatch_id, token, "completed", None)
 
         return run
 
@@ -186,9 +186,9 @@ def claim_costs(
         def run(ids: list[str]) -> None:
             for dispatch_id in ids:
                 token = claimed(ledger, dispatch_id, job)
-                if ledger.take_permit(job, "tenant", count, window) is not None:
+                if ledger.limits.take_permit(job, "tenant", count, window) is not None:
                     REFUSED[name] = REFUSED.get(name, 0) + 1
-                ledger.finish(dispatch_id, token, "completed", None)
+                ledger.claims.finish(dispatch_id, token, "completed", None)
 
         return run
 
@@ -253,9 +253,9 @@ def ledger_plans(ledger: Ledger) -> dict[str, str]:
     fifth run; PostgreSQL plans its next five runs afresh, then keeps a generic plan
     unless that plan looks dearer than the fresh ones did)."""
     statements = {
-        "claim, no limit": ledger._claims_sql.claim,  # the bench looks inside
-        "claim, seated": ledger._claims_sql.claim_seated,
-        "take_permit": ledger._limits_sql.take_permit,
+        "claim, no limit": ledger.claims._sql.claim,  # the bench looks inside
+        "claim, seated": ledger.claims._sql.claim_seated,
+        "take_permit": ledger.limits._sql.take_permit,
     }
     with ledger.engine.connect() as conn:
         found = {
@@ -286,7 +286,7 @@ def planned(ledger: Ledger, url: str) -> dict[str, tuple[float, float, str]]:
     connections run them: prepared, past the five runs after which PostgreSQL may keep a
     generic plan. With the plans it made for those 20. The probe rows are the seated
     claim with its status comparisons written as literals: not the package's statement."""
-    sql = ledger._claims_sql  # the bench looks inside, for the statements' text
+    sql = ledger.claims._sql  # the bench looks inside, for the statements' text
     kinds = {
         NO_LIMIT: (sql.claim, "bench.unlimited", None, None, False),
         SEATED: (sql.claim_seated, "bench.seated", "tenant", 50, False),
@@ -363,7 +363,7 @@ def neighbour(
     while not stop.is_set() and (kind == "blocked" or made < len(ids)):
         if kind == "blocked":
             dispatch_id = ids[made % len(ids)]
-            claim = ledger.claim(dispatch_id, "bench.limited", 1, LEASE, concurrency=1)
+            claim = ledger.claims.claim(dispatch_id, "bench.limited", 1, LEASE, concurrency=1)
             if claim.outcome != "blocked" or claim.blocked_by != "concurrency":
                 raise RuntimeError(f"a claim of the held group came back {claim.outcome}")
         else:
@@ -413,7 +413,7 @@ def isolation(ledger: Ledger, url: str) -> dict[str, dict[str, list[float]]]:
         cpu, began = time.thread_time(), time.perf_counter()
         for dispatch_id in ids:
             token = claimed(ledger, dispatch_id, "bench.unlimited-loop")
-            ledger.finish(dispatch_id, token, "completed", None)
+            ledger.claims.finish(dispatch_id, token, "completed", None)
         return time.perf_counter() - began, time.thread_time() - cpu
 
     cases = [ALONE] + [

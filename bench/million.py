@@ -13,8 +13,8 @@ each, per call:
 - a keyed publish with a new key: `publish()` as an application calls it (validation,
   the ledger row, the send; the broker is Celery's in-memory one, so the send costs
   the same in both);
-- a claim: `Ledger.claim` as the worker's fence calls it, of the rows just published;
-- the relay's due scan: `Ledger.due_out_of_sends(0)`, with 20 rows due in both ledgers
+- a claim: `ledger.claims.claim` as the worker's fence calls it, of the rows just published;
+- the relay's due scan: `ledger.relay.due_out_of_sends(0)`, with 20 rows due in both ledgers
   (every due row: the index range the relay's batch take reads, without its writes).
 
 Each figure is the median of the round medians, with their min-max, the WAL bytes
@@ -145,10 +145,10 @@ def one_round(ledgered: Ledgered) -> dict[str, tuple[float, float]]:
         ids.append(dispatch_id)
 
     def claim(i: int) -> None:
-        assert ledgered.ledger.claim(ids[i], "bench.order", 1, 60.0).outcome == "claimed"
+        assert ledgered.ledger.claims.claim(ids[i], "bench.order", 1, 60.0).outcome == "claimed"
 
     def due(_: int) -> None:
-        assert len(ledgered.ledger.due_out_of_sends(0)) >= 20
+        assert len(ledgered.ledger.relay.due_out_of_sends(0)) >= 20
 
     measured = {}
     for name, action in (
@@ -219,11 +219,13 @@ def plans(large: Ledgered) -> None:
     with captured(large.engine) as seen:
         first = large.client.publish({"order_id": 1, "email": "p@example.com"}, idempotency_key=key)
         assert first is not None
-        ledger.claim(first, "bench.order", 1, 60.0)
-        ledger.due_out_of_sends(0)
+        ledger.claims.claim(first, "bench.order", 1, 60.0)
+        ledger.relay.due_out_of_sends(0)
         # No backoff: the rows it takes stay due, for the plan of the same take below.
-        ledger.take_due(100, max_sends=25, first_backoff=0, max_backoff=0, accepted_backoff=0)
-        ledger.prune_schedule_history(key_prefix=FIRE_KEY_PREFIX, older_than=WEEK, limit=0)
+        ledger.relay.take_due(100, max_sends=25, first_backoff=0, max_backoff=0, accepted_backoff=0)
+        ledger.retention.prune_schedule_history(
+            key_prefix=FIRE_KEY_PREFIX, older_than=WEEK, limit=0
+        )
     insert = pick(seen, "INSERT INTO questpie_queue_dispatch")
     claim = pick(seen, "UPDATE questpie_queue_dispatch SET", "claim_token=")
     due = pick(seen, "SELECT questpie_queue_dispatch.id", "next_send_at <=")
@@ -279,7 +281,9 @@ def batch_of(captured: tuple[str, Any]) -> tuple[str, Any]:
 def retention_statement(ledger: Ledger, keyed: bool) -> tuple[str, Any]:
     """A retention batch as the ledger sends it."""
     with captured(ledger.engine) as seen:
-        ledger.prune_ended(keyed=keyed, older_than=WEEK, limit=0, spare_key_prefix=FIRE_KEY_PREFIX)
+        ledger.retention.prune_ended(
+            keyed=keyed, older_than=WEEK, limit=0, spare_key_prefix=FIRE_KEY_PREFIX
+        )
     verb = "UPDATE" if keyed else "DELETE"
     return batch_of(
         pick(
@@ -317,7 +321,7 @@ def retention_pass(large: Ledgered) -> None:
     loop beside it: how long each statement holds its rows, and what a publish feels."""
     ledger = large.ledger
     took: list[float] = []
-    prune_ended = ledger.prune_ended
+    prune_ended = ledger.retention.prune_ended
 
     def timed_prune(**kwargs: Any) -> int:
         started = time.perf_counter()
@@ -329,7 +333,7 @@ def retention_pass(large: Ledgered) -> None:
     # The beat deletes spent fires (its own rows) as it runs: do what it would have done.
     started = time.perf_counter()
     fires = 0
-    while batch := ledger.prune_schedule_history(
+    while batch := ledger.retention.prune_schedule_history(
         key_prefix=FIRE_KEY_PREFIX, older_than=WEEK, limit=RETENTION_BATCH
     ):
         fires += batch
@@ -344,13 +348,13 @@ def retention_pass(large: Ledgered) -> None:
     stop = threading.Event()
     loop = threading.Thread(target=publish_loop, args=(large, stop, beside))
     loop.start()
-    ledger.prune_ended = timed_prune  # type: ignore[method-assign]
+    ledger.retention.prune_ended = timed_prune  # type: ignore[method-assign]
     started = time.perf_counter()
     try:
         result = Retention(ledger, WEEK).prune(WEEK)
     finally:
         wall = time.perf_counter() - started
-        ledger.prune_ended = prune_ended  # type: ignore[method-assign]
+        ledger.retention.prune_ended = prune_ended  # type: ignore[method-assign]
         stop.set()
         loop.join()
     with large.engine.connect() as conn:
@@ -384,7 +388,7 @@ def index_cost(large: Ledgered) -> None:
     for with_index in (False, True, False, True):
         with large.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
             if with_index:
-                ledger.migrate()  # creates the index (again)
+                ledger.migration.migrate()  # creates the index (again)
             else:
                 conn.execute(text("DROP INDEX IF EXISTS questpie_queue_dispatch_ended"))
             conn.execute(text("VACUUM ANALYZE questpie_queue_dispatch"))
@@ -406,7 +410,7 @@ def index_cost(large: Ledgered) -> None:
 
 
 def terminal_writes(large: Ledgered) -> tuple[float, float]:
-    """(median µs, WAL bytes) of `Ledger.finish` on freshly claimed rows."""
+    """(median µs, WAL bytes) of `ledger.claims.finish` on freshly claimed rows."""
     ledger = large.ledger
     run = uuid.uuid4().hex[:8]
     claims = []
@@ -415,12 +419,12 @@ def terminal_writes(large: Ledgered) -> tuple[float, float]:
             {"order_id": i, "email": "f@example.com"}, idempotency_key=f"{run}-{i}"
         )
         assert dispatch_id is not None
-        claims.append(ledger.claim(dispatch_id, "bench.order", 1, 60.0))
+        claims.append(ledger.claims.claim(dispatch_id, "bench.order", 1, 60.0))
 
     def finish(i: int) -> None:
         claim = claims[i]
         assert claim.row is not None and claim.token is not None
-        assert ledger.finish(claim.row.id, claim.token, "completed", None)
+        assert ledger.claims.finish(claim.row.id, claim.token, "completed", None)
 
     with large.engine.connect() as conn:
         before = conn.execute(text("SELECT pg_current_wal_insert_lsn()")).scalar()

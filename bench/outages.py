@@ -169,14 +169,14 @@ def measure(
     ledger = open_ledger(pg)
     try:
         held = new_dispatch()
-        assert ledger.insert(held)
+        assert ledger.dispatches.insert(held)
         with engine.begin() as conn:
             conn.execute(
                 select(dispatch_table.c.id).where(dispatch_table.c.id == held.id).with_for_update()
             )
             note(
                 "claim of a held row",
-                timed(lambda: ledger.claim(held.id, "record", 1, 60), LedgerBusyError),
+                timed(lambda: ledger.claims.claim(held.id, "record", 1, 60), LedgerBusyError),
             )
     finally:
         ledger.close()
@@ -191,7 +191,7 @@ def main() -> None:
     try:
         pg = postgres.create_database("outages")
         setup = open_ledger(pg)
-        setup.migrate()
+        setup.migration.migrate()
         setup.close()
         with silent_port() as silent:
             for _ in range(ROUNDS):

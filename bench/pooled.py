@@ -55,10 +55,10 @@ def unit_of_work(ledger: Ledger) -> Callable[[], None]:
             options=StoredOptions(),
             idempotency_key=random_dispatch_id(),
         )
-        assert ledger.insert(new)
-        claim = ledger.claim(new.id, "bench.noop", 1, 60)
+        assert ledger.dispatches.insert(new)
+        claim = ledger.claims.claim(new.id, "bench.noop", 1, 60)
         assert claim.token is not None
-        assert ledger.finish(new.id, claim.token, "completed", None)
+        assert ledger.claims.finish(new.id, claim.token, "completed", None)
 
     return run
 
@@ -85,7 +85,7 @@ def main() -> None:
                     relaxed=relaxed,
                     pooled=True,
                 )
-        next(iter(ledgers.values())).migrate()
+        next(iter(ledgers.values())).migration.migrate()
         modes = {name: unit_of_work(ledger) for name, ledger in ledgers.items()}
         for mode in modes.values():  # warm up connections, caches and prepares
             for _ in range(20):

@@ -98,7 +98,7 @@ def publish_costs(bench_app: Any, pg_url: str) -> dict[str, list[float]]:
     exclusive = bench_app.questpie.queue.bench_exclusive
 
     def bare_insert(i: int) -> bool:
-        return ledger.insert(
+        return ledger.dispatches.insert(
             NewDispatch(
                 id=random_dispatch_id(),
                 job_name="bench.noop",

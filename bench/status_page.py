@@ -50,7 +50,7 @@ def main() -> None:
     try:
         url = postgres.create_database("page")
         ledger = open_ledger(url)
-        ledger.migrate()
+        ledger.migration.migrate()
         started = time.perf_counter()
         fill(ledger.engine, ROWS)
         with ledger.engine.begin() as conn:

@@ -292,7 +292,7 @@ class Questpie:
 
     def migrate(self) -> int:
         """Create or upgrade the ledger schema; idempotent. Returns the schema version."""
-        return self._ledger.migrate()
+        return self._ledger.migration.migrate()
 
     def rebind_ledger(
         self, *, ledger_url: str | None = None, engine: Engine | None = None

@@ -29,12 +29,32 @@ APP_HELP = "your Questpie (module:attribute), or the app as celery -A takes it (
 
 
 class _Admin(Protocol):
-    """What the ledger commands need; a `Questpie` and a bare `Ledger` both offer it."""
+    """What the ledger commands need; a `Questpie` offers it, and a bare `Ledger` through
+    `_LedgerAdmin`."""
 
     def migrate(self) -> int: ...
     def set_policy(self, job_name: str, policy: QueuePolicy, /) -> None: ...
     def get_policy(self, job_name: str, /) -> QueuePolicy | None: ...
     def close(self) -> None: ...
+
+
+class _LedgerAdmin:
+    """A bare `Ledger` as `_Admin`: its migration and its recorded policies."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self._ledger = ledger
+
+    def migrate(self) -> int:
+        return self._ledger.migration.migrate()
+
+    def set_policy(self, job_name: str, policy: QueuePolicy, /) -> None:
+        self._ledger.policies.set(job_name, policy)
+
+    def get_policy(self, job_name: str, /) -> QueuePolicy | None:
+        return self._ledger.policies.get(job_name)
+
+    def close(self) -> None:
+        self._ledger.close()
 
 
 #: Where `--pooled` is kept for the command's ledger (a context's meta is shared with
@@ -67,7 +87,9 @@ def _url_ledger(ledger_url: str) -> Ledger:
 def _admin(app: str | None, ledger_url: str | None) -> _Admin:
     if (app is None) == (ledger_url is None):
         raise click.UsageError("pass exactly one of --app and --ledger-url")
-    admin: _Admin = load_questpie(app) if app is not None else _url_ledger(str(ledger_url))
+    admin: _Admin = (
+        load_questpie(app) if app is not None else _LedgerAdmin(_url_ledger(str(ledger_url)))
+    )
     # Close the pool when the command ends, not at interpreter exit.
     click.get_current_context().call_on_close(admin.close)
     return admin

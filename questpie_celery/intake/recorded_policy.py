@@ -45,7 +45,7 @@ _UNREADABLE = (LedgerUnavailableError, LedgerSchemaError)
 
 class PolicyBook:
     def __init__(self, ledger: Ledger) -> None:
-        self._ledger = ledger
+        self._ledger_policies = ledger.policies
         self._cache: dict[str, tuple[QueuePolicy | None, float]] = {}
         self._warned: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
@@ -88,12 +88,12 @@ class PolicyBook:
     def set(self, job_name: str, policy: QueuePolicy) -> None:
         """Change a job's recorded policy on purpose; every process holds to it within
         `POLICY_SETTLE_SECONDS` (this one at once)."""
-        self._ledger.set_policy(job_name, policy)
+        self._ledger_policies.set(job_name, policy)
         self._cache[job_name] = (policy, time.monotonic())
 
     def recorded(self, job_name: str) -> QueuePolicy | None:
         """The policy the ledger records for a job (None when none is), read now."""
-        return self._ledger.get_policy(job_name)
+        return self._ledger_policies.get(job_name)
 
     def is_cached(self, job_name: str) -> bool:
         """Whether `effective` would answer from memory, without the ledger, for at least
@@ -125,7 +125,7 @@ class PolicyBook:
         if cached is not None and now - cached[1] < POLICY_CACHE_SECONDS:
             return cached[0]
         try:
-            policy = self._ledger.get_policy(job_name)
+            policy = self._ledger_policies.get(job_name)
         except _UNREADABLE:
             if cached is not None:
                 return cached[0]
@@ -134,7 +134,7 @@ class PolicyBook:
         return policy
 
     def _store(self, job_name: str, policy: QueuePolicy) -> QueuePolicy:
-        recorded = self._ledger.record_policy(job_name, policy)
+        recorded = self._ledger_policies.record(job_name, policy)
         self._cache[job_name] = (recorded, time.monotonic())
         return recorded
 

@@ -3,10 +3,13 @@
 - `schema`: the tables, the status vocabulary and the policy slot indexes
 - `engine`: engines tuned per dialect, and their life across forks
 - `statements`: what every statement is built from, on the database's clock
-- `executor`: how every operation runs its statement (the one rerun, errors translated)
-- `store`: `Ledger`, the operations the rest of the package calls, assembled from one
-  module per concept (`migration`, `dispatches`, `claims`, `slots`, `limits`, `policies`,
-  `relay`, `schedules`, `retention`, `views`), each with its statements
+- `executor`: how every operation runs its statement (the one rerun, errors translated),
+  and `Part`, what each concept's operations are over it
+- `store`: `Ledger`, that executor composed of one part per concept, which the rest of
+  the package calls through (`ledger.claims`, `ledger.dispatches`, `ledger.slots`,
+  `ledger.limits`, `ledger.policies`, `ledger.relay`, `ledger.schedules`,
+  `ledger.retention`, `ledger.views`, `ledger.migration`, ...), each module with its
+  statements
 - `inserts`: a publish's inserts as plans, which `dispatches` runs and `aio` awaits
 - `transactions`: rows written in a caller's Session or Connection
 - `wakeups`: relays listening for commits that wrote rows for them (PostgreSQL)

@@ -75,7 +75,7 @@ class AsyncLedger:
             else:
                 loop.run_until_complete(engine.dispose())
         ledger = self._ledger
-        self._sql = ledger.statements
+        self._sql = ledger.dispatches.statements
         self._run_sql = ledger.run_statements
         # Only an engine we made knows its own settings, and only PostgreSQL has a
         # driver that can wait without a thread.
@@ -85,25 +85,25 @@ class AsyncLedger:
     # --- the operations ---------------------------------------------------------------
 
     async def insert(self, new: NewDispatch) -> bool:
-        """As `Ledger.insert` without a caller's connection."""
+        """As `ledger.dispatches.insert` without a caller's connection."""
         if not self.native:
-            return await asyncio.to_thread(self._ledger.insert, new)
+            return await asyncio.to_thread(self._ledger.dispatches.insert, new)
         return await self._drive(inserts.insert(self._sql, new))
 
     async def insert_many(self, batch: Sequence[NewDispatch]) -> set[str]:
-        """As `Ledger.insert_many` without a caller's connection."""
+        """As `ledger.dispatches.insert_many` without a caller's connection."""
         if not self.native or not batch:
-            return await asyncio.to_thread(self._ledger.insert_many, batch)
+            return await asyncio.to_thread(self._ledger.dispatches.insert_many, batch)
         return await self._drive(inserts.insert_many(self._sql, batch))
 
     async def existing(self, dispatch_ids: Sequence[str]) -> set[str]:
         if not self.native or not dispatch_ids:
-            return await asyncio.to_thread(self._ledger.existing, dispatch_ids)
+            return await asyncio.to_thread(self._ledger.dispatches.existing, dispatch_ids)
         return await self._drive(inserts.existing(self._sql, dispatch_ids))
 
     async def exists(self, dispatch_id: str) -> bool:
         if not self.native:
-            return await asyncio.to_thread(self._ledger.exists, dispatch_id)
+            return await asyncio.to_thread(self._ledger.dispatches.exists, dispatch_id)
         return await self._drive(inserts.exists(self._sql, dispatch_id))
 
     async def get(self, dispatch_id: str) -> DispatchRow | None:
@@ -118,8 +118,8 @@ class AsyncLedger:
     async def know_identity(self) -> None:
         """Read the ledger's identity (in a thread, once), which the sync path compares a
         caller's database with."""
-        if not self._ledger.knows_identity:
-            await asyncio.to_thread(self._ledger.ledger_id)
+        if not self._ledger.migration.knows_identity:
+            await asyncio.to_thread(self._ledger.migration.ledger_id)
 
     async def close(self) -> None:
         """Close the connections of the running loop's engine."""

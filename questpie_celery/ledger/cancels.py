@@ -18,7 +18,7 @@ from sqlalchemy import ColumnElement, Select, Update, and_, bindparam, func, sel
 
 from ..errors import LedgerBusyError
 from ..jobs.ids import unstorable_id
-from .executor import Executor
+from .executor import Part
 from .rows import DispatchRow
 from .schema import CANCELLABLE, TERMINAL, dispatch_table
 from .statements import add_preamble, by_id, cancelled_values, db_time
@@ -60,12 +60,11 @@ class CancelStatements:
         add_preamble(self, preamble, ("cancel", "request"))
 
 
-class Cancels(Executor):
+class Cancels(Part):
     """Cancelling dispatches."""
 
     def _prepare(self, dialect: str, preamble: ColumnElement[bool] | None) -> None:
-        super()._prepare(dialect, preamble)
-        self._cancel_sql = CancelStatements(dialect, preamble)
+        self._sql = CancelStatements(dialect, preamble)
 
     def cancel(self, dispatch_id: str) -> Cancelled:
         """End the dispatch as `cancelled` if it has not started, mark it if it runs.
@@ -73,7 +72,7 @@ class Cancels(Executor):
         if unstorable_id(dispatch_id) is not None:
             return Cancelled("unknown")
         for _ in range(CANCEL_TRIES):
-            found = self._row(self._cancel_sql.get, {"dispatch_id": dispatch_id})
+            found = self._db._row(self._sql.get, {"dispatch_id": dispatch_id})
             if found is None:
                 return Cancelled("unknown")
             if found.status in TERMINAL:
@@ -84,17 +83,17 @@ class Cancels(Executor):
                 "seen_attempt": found.attempt,
             }
             if found.status == "active":
-                stmt, outcome = self._cancel_sql.request, "requested"
+                stmt, outcome = self._sql.request, "requested"
             else:
-                stmt, outcome = self._cancel_sql.cancel, "cancelled"
+                stmt, outcome = self._sql.cancel, "cancelled"
             # On disk before it returns, even on a relaxed ledger: True is a promise.
-            rows, reran = self._run(stmt, params, durable=True)
+            rows, reran = self._db._run(stmt, params, durable=True)
             if rows:
                 row = DispatchRow.from_mapping(rows[0])
                 return Cancelled(outcome, row, was=found.status)  # type: ignore[arg-type]
             if reran:
                 # Our first try may have landed unseen: then the row shows what it wrote.
-                now = self._row(self._cancel_sql.get, {"dispatch_id": dispatch_id})
+                now = self._db._row(self._sql.get, {"dispatch_id": dispatch_id})
                 if now is not None and now.attempt == found.attempt:
                     if outcome == "cancelled" and now.status == "cancelled":
                         return Cancelled("cancelled", now, was=found.status)

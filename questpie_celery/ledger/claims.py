@@ -30,7 +30,7 @@ from sqlalchemy import (
 from sqlalchemy.sql import Executable
 
 from .errors import SlotTaken
-from .executor import Executor
+from .executor import Part
 from .rows import Claim, DispatchRow
 from .schema import CLAIMABLE, LEASE_EXPIRED, TERMINAL, Status, dispatch_table
 from .statements import (
@@ -225,20 +225,19 @@ _CARRY_PREAMBLE = (
 )  # fmt: skip
 
 
-class Claims(Executor):
+class Claims(Part):
     """The fence's operations: claiming a delivery, renewing its lease, ending it."""
 
     def _prepare(self, dialect: str, preamble: ColumnElement[bool] | None) -> None:
-        super()._prepare(dialect, preamble)
-        self._claims_sql = ClaimStatements(dialect, preamble)
+        self._sql = ClaimStatements(dialect, preamble)
         # Every fenced run makes a claim and an outcome (a retry's, when it failed); the
         # lease thread renews.
-        self._run_on_driver(
-            self._claims_sql.claim,
-            self._claims_sql.claim_seated,
-            self._claims_sql.finish,
-            self._claims_sql.retry,
-            self._claims_sql.renew,
+        self._db._run_on_driver(
+            self._sql.claim,
+            self._sql.claim_seated,
+            self._sql.finish,
+            self._sql.retry,
+            self._sql.renew,
         )
 
     def claim(
@@ -272,9 +271,9 @@ class Claims(Executor):
             "lease": lease_seconds,
             "any_time": any_time,
         }
-        stmt = self._claims_sql.claim
+        stmt = self._sql.claim
         if concurrency is not None:
-            stmt, params["limit"] = self._claims_sql.claim_seated, concurrency
+            stmt, params["limit"] = self._sql.claim_seated, concurrency
         found: DispatchRow | None = None
         for look in range(2):
             began = time.monotonic()
@@ -284,7 +283,7 @@ class Claims(Executor):
             if taken is not None:
                 return Claim("claimed", taken, token)
             # Not claimed: read the row to say why (the answer may be a moment old).
-            read = self._first(self._claims_sql.get_and_now, {"dispatch_id": dispatch_id})
+            read = self._db._first(self._sql.get_and_now, {"dispatch_id": dispatch_id})
             found = DispatchRow.from_mapping(read) if read is not None else None
             if read is None or found is None or found.job_name != job_name:
                 return Claim("unknown")
@@ -315,7 +314,7 @@ class Claims(Executor):
         claim when the job's policy slot is taken."""
         for _ in range(SEAT_TRIES):
             try:
-                return self._row(stmt, params)
+                return self._db._row(stmt, params)
             except SlotTaken as taken:
                 if taken.seat:
                     continue  # another run took the same seat this instant: pick again
@@ -327,7 +326,7 @@ class Claims(Executor):
         latest (an early delivery of it was dropped); False when the row has moved on,
         or is due for the relay by then anyway."""
         params = {"dispatch_id": dispatch_id, "job": job_name, "previous": attempt - 1}
-        return bool(self._execute(self._claims_sql.send_when_due, params))
+        return bool(self._db._execute(self._sql.send_when_due, params))
 
     def renew(self, dispatch_id: str, token: str, lease_seconds: float) -> bool:
         """Extend a live claim; False when the claim is no longer ours."""
@@ -337,7 +336,7 @@ class Claims(Executor):
         """Extend a live claim, and say whether the run was cancelled meanwhile; None
         when the claim is no longer ours."""
         params = {"dispatch_id": dispatch_id, "token": token, "lease": lease_seconds}
-        rows = self._execute(self._claims_sql.renew, params)
+        rows = self._db._execute(self._sql.renew, params)
         if not rows:
             return None
         return Renewal(cancel_requested=rows[0]["cancel_requested_at"] is not None)
@@ -349,21 +348,21 @@ class Claims(Executor):
         False when the claim was lost (the relay ended the lapsed lease).
         """
         params = {"dispatch_id": dispatch_id, "token": token, "new_status": status, "error": error}
-        return self._held_write(self._claims_sql.finish, params, dispatch_id, token, status)
+        return self._held_write(self._sql.finish, params, dispatch_id, token, status)
 
     def end_unrun(self, dispatch_id: str, token: str) -> DispatchRow | None:
         """End a claimed run whose cancel came before its handler began as `cancelled`,
         its claim undone in the record; the row ended, or None when the claim was lost
         or the run was not cancelled."""
         params = {"dispatch_id": dispatch_id, "token": token}
-        rows, reran = self._run(self._claims_sql.end_unrun, params)
+        rows, reran = self._db._run(self._sql.end_unrun, params)
         if rows:
             return DispatchRow.from_mapping(rows[0])
         if not reran:
             return None
         # Ambiguous: our first run may have landed, and cleared the token we would know
         # it by; a cancelled row that ran nothing past its finish is ours to report.
-        now = self.get(dispatch_id)
+        now = self._db.get(dispatch_id)
         return now if now is not None and now.status == "cancelled" else None
 
     def retry(
@@ -382,23 +381,23 @@ class Claims(Executor):
             "relay_in": relay_in,
             "error": error,
         }
-        return self._held_write(self._claims_sql.retry, params, dispatch_id, token, "retry")
+        return self._held_write(self._sql.retry, params, dispatch_id, token, "retry")
 
     def _held_write(
         self, stmt: Executable, params: dict[str, Any], dispatch_id: str, token: str, to: Status
     ) -> bool:
-        if self._execute(stmt, params):
+        if self._db._execute(stmt, params):
             return True
         # Nothing matched. If a dropped connection made us run it twice, the first run
         # may have landed: then the row carries our token in the state we wrote.
-        row = self.get(dispatch_id)
+        row = self._db.get(dispatch_id)
         if row is None or row.claim_token != token:
             return False
         return row.status == to or (row.status == "cancelled" and to != "retry")
 
-    def expired_claims(self, limit: int = 100) -> list[DispatchRow]:
+    def expired(self, limit: int = 100) -> list[DispatchRow]:
         """Active rows whose lease has lapsed: their holder died or overran."""
-        rows = self._execute(self._claims_sql.expired, {"limit": limit})
+        rows = self._db._execute(self._sql.expired, {"limit": limit})
         return [DispatchRow.from_mapping(row) for row in rows]
 
     def lapse(self, row: DispatchRow, *, retry_in: float | None, relay_in: float) -> bool:
@@ -408,14 +407,14 @@ class Claims(Executor):
             "token": row.claim_token,
             "error": LEASE_EXPIRED,
         }
-        stmt = self._claims_sql.lapse_fail
+        stmt = self._sql.lapse_fail
         if retry_in is not None:
-            stmt = self._claims_sql.lapse_retry
+            stmt = self._sql.lapse_retry
             params.update(retry_in=retry_in, relay_in=relay_in)
-        count, retried = self._run(stmt, params)
+        count, retried = self._db._run(stmt, params)
         if count or not retried:
             return bool(count)
-        now = self.get(row.id)  # ambiguous: did our first run land?
+        now = self._db.get(row.id)  # ambiguous: did our first run land?
         return (
             now is not None
             and now.attempt == row.attempt
@@ -436,7 +435,7 @@ class Claims(Executor):
             "previous": attempt - 1,
             "horizon": horizon,
         }
-        count, retried = self._run(self._claims_sql.send_unclaimed_now, params)
+        count, retried = self._db._run(self._sql.send_unclaimed_now, params)
         return bool(count) or retried  # run twice: the first run may have landed; harmless
 
     def end_unclaimed(
@@ -451,12 +450,12 @@ class Claims(Executor):
             "previous": attempt - 1,
             "error": error,
         }
-        rows, retried = self._run(self._claims_sql.end_unclaimed, params)
+        rows, retried = self._db._run(self._sql.end_unclaimed, params)
         if rows:
             return DispatchRow.from_mapping(rows[0])
         if not retried:
             return None
-        now = self.get(dispatch_id)  # ambiguous: did our first run land?
+        now = self._db.get(dispatch_id)  # ambiguous: did our first run land?
         landed = (
             now is not None
             and now.status == "failed"

@@ -21,6 +21,7 @@ from sqlalchemy.sql.expression import FunctionElement
 from ..errors import LedgerError
 from .dispatches import Dispatches
 from .errors import translate_errors
+from .executor import Executor, Part
 from .inserts import row_params
 from .rows import NewDispatch
 from .schema import WAITING, UTCDateTime, dispatch_table
@@ -100,19 +101,22 @@ class DebounceStatements:
         add_preamble(self, preamble, ("push_back",))
 
 
-class Debounce(Dispatches):
-    """Debounced publishing."""
+class Debounce(Part):
+    """Debounced publishing: a burst's row inserted as `dispatches` inserts any row."""
+
+    def __init__(self, db: Executor, dispatches: Dispatches) -> None:
+        self._dispatches = dispatches  # before attaching: `_prepare` builds on its insert
+        super().__init__(db)
 
     def _prepare(self, dialect: str, preamble: ColumnElement[bool] | None) -> None:
-        super()._prepare(dialect, preamble)
-        self._debounce_sql = DebounceStatements(self._sql.insert, preamble)
-        self._debounce_in_caller = (
-            DebounceStatements(self._in_caller.insert, None)
+        self._sql = DebounceStatements(self._dispatches.statements.insert, preamble)
+        self._in_caller = (
+            DebounceStatements(self._dispatches.caller_statements.insert, None)
             if preamble is not None
-            else self._debounce_sql
+            else self._sql
         )
 
-    def debounce(
+    def join(
         self,
         new: NewDispatch,
         *,
@@ -128,7 +132,7 @@ class Debounce(Dispatches):
         when no burst was open and `new`'s queue policy slot refused it.
 
         With `conn`, in the caller's transaction."""
-        sql = self._debounce_sql if conn is None else self._debounce_in_caller
+        sql = self._sql if conn is None else self._in_caller
         push = {
             "job": new.job_name,
             "burst": key,
@@ -141,10 +145,10 @@ class Debounce(Dispatches):
             # The relay's first look comes after the start, not inside the quiet period.
             row["send_in"] = new.send_in + debounce
         for _ in range(ROUNDS):
-            pushed = self._debounce_run(sql.push_back, push, conn)
+            pushed = self._push_back(sql.push_back, push, conn)
             if pushed:
                 return str(pushed[0]["id"]), False
-            if self._debounce_insert(sql.insert, row, new.id, conn):
+            if self._insert(sql.insert, row, new.id, conn):
                 return new.id, True
         if new.slot is None:
             raise LedgerError(
@@ -153,22 +157,20 @@ class Debounce(Dispatches):
             )
         return None, False
 
-    def _debounce_run(self, stmt: Any, params: Any, conn: Connection | None) -> Any:
+    def _push_back(self, stmt: Any, params: Any, conn: Connection | None) -> Any:
         # Pushing back twice (a rerun on a fresh connection) lands as once would.
         if conn is None:
-            return self._run(stmt, params)[0]
-        with translate_errors(self.migrate_command):
+            return self._db._run(stmt, params)[0]
+        with translate_errors(self._db.migrate_command):
             return conn.execute(stmt, params).mappings().all()
 
-    def _debounce_insert(
-        self, stmt: Any, params: Any, dispatch_id: str, conn: Connection | None
-    ) -> bool:
+    def _insert(self, stmt: Any, params: Any, dispatch_id: str, conn: Connection | None) -> bool:
         if conn is not None:
-            with translate_errors(self.migrate_command):
+            with translate_errors(self._db.migrate_command):
                 return conn.execute(stmt, params).first() is not None
-        rows, reran = self._run(stmt, params)
+        rows, reran = self._db._run(stmt, params)
         if rows:
             return True
         # A rerun that conflicts may have met our own first try: under a random id, a
         # row found is ours (inserts.insert's rule).
-        return reran and self.exists(dispatch_id)
+        return reran and self._dispatches.exists(dispatch_id)

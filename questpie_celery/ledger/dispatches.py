@@ -37,7 +37,7 @@ from ..errors import LedgerError
 from . import inserts
 from .engine import runs_in_autocommit
 from .errors import schema_missing, translate_errors
-from .executor import Executor
+from .executor import Part
 from .inserts import batch_params, row_params
 from .rows import DispatchRow, NewDispatch
 from .schema import UTCDateTime, dispatch_table
@@ -222,22 +222,28 @@ def insert_batch(dialect: str, preamble: ColumnElement[bool] | None = None) -> I
     )
 
 
-class Dispatches(Executor):
+class Dispatches(Part):
     """Writing and reading dispatch rows."""
 
     def _prepare(self, dialect: str, preamble: ColumnElement[bool] | None) -> None:
-        super()._prepare(dialect, preamble)
         self._sql = DispatchStatements(dialect, preamble)
         # A keyed publish's insert, and the existence check of a key seen before.
-        self._run_on_driver(self._sql.insert, self._sql.exists)
+        self._db._run_on_driver(self._sql.insert, self._sql.exists)
         #: The statements run in a caller's transaction, which must not keep our settings.
         self._in_caller = DispatchStatements(dialect) if preamble is not None else self._sql
         self._wide_ids_ready = False  # the schema was seen at WIDE_IDS_SCHEMA_VERSION
 
     @property
     def statements(self) -> DispatchStatements:
-        """The publishing statements of this ledger's dialect (for `aio.AsyncLedger`)."""
+        """The publishing statements of this ledger's dialect (for `aio.AsyncLedger`, and
+        the debounced and throttled publishes' inserts)."""
         return self._sql
+
+    @property
+    def caller_statements(self) -> DispatchStatements:
+        """The publishing statements run in a caller's transaction: without a pooled
+        ledger's settings, which that transaction must not keep."""
+        return self._in_caller
 
     @property
     def inserts_in_batches(self) -> bool:
@@ -251,8 +257,8 @@ class Dispatches(Executor):
         transaction holds would otherwise hold that thread up for good."""
         return (
             self._sql.insert_batch is not None
-            and self._borrowed is None
-            and runs_in_autocommit(self.engine)
+            and self._db._borrowed is None
+            and runs_in_autocommit(self._db.engine)
         )
 
     def insert(
@@ -271,7 +277,7 @@ class Dispatches(Executor):
             return self._drive(inserts.insert(self._sql, new, again=again))
         # The caller's connection reaches the ledger's own database (checked by
         # transactions.caller_connection), so the ledger's statements fit its dialect.
-        with translate_errors(self.migrate_command):
+        with translate_errors(self._db.migrate_command):
             return conn.execute(self._in_caller.insert, row_params(new)).first() is not None
 
     def _check_wide_ids(self) -> None:
@@ -281,9 +287,9 @@ class Dispatches(Executor):
         into the ledger unrun; as a schema error, the fence waits for the migration)."""
         if self._wide_ids_ready:
             return
-        found = self.schema_version()
+        found = self._db.schema_version()
         if found is None or found < WIDE_IDS_SCHEMA_VERSION:
-            raise schema_missing(self.migrate_command)
+            raise schema_missing(self._db.migrate_command)
         self._wide_ids_ready = True  # a schema never goes back
 
     def insert_many(self, batch: Sequence[NewDispatch], conn: Connection | None = None) -> set[str]:
@@ -303,7 +309,7 @@ class Dispatches(Executor):
             stmt, params = self._in_caller.insert_batch, batch_params(batch)
         else:
             stmt, params = self._in_caller.insert, [row_params(new) for new in batch]
-        with translate_errors(self.migrate_command):
+        with translate_errors(self._db.migrate_command):
             return {row.id for row in conn.execute(stmt, params)}
 
     def existing(self, dispatch_ids: Sequence[str], conn: Connection | None = None) -> set[str]:
@@ -313,21 +319,21 @@ class Dispatches(Executor):
         if not dispatch_ids:
             return set()
         params = {"dispatch_ids": list(dispatch_ids)}
-        with translate_errors(self.migrate_command):
+        with translate_errors(self._db.migrate_command):
             return {row.id for row in conn.execute(self._sql.existing, params)}
 
     def exists(self, dispatch_id: str, conn: Connection | None = None) -> bool:
         """Whether the row exists (with `conn`: as the caller's transaction sees it)."""
         if conn is None:
             return self._drive(inserts.exists(self._sql, dispatch_id))
-        with translate_errors(self.migrate_command):
+        with translate_errors(self._db.migrate_command):
             return conn.execute(self._sql.exists, {"dispatch_id": dispatch_id}).first() is not None
 
     def _drive(self, plan: inserts.Plan[T]) -> T:
         """Run a plan's statements (see `inserts`) as `_run` runs one."""
         return inserts.drive(
             plan,
-            lambda step: self._run(
+            lambda step: self._db._run(
                 step.stmt,
                 step.params,
                 durable=step.durable,
@@ -338,7 +344,7 @@ class Dispatches(Executor):
     def get_many(self, dispatch_ids: Sequence[str]) -> list[DispatchRow]:
         if not dispatch_ids:
             return []
-        rows = self._execute(self._sql.get_many, {"dispatch_ids": list(dispatch_ids)})
+        rows = self._db._execute(self._sql.get_many, {"dispatch_ids": list(dispatch_ids)})
         return [DispatchRow.from_mapping(row) for row in rows]
 
     def mark_queued(
@@ -352,4 +358,4 @@ class Dispatches(Executor):
                 "redeliver_in": redeliver_in,
                 "accepted_ago": max(accepted_ago, 0.0),
             }
-            self._execute(self._sql.mark_queued, params)
+            self._db._execute(self._sql.mark_queued, params)

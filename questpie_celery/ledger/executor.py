@@ -12,8 +12,9 @@ decides from the fencing token it names.
 
 The operations themselves live by concept beside their statements (`dispatches`,
 `claims`, `slots`, `policies`, `relay`, `schedules`, `retention`, `views`,
-`migration`), as mixins of `Executor` that `store.Ledger` assembles. Each builds its
-statements once per dialect in `_prepare`.
+`migration`), each a `Part` over the one `Executor` (which `store.Ledger` is), holding
+it rather than being it. Each part builds its statements once per dialect in
+`_prepare`, which the executor calls as the part attaches and again on every rebind.
 """
 
 from __future__ import annotations
@@ -123,6 +124,8 @@ class Executor:
         #: Whether this process reaches the database, as the parts that wait out an
         #: outage report it (see `_runtime/outages.py`): they tell the log, not the ledger.
         self.outage = Outage("the dispatch ledger")
+        #: The parts whose statements are built for this executor's dialect (`attach`).
+        self._parts: list[Part] = []
         self.rebind(engine)
 
     def rebind(self, engine: Engine) -> None:
@@ -160,10 +163,21 @@ class Executor:
 
     def _prepare(self, dialect: str, preamble: ColumnElement[bool] | None) -> None:
         """Build the statements of `dialect`, and forget what was read of the schema;
-        each concept adds its own (calling this first). `preamble`: the pooled ledger's
-        settings, for the writes that carry them (see `statements.in_own_transaction`)."""
+        then each attached part builds its own, in the order they attached. `preamble`:
+        the pooled ledger's settings, for the writes that carry them (see
+        `statements.in_own_transaction`)."""
         self._run_sql = RunStatements(dialect, preamble, relaxed=self.relaxed)
         self._direct: dict[int, DriverStatement] = {}
+        self._prepared = (dialect, preamble)
+        for part in self._parts:
+            part._prepare(dialect, preamble)
+
+    def attach(self, part: Part) -> None:
+        """Build `part`'s statements now, and again on every rebind after those of the
+        parts attached before it: a part that builds on another's statements (a debounced
+        publish's insert is the plain one's) attaches after it."""
+        self._parts.append(part)
+        part._prepare(*self._prepared)
 
     def _run_on_driver(self, *stmts: ClauseElement) -> None:
         """Run these statements (the hottest ones) on the driver's cursor where the
@@ -351,3 +365,18 @@ class Executor:
     def schema_version(self) -> int | None:
         with translate_errors(self.migrate_command), self._autocommit.connect() as conn:
             return conn.execute(select(func.max(schema_version_table.c.version))).scalar()
+
+
+class Part:
+    """One concept's operations (`claims`, `dispatches`, ...), run on the executor they
+    hold (`_db`), never subclass: every part of one `Ledger` holds the same executor, so a
+    rebind moves them all. A part another one needs is handed to it by `store.Ledger`."""
+
+    def __init__(self, db: Executor) -> None:
+        self._db = db
+        db.attach(self)
+
+    def _prepare(self, dialect: str, preamble: ColumnElement[bool] | None) -> None:
+        """Build this part's statements of `dialect`, and forget what it read of the
+        schema (see `Executor._prepare`). A part setting attributes its `_prepare` reads
+        sets them before `Part.__init__` attaches it."""

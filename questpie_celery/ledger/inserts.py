@@ -53,7 +53,8 @@ __all__ = ["Plan", "Ran", "Run", "Statements", "adrive", "drive"]
 
 def insert(sql: Statements, new: NewDispatch, *, again: bool = False) -> Plan[bool]:
     """Insert the row unless its id (or its policy slot) is taken; True if inserted.
-    `again`: an earlier statement that failed may have written it (see `Ledger.insert`)."""
+    `again`: an earlier statement that failed may have written it (see
+    `Dispatches.insert`)."""
     # A secret's ciphertext exists nowhere else: a relaxed ledger still waits for the
     # disk before the publisher is told it is accepted.
     secret = new.secret_ciphertext is not None

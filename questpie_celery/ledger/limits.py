@@ -33,7 +33,7 @@ from sqlalchemy import (
 )
 
 from .errors import SlotTaken
-from .executor import Executor
+from .executor import Part
 from .rows import DispatchRow
 from .schema import LIMIT_WAITING, RUNNING, UTCDateTime, dispatch_table, rate_permit_table
 from .statements import add_preamble, by_id, db_time, group_written, insert_or_nothing, seconds
@@ -237,12 +237,11 @@ class LimitStatements:
         )
 
 
-class Limits(Executor):
+class Limits(Part):
     """The rate limit's permits, runs set back for their window, and the groups' counts."""
 
     def _prepare(self, dialect: str, preamble: ColumnElement[bool] | None) -> None:
-        super()._prepare(dialect, preamble)
-        self._limits_sql = LimitStatements(dialect, preamble)
+        self._sql = LimitStatements(dialect, preamble)
 
     def take_permit(self, job_name: str, group: str, count: int, window: float) -> float | None:
         """Take a start of the rate limit `count` per `window` seconds for (job, group):
@@ -250,16 +249,16 @@ class Limits(Executor):
         were taking them this instant)."""
         params = {"job": job_name, "group": group, "count": count, "window": window}
         for _ in range(2):
-            if self._first(self._limits_sql.take_permit, params) is not None:
+            if self._db._first(self._sql.take_permit, params) is not None:
                 return None
-            rows = self._execute(self._limits_sql.permits, params)
+            rows = self._db._execute(self._sql.permits, params)
             if len(rows) >= count:
                 now = rows[0]["now"]
                 soonest = min((r["started_at"] - now).total_seconds() for r in rows)
                 return max(0.0, float(soonest) + window)
             # The group's first start (or a raised limit): its permits are made once.
-            self._execute(
-                self._limits_sql.add_permits,
+            self._db._execute(
+                self._sql.add_permits,
                 [
                     {"job": job_name, "group": group, "seat": seat, "never": _NEVER}
                     for seat in range(count)
@@ -273,13 +272,13 @@ class Limits(Executor):
         """How long `row` waits for its window: behind the group's runs already waiting
         that go before it, one permit each, in the order the permits free."""
         params = {"job": job_name, "group": group, "count": count, "window": window}
-        rows = self._execute(self._limits_sql.permits, params)
+        rows = self._db._execute(self._sql.permits, params)
         if not rows:
             return 0.0
         now = rows[0]["now"]
         frees = sorted(max(0.0, (r["started_at"] - now).total_seconds() + window) for r in rows)
-        ahead = self._first(
-            self._limits_sql.rate_ahead,
+        ahead = self._db._first(
+            self._sql.rate_ahead,
             {
                 "job": job_name,
                 "group": group,
@@ -305,11 +304,11 @@ class Limits(Executor):
             "relay_in": relay_in,
         }
         try:
-            row = self._row(self._limits_sql.wait_queued, params)
+            row = self._db._row(self._sql.wait_queued, params)
         except SlotTaken:
             row = None  # its policy's waiting slot is taken: it waits as a retry does
         if row is None:
-            row = self._row(self._limits_sql.wait_retry, params)
+            row = self._db._row(self._sql.wait_retry, params)
         return row
 
     def unpark_first(self, job_name: str, group: str, redeliver_in: float) -> DispatchRow | None:
@@ -318,7 +317,7 @@ class Limits(Executor):
         seats on at once each wins a different run, or none."""
         params = {"job": job_name, "group": group, "redeliver_in": redeliver_in}
         for _ in range(3):
-            rows, retried = self._run(self._limits_sql.unpark_first, params)
+            rows, retried = self._db._run(self._sql.unpark_first, params)
             if rows:
                 return DispatchRow.from_mapping(rows[0])
             if not retried:
@@ -327,27 +326,25 @@ class Limits(Executor):
 
     def seats_taken(self, job_name: str, group: str) -> int:
         """Runs of the group holding a seat, and runs sent on to one not yet claimed."""
-        row = self._first(self._limits_sql.taken, {"job": job_name, "group": group})
+        row = self._db._first(self._sql.taken, {"job": job_name, "group": group})
         return 0 if row is None else int(row["running"] or 0) + int(row["on_way"] or 0)
 
     def concurrency_waiting_jobs(self, among: Sequence[str]) -> list[str]:
         """Which of the jobs `among` have runs parked for their concurrency limit."""
         if not among:
             return []
-        rows = self._execute(self._limits_sql.waiting_jobs, {"jobs": list(among)})
+        rows = self._db._execute(self._sql.waiting_jobs, {"jobs": list(among)})
         return [row["job_name"] for row in rows]
 
     def groups_with_room(self, job_name: str, concurrency: int, limit: int = 100) -> list[str]:
         """The groups of `job_name` with runs parked for a seat and fewer than
         `concurrency` seats taken (or runs on their way to one), longest waiting first."""
         params = {"job": job_name, "limit_": concurrency, "limit": limit}
-        return [
-            row["group_key"] for row in self._execute(self._limits_sql.groups_with_room, params)
-        ]
+        return [row["group_key"] for row in self._db._execute(self._sql.groups_with_room, params)]
 
     def group_counts(self, limit: int = 500) -> list[GroupCounts]:
         """Each group that holds seats or has runs waiting for a limit, with its counts."""
-        rows = self._execute(self._limits_sql.groups, {"limit": limit})
+        rows = self._db._execute(self._sql.groups, {"limit": limit})
         return [
             GroupCounts(
                 job_name=row["job_name"],
@@ -364,4 +361,4 @@ class Limits(Executor):
         """Delete up to `limit` rate permits last used over `older_than` seconds ago (more
         than any window): a group's next start makes them again. How many went."""
         params = {"older_than": older_than, "limit": limit}
-        return int(self._execute(self._limits_sql.prune_permits, params))
+        return int(self._db._execute(self._sql.prune_permits, params))

@@ -9,7 +9,7 @@ from typing import Any
 from sqlalchemy import ColumnElement, Connection, Select, func, inspect, select
 
 from .errors import schema_missing, translate_errors
-from .executor import Executor
+from .executor import Part
 from .schema import (
     LEDGER_ID_KEY,
     SCHEMA_VERSION,
@@ -31,17 +31,16 @@ class MigrationStatements:
         )
 
 
-class Migration(Executor):
+class Migration(Part):
     """The schema's operations."""
 
     def _prepare(self, dialect: str, preamble: ColumnElement[bool] | None) -> None:
-        super()._prepare(dialect, preamble)
         self._ledger_id: str | None = None
-        self._migration_sql = MigrationStatements(dialect, preamble)
+        self._sql = MigrationStatements(dialect, preamble)
 
     def migrate(self) -> int:
         """Create or upgrade the schema; safe to run again. Returns the schema version."""
-        with translate_errors(self.migrate_command), self._begin() as conn:
+        with translate_errors(self._db.migrate_command), self._db._begin() as conn:
             metadata.create_all(conn, checkfirst=True)
             # Committed on its own: on PostgreSQL their exclusive locks (which stop reads
             # too) then last a moment, not as long as the index builds below.
@@ -50,20 +49,20 @@ class Migration(Executor):
             _add_limit_columns(conn)
             _add_cancel_debounce_columns(conn)
             _add_columns(conn, _CLAIM_GENERATION_COLUMNS)
-        with translate_errors(self.migrate_command), self._begin() as conn:
+        with translate_errors(self._db.migrate_command), self._db._begin() as conn:
             # create_all adds missing tables only; indexes added by a later version too.
             for table in metadata.sorted_tables:
                 for index in table.indexes:
                     index.create(conn, checkfirst=True)
             conn.execute(
-                insert_or_nothing(self.dialect, info_table).values(
+                insert_or_nothing(self._db.dialect, info_table).values(
                     key=LEDGER_ID_KEY, value=str(uuid.uuid4())
                 )
             )
             current = conn.execute(select(func.max(schema_version_table.c.version))).scalar()
             if current is None or current < SCHEMA_VERSION:
                 conn.execute(
-                    insert_or_nothing(self.dialect, schema_version_table).values(
+                    insert_or_nothing(self._db.dialect, schema_version_table).values(
                         version=SCHEMA_VERSION, applied_at=db_time()
                     )
                 )
@@ -82,13 +81,13 @@ class Migration(Executor):
         if conn is None and self._ledger_id is not None:
             return self._ledger_id
         if conn is not None:
-            with translate_errors(self.migrate_command):
-                found = conn.execute(self._migration_sql.ledger_id).scalar()
+            with translate_errors(self._db.migrate_command):
+                found = conn.execute(self._sql.ledger_id).scalar()
         else:
-            row = self._first(self._migration_sql.ledger_id, {})
+            row = self._db._first(self._sql.ledger_id, {})
             found = row["value"] if row is not None else None
         if not isinstance(found, str):
-            raise schema_missing(self.migrate_command)
+            raise schema_missing(self._db.migrate_command)
         if conn is None:
             self._ledger_id = found
         return found

@@ -9,7 +9,7 @@ from sqlalchemy import ColumnElement, Insert, Select, bindparam, select
 from sqlalchemy.dialects import postgresql, sqlite
 
 from ..jobs.policies import QueuePolicy
-from .executor import Executor
+from .executor import Part
 from .schema import policy_table
 from .statements import db_time, insert_or_nothing
 
@@ -38,22 +38,21 @@ class PolicyStatements:
         )
 
 
-class Policies(Executor):
+class Policies(Part):
     """Reading and recording each job's queue policy."""
 
     def _prepare(self, dialect: str, preamble: ColumnElement[bool] | None) -> None:
-        super()._prepare(dialect, preamble)
-        self._policies_sql = PolicyStatements(dialect, preamble)
+        self._sql = PolicyStatements(dialect, preamble)
 
-    def get_policy(self, job_name: str) -> QueuePolicy | None:
-        found = self._first(self._policies_sql.get_policy, {"job": job_name})
+    def get(self, job_name: str) -> QueuePolicy | None:
+        found = self._db._first(self._sql.get_policy, {"job": job_name})
         return None if found is None else QueuePolicy.parse(found["policy"])
 
-    def record_policy(self, job_name: str, policy: QueuePolicy) -> QueuePolicy:
+    def record(self, job_name: str, policy: QueuePolicy) -> QueuePolicy:
         """Record a job's policy unless one is recorded; return the one in force."""
-        self._execute(self._policies_sql.record_policy, {"job": job_name, "policy": policy})
-        return self.get_policy(job_name) or policy
+        self._db._execute(self._sql.record_policy, {"job": job_name, "policy": policy})
+        return self.get(job_name) or policy
 
-    def set_policy(self, job_name: str, policy: QueuePolicy) -> None:
+    def set(self, job_name: str, policy: QueuePolicy) -> None:
         """Change a job's recorded policy on purpose (new dispatches follow it)."""
-        self._execute(self._policies_sql.set_policy, {"job": job_name, "policy": policy})
+        self._db._execute(self._sql.set_policy, {"job": job_name, "policy": policy})

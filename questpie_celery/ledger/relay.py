@@ -33,7 +33,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.sql.elements import TextClause
 
 from .errors import translate_errors
-from .executor import Executor
+from .executor import Part
 from .rows import DispatchRow
 from .schema import RELAY_GAVE_UP, RESENDABLE, backlog_table, dispatch_table
 from .statements import (
@@ -167,12 +167,11 @@ def relay_backoff() -> ColumnElement[Any]:
     return case((t.status == "pending", capped), else_=floored)
 
 
-class Relay(Executor):
+class Relay(Part):
     """The relay's sends, resends and backlog."""
 
     def _prepare(self, dialect: str, preamble: ColumnElement[bool] | None) -> None:
-        super()._prepare(dialect, preamble)
-        self._relay_sql = RelayStatements(dialect, preamble)
+        self._sql = RelayStatements(dialect, preamble)
 
     def take_due(
         self,
@@ -199,7 +198,7 @@ class Relay(Executor):
             "accepted_backoff": accepted_backoff,
         }
         return [
-            DispatchRow.from_mapping(row) for row in self._execute(self._relay_sql.take_due, params)
+            DispatchRow.from_mapping(row) for row in self._db._execute(self._sql.take_due, params)
         ]
 
     def give_back(self, rows: Sequence[DispatchRow], send_in: float) -> None:
@@ -218,41 +217,41 @@ class Relay(Executor):
                 }
                 for row in rows
             ]
-            self._execute(self._relay_sql.give_back, params)
+            self._db._execute(self._sql.give_back, params)
 
     def due_out_of_sends(self, max_sends: int, limit: int = 100) -> list[DispatchRow]:
         """Rows due for a relay send that already had `max_sends` sends this attempt."""
-        rows = self._execute(
-            self._relay_sql.due_out_of_sends, {"max_sends": max_sends, "limit": limit}
+        rows = self._db._execute(
+            self._sql.due_out_of_sends, {"max_sends": max_sends, "limit": limit}
         )
         return [DispatchRow.from_mapping(row) for row in rows]
 
     def wake_relays(self, conn: Connection) -> None:
         """In the caller's transaction: wake the listening relays once it commits
         (PostgreSQL only; on SQLite the relays find the row on their next poll)."""
-        if self._relay_sql.wake_relays is not None:
-            with translate_errors(self.migrate_command):
-                conn.execute(self._relay_sql.wake_relays)
+        if self._sql.wake_relays is not None:
+            with translate_errors(self._db.migrate_command):
+                conn.execute(self._sql.wake_relays)
 
     def send_wakeups(self) -> SendWakeups | None:
         """A listener for `wake_relays`, or None where the ledger cannot listen (SQLite,
         a driver other than psycopg 3.2 or later, or a pooled ledger: a pooler in
         transaction mode would leave the LISTEN on a server connection other clients
         use, and deliver nothing to ours)."""
-        if self.pooled:
+        if self._db.pooled:
             return None
-        if self._borrowed is not None:
-            listener = self._borrowed.listener()
+        if self._db._borrowed is not None:
+            listener = self._db._borrowed.listener()
             return SendWakeups.for_engine(listener) if listener is not None else None
-        return SendWakeups.for_engine(self.engine)
+        return SendWakeups.for_engine(self._db.engine)
 
     def give_up(self, row: DispatchRow) -> bool:
         """Record `failed` (erasing a secret's key) after the relay ran out of sends."""
         params = {"dispatch_id": row.id, "seen_status": row.status, "seen_next": row.next_send_at}
-        count, retried = self._run(self._relay_sql.give_up, params)
+        count, retried = self._db._run(self._sql.give_up, params)
         if count or not retried:
             return bool(count)
-        now = self.get(row.id)  # ambiguous: did our first run land?
+        now = self._db.get(row.id)  # ambiguous: did our first run land?
         return now is not None and now.status == "failed" and now.last_error == RELAY_GAVE_UP
 
     def send_soon(self, dispatch_ids: Sequence[str], attempt: int, send_in: float) -> None:
@@ -264,15 +263,15 @@ class Relay(Executor):
                 "seen_attempt": attempt,
                 "send_in": send_in,
             }
-            self._execute(self._relay_sql.send_soon, params)
+            self._db._execute(self._sql.send_soon, params)
 
     def sample_backlog(self, *, every: float, keep: float) -> None:
         """Record how many dispatches are due for the relay, unless a sample younger than
         `every` seconds exists; drop samples older than `keep` seconds."""
-        self._execute(self._relay_sql.sample_backlog, {"gap": -every})
-        self._execute(self._relay_sql.prune_backlog, {"keep": -keep})
+        self._db._execute(self._sql.sample_backlog, {"gap": -every})
+        self._db._execute(self._sql.prune_backlog, {"keep": -keep})
 
     def backlog_history(self, seconds: float) -> list[tuple[datetime, int]]:
         """(sampled_at, backlog) of the last `seconds`, oldest first."""
-        rows = self._execute(self._relay_sql.backlog_since, {"since": -seconds})
+        rows = self._db._execute(self._sql.backlog_since, {"since": -seconds})
         return [(r["sampled_at"], int(r["backlog"])) for r in rows]

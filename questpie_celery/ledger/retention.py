@@ -25,7 +25,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects import postgresql, sqlite
 
 from ..errors import LedgerSchemaError
-from .executor import Executor
+from .executor import Part
 from .schema import PRUNED_BEFORE_KEY, TERMINAL, beat_tick_table, dispatch_table, info_table
 from .statements import db_time
 
@@ -149,29 +149,30 @@ def old_beat_ticks(*, older_than: float) -> Any:
     return delete(beat_tick_table).where(bt.claimed_at < db_time(-older_than))
 
 
-class Retention(Executor):
+class Retention(Part):
     """Retention's operations."""
 
     def _prepare(self, dialect: str, preamble: ColumnElement[bool] | None) -> None:
-        super()._prepare(dialect, preamble)
-        self._retention_sql = RetentionStatements(dialect, preamble)
+        self._sql = RetentionStatements(dialect, preamble)
         self._retention_ready = False  # the schema was seen at RETENTION_SCHEMA_VERSION
 
     def prune_schedule_history(self, *, key_prefix: str, older_than: float, limit: int) -> int:
         """Delete spent fire rows and beat tick claims older than `older_than` seconds."""
         self._record_pruned_before(older_than)
-        self._execute(old_beat_ticks(older_than=older_than), {})
-        stmt = spent_fires(self.dialect, key_prefix=key_prefix, older_than=older_than, limit=limit)
-        return int(self._execute(stmt, {}))
+        self._db._execute(old_beat_ticks(older_than=older_than), {})
+        stmt = spent_fires(
+            self._db.dialect, key_prefix=key_prefix, older_than=older_than, limit=limit
+        )
+        return int(self._db._execute(stmt, {}))
 
     def _record_pruned_before(self, older_than: float) -> None:
         """Say, before deleting any, that rows ended over `older_than` seconds ago may go."""
-        cutoff = self.now() - timedelta(seconds=older_than)
-        self._execute(self._retention_sql.raise_pruned_before, {"value": cutoff.isoformat()})
+        cutoff = self._db.now() - timedelta(seconds=older_than)
+        self._db._execute(self._sql.raise_pruned_before, {"value": cutoff.isoformat()})
 
     def pruned_before(self) -> datetime | None:
         """Rows that ended before this time may have been deleted; None: none ever was."""
-        found = self._first(self._retention_sql.pruned_before, {})
+        found = self._db._first(self._sql.pruned_before, {})
         return datetime.fromisoformat(found["value"]) if found is not None else None
 
     def prune_ended(
@@ -182,19 +183,19 @@ class Retention(Executor):
         ago, oldest first; keys starting with `spare_key_prefix` are left alone. Returns
         how many rows it changed. Raises `LedgerSchemaError` before schema version 4."""
         if not self._retention_ready:
-            found = self.schema_version()
+            found = self._db.schema_version()
             if found is None or found < RETENTION_SCHEMA_VERSION:
                 raise LedgerSchemaError(
                     f"retention needs ledger schema version {RETENTION_SCHEMA_VERSION} "
-                    f"(this one is at {found}); run `{self.migrate_command}`"
+                    f"(this one is at {found}); run `{self._db.migrate_command}`"
                 )
             self._retention_ready = True  # a schema never goes back
         self._record_pruned_before(older_than)
         stmt = ended_batch(
-            self.dialect,
+            self._db.dialect,
             keyed=keyed,
             older_than=older_than,
             limit=limit,
             spare_key_prefix=spare_key_prefix,
         )
-        return int(self._execute(stmt, {}))
+        return int(self._db._execute(stmt, {}))

@@ -22,7 +22,7 @@ from sqlalchemy import (
     update,
 )
 
-from .executor import Executor
+from .executor import Part
 from .rows import ScheduleRow
 from .schema import Status, UTCDateTime, beat_tick_table, dispatch_table, schedule_table
 from .statements import add_preamble, db_time, insert_or_nothing, upsert
@@ -99,14 +99,13 @@ def delete_schedules_of(job_name: str, source: str | None) -> Any:
     return stmt if source is None else stmt.where(sc.source == source)
 
 
-class Schedules(Executor):
+class Schedules(Part):
     """The schedules' operations."""
 
     def _prepare(self, dialect: str, preamble: ColumnElement[bool] | None) -> None:
-        super()._prepare(dialect, preamble)
-        self._schedules_sql = ScheduleStatements(dialect, preamble)
+        self._sql = ScheduleStatements(dialect, preamble)
 
-    def put_schedule(self, row: ScheduleRow) -> None:
+    def put(self, row: ScheduleRow) -> None:
         """Create or replace the job's schedule from `row.source`."""
         values = {
             "job_name": row.job_name,
@@ -122,30 +121,28 @@ class Schedules(Executor):
             "last_dispatch_id": None,
             "updated_at": db_time(),
         }
-        self._execute(upsert(self.dialect, schedule_table, ["job_name", "source"], values), {})
+        self._db._execute(
+            upsert(self._db.dialect, schedule_table, ["job_name", "source"], values), {}
+        )
 
-    def delete_schedules(self, job_name: str, source: str | None = None) -> int:
+    def delete(self, job_name: str, source: str | None = None) -> int:
         """Remove the job's schedules (from one source, or all); returns how many."""
-        return int(self._execute(delete_schedules_of(job_name, source), {}))
+        return int(self._db._execute(delete_schedules_of(job_name, source), {}))
 
-    def due_schedules(
+    def due(
         self, limit: int = 500, skip: Sequence[tuple[str, str]] = ()
     ) -> tuple[datetime | None, list[ScheduleRow]]:
         """(the database's now, schedules whose next tick has come), oldest tick first,
         leaving out the (job, source) pairs in `skip`."""
-        rows = self._execute(
-            self._schedules_sql.due_schedules, {"limit": limit, "skip": list(skip)}
-        )
+        rows = self._db._execute(self._sql.due_schedules, {"limit": limit, "skip": list(skip)})
         now = rows[0]["now"] if rows else None
         return now, [ScheduleRow.from_mapping(row) for row in rows]
 
-    def next_schedule_due(self, skip: Sequence[tuple[str, str]] = ()) -> datetime | None:
-        row = self._first(self._schedules_sql.next_schedule_due, {"skip": list(skip)})
+    def next_due(self, skip: Sequence[tuple[str, str]] = ()) -> datetime | None:
+        row = self._db._first(self._sql.next_schedule_due, {"skip": list(skip)})
         return row["at"] if row is not None else None
 
-    def advance_schedule(
-        self, row: ScheduleRow, next_fire_at: datetime, dispatch_id: str | None
-    ) -> bool:
+    def advance(self, row: ScheduleRow, next_fire_at: datetime, dispatch_id: str | None) -> bool:
         """Record that `row`'s tick fired and move it to `next_fire_at`; False when another
         beat did so first (or the schedule changed meanwhile)."""
         params = {
@@ -155,23 +152,23 @@ class Schedules(Executor):
             "next_fire_at": next_fire_at,
             "dispatch_id": dispatch_id,
         }
-        count, retried = self._run(self._schedules_sql.advance_schedule, params)
+        count, retried = self._db._run(self._sql.advance_schedule, params)
         return bool(count) or retried
 
-    def schedules(self) -> list[tuple[ScheduleRow, Status | None]]:
+    def listed(self) -> list[tuple[ScheduleRow, Status | None]]:
         """Every schedule, with the status of the dispatch its last fire made."""
         return [
             (ScheduleRow.from_mapping(row), row["last_status"])
-            for row in self._execute(list_schedules(), {})
+            for row in self._db._execute(list_schedules(), {})
         ]
 
     def claim_beat_tick(self, entry: str, tick: str) -> bool:
         """Take the tick of a `beat_schedule` entry; True for exactly one claimer."""
         claimer = str(uuid.uuid4())
         params = {"entry": entry, "tick": tick, "claimer": claimer}
-        rows, retried = self._run(self._schedules_sql.claim_beat_tick, params)
+        rows, retried = self._db._run(self._sql.claim_beat_tick, params)
         if rows or not retried:
             return bool(rows)
         # The connection dropped and the insert ran again: was the first try ours?
-        found = self._first(self._schedules_sql.beat_tick_claimer, {"entry": entry, "tick": tick})
+        found = self._db._first(self._sql.beat_tick_claimer, {"entry": entry, "tick": tick})
         return found is not None and found["claimer"] == claimer

@@ -11,7 +11,7 @@ from typing import Any
 
 from sqlalchemy import ColumnElement, Select, Update, and_, bindparam, select, update
 
-from .executor import Executor
+from .executor import Part
 from .rows import DispatchRow
 from .schema import RUNNING, dispatch_table
 from .statements import (
@@ -78,12 +78,11 @@ def _free_parked_slots() -> Select[Any]:
     )
 
 
-class Slots(Executor):
+class Slots(Part):
     """Parking runs and handing slots on."""
 
     def _prepare(self, dialect: str, preamble: ColumnElement[bool] | None) -> None:
-        super()._prepare(dialect, preamble)
-        self._slots_sql = SlotStatements(dialect, preamble)
+        self._sql = SlotStatements(dialect, preamble)
 
     def park(
         self, dispatch_id: str, job_name: str, attempt: int, waiting_for: str | None = None
@@ -96,17 +95,16 @@ class Slots(Executor):
             "previous": attempt - 1,
             "waiting_for": waiting_for,
         }
-        count, retried = self._run(self._slots_sql.park, params)
+        count, retried = self._db._run(self._sql.park, params)
         if count or not retried:
             return bool(count)
-        now = self.get(dispatch_id)  # ambiguous: parking twice is harmless, missing it is not
+        now = self._db.get(dispatch_id)  # ambiguous: parking twice is harmless, missing it is not
         return now is not None and now.status == "parked" and now.attempt == attempt - 1
 
     def slot_running(self, job_name: str, slot: str) -> bool:
         """Whether a run holds the slot's running place (active, or awaiting its retry)."""
         return (
-            self._first(self._slots_sql.slot_running, {"job": job_name, "slot_key": slot})
-            is not None
+            self._db._first(self._sql.slot_running, {"job": job_name, "slot_key": slot}) is not None
         )
 
     def unpark_next(self, job_name: str, slot: str, redeliver_in: float) -> DispatchRow | None:
@@ -116,21 +114,21 @@ class Slots(Executor):
         wins each parked row and exactly one message is sent for it.
         """
         for _ in range(5):
-            oldest = self._first(self._slots_sql.oldest_parked, {"job": job_name, "slot_key": slot})
+            oldest = self._db._first(self._sql.oldest_parked, {"job": job_name, "slot_key": slot})
             if oldest is None:
                 return None
             params = {"dispatch_id": oldest["id"], "redeliver_in": redeliver_in}
-            rows, retried = self._run(self._slots_sql.unpark, params)
+            rows, retried = self._db._run(self._sql.unpark, params)
             if rows:
                 return DispatchRow.from_mapping(rows[0])
             if retried:
                 # Ours or another's: a second send is harmless, no send at all is not.
-                now = self.get(oldest["id"])
+                now = self._db.get(oldest["id"])
                 if now is not None and now.status == "queued":
                     return now
         return None
 
     def free_parked_slots(self, limit: int = 100) -> list[tuple[str, str]]:
         """(job, slot) pairs holding parked runs while nothing runs in the slot."""
-        rows = self._execute(self._slots_sql.free_parked_slots, {"limit": limit})
+        rows = self._db._execute(self._sql.free_parked_slots, {"limit": limit})
         return [(row["job_name"], row["slot"]) for row in rows]

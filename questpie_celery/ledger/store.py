@@ -1,7 +1,8 @@
-"""`Ledger`: every operation on the ledger tables, addressed by what it does.
+"""`Ledger`: the connection to the ledger's database, and its operations by concept.
 
-The operations live by concept beside their statements; how each one runs its
-statement (autocommit, the one rerun, reading back) is `executor.py`'s:
+The operations live by concept beside their statements, each a part of the ledger
+(`ledger.claims.claim(...)`); how each one runs its statement (autocommit, the one
+rerun, reading back) is `executor.py`'s, which `Ledger` is:
 
 - `migration`: creating and upgrading the schema, the ledger's identity
 - `dispatches`: inserting rows (one, a batch, in a caller's transaction), reading them,
@@ -20,11 +21,14 @@ statement (autocommit, the one rerun, reading back) is `executor.py`'s:
 
 from __future__ import annotations
 
+from sqlalchemy import Engine
+
 from .cancels import Cancels
 from .claims import Claims
 from .debounce import Debounce
 from .dispatches import Dispatches
 from .engine import create_ledger_engine
+from .executor import Executor
 from .limits import Limits
 from .migration import Migration
 from .policies import Policies
@@ -36,29 +40,33 @@ from .throttle import Throttle
 from .views import Views
 
 
-class Ledger(
-    Migration,
-    Debounce,
-    Throttle,
-    Dispatches,
-    Claims,
-    Cancels,
-    Slots,
-    Limits,
-    Policies,
-    Relay,
-    Schedules,
-    Retention,
-    Views,
-):
-    """The dispatch ledger in one database: every operation the rest of the package
-    calls, each concept's from its own module.
+class Ledger(Executor):
+    """The dispatch ledger in one database: the connection every part shares (`get`,
+    `now`, `rebind`, `close`, `idle`, ...) and the parts, one per concept, that the rest
+    of the package calls (`ledger.claims`, `ledger.dispatches`, ...).
 
-    Assembled from mixins over one `Executor` rather than composed of parts
-    (`ledger.claims.claim(...)`): the callers keep calling `ledger.claim(...)`, and a
-    test that replaces one operation on the instance (`monkeypatch.setattr(ledger,
-    "renew", ...)`) still replaces it for every caller.
+    Composed rather than assembled from mixins: a caller holds the part it uses, and a
+    test replaces one operation on that part (`monkeypatch.setattr(ledger.claims,
+    "renew", ...)`), which every caller holding the part then meets. The parts hold this
+    object as their executor, so a `rebind` moves them all.
     """
+
+    def __init__(self, engine: Engine, *, relaxed: bool = False, pooled: bool = False) -> None:
+        super().__init__(engine, relaxed=relaxed, pooled=pooled)
+        self.migration = Migration(self)
+        self.dispatches = Dispatches(self)
+        # After `dispatches`: their inserts are its insert (see `Executor.attach`).
+        self.debounce = Debounce(self, self.dispatches)
+        self.throttle = Throttle(self, self.dispatches)
+        self.claims = Claims(self)
+        self.cancels = Cancels(self)
+        self.slots = Slots(self)
+        self.limits = Limits(self)
+        self.policies = Policies(self)
+        self.relay = Relay(self)
+        self.schedules = Schedules(self)
+        self.retention = Retention(self)
+        self.views = Views(self)
 
 
 def open_ledger(url: str, *, relaxed: bool = False, pooled: bool = False) -> Ledger:

@@ -18,6 +18,7 @@ from sqlalchemy import ColumnElement, Connection, Delete, Insert, bindparam, del
 from sqlalchemy.dialects import postgresql, sqlite
 
 from .dispatches import Dispatches
+from .executor import Executor, Part
 from .inserts import row_params
 from .rows import NewDispatch
 from .schema import throttle_table
@@ -59,40 +60,46 @@ class ThrottleStatements:
         )
 
 
-class Throttle(Dispatches):
-    """Throttled publishing, and the pruning of long-open windows."""
+class Throttle(Part):
+    """Throttled publishing (the row inserted as `dispatches` inserts any row), and the
+    pruning of long-open windows."""
+
+    def __init__(self, db: Executor, dispatches: Dispatches) -> None:
+        self._dispatches = dispatches
+        super().__init__(db)
 
     def _prepare(self, dialect: str, preamble: ColumnElement[bool] | None) -> None:
-        super()._prepare(dialect, preamble)
-        self._throttle_sql = ThrottleStatements(dialect)
+        self._sql = ThrottleStatements(dialect)
 
-    def throttle(self, new: NewDispatch, *, key: str, window: float) -> Throttled:
+    def insert(self, new: NewDispatch, *, key: str, window: float) -> Throttled:
         """Insert `new`'s row and take the window of its job and `key` for `window`
         seconds, in one transaction of its own; or write nothing."""
         params = row_params(new)
         take = {"job_name": new.job_name, "throttle_key": key, "dispatch_id": new.id}
 
         def both(conn: Connection) -> bool:
-            if conn.execute(self._sql.insert, params).first() is None:
+            if conn.execute(self._dispatches.statements.insert, params).first() is None:
                 return False
-            if conn.execute(self._throttle_sql.take, {**take, "window": window}).first() is None:
+            if conn.execute(self._sql.take, {**take, "window": window}).first() is None:
                 raise _Closed
             return True
 
         try:
-            inserted, reran = self._run_transaction(both, durable=new.secret_ciphertext is not None)
+            inserted, reran = self._db._run_transaction(
+                both, durable=new.secret_ciphertext is not None
+            )
         except _Closed:
             return "closed"
         if inserted:
             return "accepted"
         if reran:
             # The first try may have committed unseen: then the window names our row.
-            rows = self._execute(self._throttle_sql.taken_by, take)
+            rows = self._db._execute(self._sql.taken_by, take)
             if rows and rows[0]["dispatch_id"] == new.id:
                 return "accepted"
         return "not inserted"
 
-    def prune_throttle_windows(self, *, older_than: float) -> int:
+    def prune_windows(self, *, older_than: float) -> int:
         """Delete the windows that opened again over `older_than` seconds ago: an open
         window and no window take a publish alike."""
-        return int(self._execute(self._throttle_sql.prune, {"older_than": older_than}))
+        return int(self._db._execute(self._sql.prune, {"older_than": older_than}))

@@ -55,13 +55,13 @@ def check_same_database(ledger: Ledger, conn: Connection, kind: str) -> None:
     """
     if conn.engine is ledger.engine:
         return
-    ours = ledger.ledger_id()
+    ours = ledger.migration.ledger_id()
     known = _SAME_DATABASE.setdefault(conn.engine, {})
     if ours not in known:
         try:
             # In a savepoint: a failing read must not abort the caller's transaction.
             with conn.begin_nested():
-                theirs: str | None = ledger.ledger_id(conn)
+                theirs: str | None = ledger.migration.ledger_id(conn)
         except LedgerSchemaError:
             raise LedgerSchemaError(
                 f"publish({kind}=...) writes the ledger row in your transaction, so the "

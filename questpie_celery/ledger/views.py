@@ -28,7 +28,7 @@ from sqlalchemy import (
 
 from ..errors import LedgerBusyError
 from .errors import SlotTaken
-from .executor import Executor
+from .executor import Part
 from .rows import DispatchRow
 from .schema import RUNNING, dispatch_table
 from .statements import add_preamble, db_time, slot_busy
@@ -254,12 +254,11 @@ def planned_rows(
     return int(plan[0]["Plan"]["Plan Rows"])
 
 
-class Views(Executor):
+class Views(Part):
     """The operator's view of the ledger."""
 
     def _prepare(self, dialect: str, preamble: ColumnElement[bool] | None) -> None:
-        super()._prepare(dialect, preamble)
-        self._views_sql = ViewStatements(dialect, preamble)
+        self._sql = ViewStatements(dialect, preamble)
 
     def list_dispatches(
         self,
@@ -275,12 +274,12 @@ class Views(Executor):
         stmt = list_dispatches_query(
             job=job, status=status, key=key, older_than=older_than, before=before, limit=limit
         )
-        return [DispatchRow.from_mapping(row) for row in self._execute(stmt, {})]
+        return [DispatchRow.from_mapping(row) for row in self._db._execute(stmt, {})]
 
     def counts(self) -> list[tuple[str, str, int, datetime, datetime | None]]:
         """(job, status, count, oldest created_at, oldest run_after that has come) per job
         and status."""
-        rows = self._execute(counts_query(), {})
+        rows = self._db._execute(counts_query(), {})
         return [
             (r["job_name"], r["status"], int(r["count"]), r["oldest"], r["oldest_due"])
             for r in rows
@@ -294,7 +293,9 @@ class Views(Executor):
         for reason, stmt in stuck_queries(
             grace=grace, redeliver_after=redeliver_after, limit=limit
         ).items():
-            found += [(reason, DispatchRow.from_mapping(row)) for row in self._execute(stmt, {})]
+            found += [
+                (reason, DispatchRow.from_mapping(row)) for row in self._db._execute(stmt, {})
+            ]
         return found
 
     def stuck_counts(self, *, grace: float, redeliver_after: float) -> list[tuple[str, str, int]]:
@@ -304,19 +305,19 @@ class Views(Executor):
         for reason, stmt in stuck_count_queries(
             grace=grace, redeliver_after=redeliver_after
         ).items():
-            found += [(reason, r["job_name"], int(r["count"])) for r in self._execute(stmt, {})]
+            found += [(reason, r["job_name"], int(r["count"])) for r in self._db._execute(stmt, {})]
         return found
 
     def parked_slots(self, limit: int = 50) -> list[tuple[str, str, int, datetime]]:
         """(job, slot, count, oldest created_at) of parked runs, the fullest slots first."""
-        rows = self._execute(parked_slots_query(limit), {})
+        rows = self._db._execute(parked_slots_query(limit), {})
         return [(r["job_name"], r["slot"], int(r["count"]), r["oldest"]) for r in rows]
 
     def requeue(self, dispatch_id: str) -> bool:
         """A failed dispatch back to pending (a new attempt under its id and key); False
         when it is not failed, or is a secret one whose key was erased."""
         try:
-            return bool(self._execute(self._views_sql.requeue, {"dispatch_id": dispatch_id}))
+            return bool(self._db._execute(self._sql.requeue, {"dispatch_id": dispatch_id}))
         except SlotTaken:
             raise LedgerBusyError(
                 "its queue policy slot is taken by another dispatch; requeue it once that ends"

@@ -2,7 +2,7 @@
 
 A row written by `publish(connection=...)` has no after-commit hook to send it, so the
 relay sends it. Its publish also notifies `RELAY_WAKE_CHANNEL` inside the caller's
-transaction (`Ledger.wake_relays`); PostgreSQL delivers the notification only when that
+transaction (`ledger.relay.wake_relays`); PostgreSQL delivers the notification only when that
 transaction commits, which is exactly when the row becomes visible. Each relay listens
 on a connection of its own and makes a pass when notified, instead of waiting out its
 interval. Notifications are only a hint: a relay still polls, and a lost notification or

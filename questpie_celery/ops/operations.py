@@ -106,7 +106,7 @@ class Operator:
         the last one of a page as `after` for the next page."""
         if not 1 <= limit <= MAX_PAGE:
             raise PublishOptionsError(f"limit must be 1 to {MAX_PAGE}")
-        rows = self._ledger.list_dispatches(
+        rows = self._ledger.views.list_dispatches(
             job=job,
             status=status,
             key=key,
@@ -125,7 +125,7 @@ class Operator:
         past its time, a lease that lapsed, accepted but unclaimed past `redeliver_after`,
         parked while its slot is free. The relay repairs each of these within its bounds;
         what stays here longer points at a relay that is not running."""
-        found = self._ledger.stuck(
+        found = self._ledger.views.stuck(
             grace=self._grace, redeliver_after=self._redeliver_after, limit=limit
         )
         return [(reason, DispatchDetail.of(row)) for reason, row in found]
@@ -133,7 +133,9 @@ class Operator:
     def stuck_counts(self) -> list[StuckCount]:
         """How many dispatches of each job are stuck, by the reasons of `stuck`, without
         listing them: what a monitoring system watches."""
-        found = self._ledger.stuck_counts(grace=self._grace, redeliver_after=self._redeliver_after)
+        found = self._ledger.views.stuck_counts(
+            grace=self._grace, redeliver_after=self._redeliver_after
+        )
         return [StuckCount(reason, job, count) for reason, job, count in found]
 
     def failed(self, limit: int = 50, job: str | None = None) -> list[DispatchDetail]:
@@ -149,7 +151,7 @@ class Operator:
                 _age(now, oldest) or 0.0,
                 _age(now, oldest_due),
             )
-            for job, status, count, oldest, oldest_due in self._ledger.counts()
+            for job, status, count, oldest, oldest_due in self._ledger.views.counts()
         ]
 
     def parked(self, limit: int = 50) -> list[ParkedSlot]:
@@ -157,19 +159,19 @@ class Operator:
         now = self._ledger.now()
         return [
             ParkedSlot(job, slot, count, max((now - oldest).total_seconds(), 0.0))
-            for job, slot, count, oldest in self._ledger.parked_slots(limit)
+            for job, slot, count, oldest in self._ledger.views.parked_slots(limit)
         ]
 
     def groups(self, limit: int = 500) -> list[GroupCounts]:
         """Each group of a job with a concurrency or rate limit that holds seats or has
         runs waiting: its running count, its runs waiting for a seat or for their rate
         window, and those sent on to a seat not yet claimed."""
-        return self._ledger.group_counts(min(limit, MAX_PAGE))
+        return self._ledger.limits.group_counts(min(limit, MAX_PAGE))
 
     def backlog(self, seconds: float = 3600.0) -> list[tuple[datetime, int]]:
         """How many dispatches were due for the relay to send, as running relays sampled
         it (about twice a minute) over the last `seconds`, oldest first."""
-        return self._ledger.backlog_history(seconds)
+        return self._ledger.relay.backlog_history(seconds)
 
     def schedules(self) -> list[ScheduleInfo]:
         """Every schedule: job, cron, zone, next and last fire, and the last fire's status."""
@@ -178,7 +180,7 @@ class Operator:
     def unschedule(self, job_name: str) -> int:
         """Remove every schedule of a job, also of one no process registers any more;
         returns how many there were. Logged, like a requeue."""
-        removed = self._ledger.delete_schedules(job_name)
+        removed = self._ledger.schedules.delete(job_name)
         log.warning(
             "%d schedule(s) of job %s removed by an operator",
             removed,
@@ -247,7 +249,7 @@ class Operator:
                 f"dispatch {dispatch_id} ended long enough ago that retention dropped its "
                 "payload and options; publish it again under a new idempotency key"
             )
-        if not self._ledger.requeue(dispatch_id):
+        if not self._ledger.views.requeue(dispatch_id):
             raise PublishOptionsError(f"dispatch {dispatch_id} changed meanwhile; look again")
         log.warning(
             "dispatch %s of job %s requeued by an operator after %d attempt(s) (last error %s)",

@@ -85,7 +85,8 @@ class _Wanted:
 
 @dataclass
 class _Group:
-    """Consecutive rows of one round that share what `Ledger.insert_many` needs shared."""
+    """Consecutive rows of one round that share what `ledger.dispatches.insert_many`
+    needs shared."""
 
     key: tuple[Any, ...]
     first: FirstSend

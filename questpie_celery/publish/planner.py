@@ -273,14 +273,14 @@ class Plan:
 @dataclass(frozen=True)
 class Insert:
     """Insert a chunk's rows in one statement, in order, each unless its id or policy
-    slot is taken (`Ledger.insert_many`); answered with the ids inserted."""
+    slot is taken (`ledger.dispatches.insert_many`); answered with the ids inserted."""
 
     rows: list[NewDispatch]
 
 
 @dataclass(frozen=True)
 class ReadBack:
-    """Which of these rows exist (`Ledger.existing`); answered with their ids, or None
+    """Which of these rows exist (`ledger.dispatches.existing`); answered with their ids, or None
     when they could not be read (the items that needed them stay undecided)."""
 
     dispatch_ids: list[str]

@@ -142,7 +142,11 @@ class Publisher:
         policies: PolicyBook,
         keyring: Callable[[], Keyring],
     ) -> None:
-        self._ledger = ledger
+        self._ledger = ledger  # its ambient transaction, and the caller's connection's check
+        self._dispatches = ledger.dispatches
+        self._debounce = ledger.debounce
+        self._throttle = ledger.throttle
+        self._relay = ledger.relay  # wakes the relays when a caller's transaction commits
         self._outbox = outbox
         self._sender = sender
         self._policies = policies
@@ -150,7 +154,7 @@ class Publisher:
         # Whether sends run the task inline, asked by the planner only when it makes a row.
         self._eager = lambda: sender.eager
         # Concurrent single publishes of this process share a multi-row insert.
-        self._shared = SharedInserts(ledger.insert, ledger.insert_many)
+        self._shared = SharedInserts(self._dispatches.insert, self._dispatches.insert_many)
 
     def publish(
         self,
@@ -270,9 +274,9 @@ class Publisher:
             """One step of the plan: a statement (in `caller`'s transaction when there is
             one), or a chunk's sends."""
             if isinstance(step, planner.Insert):
-                return self._ledger.insert_many(step.rows, conn)
+                return self._dispatches.insert_many(step.rows, conn)
             if isinstance(step, planner.ReadBack):
-                return self._ledger.existing(step.dispatch_ids, conn)
+                return self._dispatches.existing(step.dispatch_ids, conn)
             report(step.settled)
             self._hand_over(step.settled, caller)
             if step.plain:
@@ -294,7 +298,7 @@ class Publisher:
         if self._insert(new, conn):
             self._hand_over(planner.first_sent(new, route), caller)
             return new.id
-        known = planner.contested(new) and self._ledger.exists(new.id, conn)
+        known = planner.contested(new) and self._dispatches.exists(new.id, conn)
         if planner.refused(new, known):
             report_suppressed(new)
             return None
@@ -311,7 +315,7 @@ class Publisher:
         conn = caller.connection if caller is not None else None
         if item.debounce_seconds is not None:
             assert item.debounce_max_seconds is not None
-            dispatch_id, inserted = self._ledger.debounce(
+            dispatch_id, inserted = self._debounce.join(
                 new,
                 key=item.flow_key,
                 debounce=item.debounce_seconds,
@@ -324,12 +328,12 @@ class Publisher:
                 self._hand_over(planner.first_sent(new, route), caller)
             return dispatch_id
         assert item.throttle_seconds is not None and conn is None
-        taken = self._ledger.throttle(new, key=item.flow_key, window=item.throttle_seconds)
+        taken = self._throttle.insert(new, key=item.flow_key, window=item.throttle_seconds)
         if taken == "accepted":
             self._hand_over(planner.first_sent(new, route), caller)
             return new.id
         known = taken == "not inserted" and new.idempotency_key is not None
-        if known and self._ledger.exists(new.id):
+        if known and self._dispatches.exists(new.id):
             return new.id  # a known key answers its id, before any throttle
         report_suppressed(new, throttled=item.throttle_seconds if taken == "closed" else None)
         return None
@@ -337,9 +341,9 @@ class Publisher:
     def _insert(self, new: NewDispatch, conn: Connection | None) -> bool:
         """Insert one publish's row: in a statement shared with concurrent publishes of
         this process where it can be."""
-        if conn is None and self._ledger.inserts_in_batches:
+        if conn is None and self._dispatches.inserts_in_batches:
             return self._shared.insert(new)
-        return self._ledger.insert(new, conn)
+        return self._dispatches.insert(new, conn)
 
     def _hand_over(self, settled: planner.Settled, caller: CallerTransaction | None) -> None:
         """Send newly inserted rows now, after the caller's commit, or leave them to the
@@ -352,7 +356,7 @@ class Publisher:
             assert caller is not None and caller.after_commit is not None  # it has a hook
             caller.after_commit([row.id for row in rows])
         elif settled.wake_relays and caller is not None:
-            self._ledger.wake_relays(caller.connection)
+            self._relay.wake_relays(caller.connection)
 
     @contextmanager
     def _caller(

@@ -79,7 +79,7 @@ def schedule_infos(ledger: Ledger) -> list[ScheduleInfo]:
             last_dispatch_id=row.last_dispatch_id,
             last_status=status,
         )
-        for row, status in ledger.schedules()
+        for row, status in ledger.schedules.listed()
     ]
 
 
@@ -97,7 +97,9 @@ class Schedules:
         definition_of: Callable[[str], JobDefinition[Any] | None],
         retention: float = DEFAULT_FIRE_RETENTION_SECONDS,
     ) -> None:
-        self._ledger = ledger
+        self._ledger = ledger  # its clock
+        self._ledger_schedules = ledger.schedules
+        self._ledger_retention = ledger.retention  # spent fires and beat ticks pruned
         self._publisher = publisher
         self._definition_of = definition_of
         self.retention = retention
@@ -141,20 +143,22 @@ class Schedules:
     def unschedule(self, job_name: str) -> None:
         """Remove every schedule of the job (an options.cron one comes back when a worker
         or beat next starts with the job registered)."""
-        self._ledger.delete_schedules(job_name)
+        self._ledger_schedules.delete(job_name)
 
     def sync_job_options(self, definitions: Mapping[str, JobDefinition[Any]]) -> None:
         """Make the ledger hold each job's `options.cron` schedule, as declared now: add
         the new ones, change the changed ones, remove those whose option was removed.
         Workers and beats call this as they start."""
         stored = {
-            row.job_name: row for row, _ in self._ledger.schedules() if row.source == "option"
+            row.job_name: row
+            for row, _ in self._ledger_schedules.listed()
+            if row.source == "option"
         }
         for name, definition in definitions.items():
             expression = definition.options.get("cron")
             if expression is None:
                 if name in stored:
-                    self._ledger.delete_schedules(name, "option")
+                    self._ledger_schedules.delete(name, "option")
                 continue
             cron = Cron.parse(expression)
             body = definition.to_json({})
@@ -172,7 +176,7 @@ class Schedules:
         body: dict[str, Any],
         options: DispatchOptions,
     ) -> None:
-        self._ledger.put_schedule(
+        self._ledger_schedules.put(
             ScheduleRow(
                 job_name=job_name,
                 source=source,
@@ -195,12 +199,12 @@ class Schedules:
 
     def claim_beat_tick(self, entry: str, tick: str) -> bool:
         """Claim one tick of a `beat_schedule` entry; True for exactly one beat."""
-        return self._ledger.claim_beat_tick(entry, tick)
+        return self._ledger_schedules.claim_beat_tick(entry, tick)
 
     def fire_due(self) -> float:
         """Fire every tick that has come; return seconds until the next one is due
         (infinity when no schedule exists that this beat can fire)."""
-        now, due = self._ledger.due_schedules(FIRES_PER_PASS, self._skipping())
+        now, due = self._ledger_schedules.due(FIRES_PER_PASS, self._skipping())
         for row in due:
             assert now is not None
             try:
@@ -228,7 +232,7 @@ class Schedules:
         if len(due) == FIRES_PER_PASS:
             return 0.0
         self._prune_now_and_then()
-        upcoming = self._ledger.next_schedule_due(self._skipping())
+        upcoming = self._ledger_schedules.next_due(self._skipping())
         if upcoming is None:
             return float("inf")
         return max((upcoming - (now or self._ledger.now())).total_seconds(), 0.0)
@@ -267,7 +271,7 @@ class Schedules:
             log.warning("schedule of job %s skipped its tick: %s", row.job_name, exc)
             dispatch_id = None
         # Missed ticks (every beat was down) fire once: the next tick is after now.
-        if self._ledger.advance_schedule(row, next_fire_at, dispatch_id):
+        if self._ledger_schedules.advance(row, next_fire_at, dispatch_id):
             log.info(
                 "schedule of job %s fired its %s tick: dispatch %s",
                 row.job_name,
@@ -293,7 +297,7 @@ class Schedules:
             # Batch after batch while they come back full, within a time budget: enough to
             # keep up with many frequent schedules without stalling the beat.
             while time.monotonic() - started < PRUNE_BUDGET_SECONDS:
-                batch = self._ledger.prune_schedule_history(
+                batch = self._ledger_retention.prune_schedule_history(
                     key_prefix=FIRE_KEY_PREFIX, older_than=self.retention, limit=PRUNE_BATCH
                 )
                 pruned += batch

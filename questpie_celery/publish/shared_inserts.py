@@ -29,7 +29,7 @@ What one publish cannot do to another:
   handler's) inserts on its own.
 
 Only connections that belong to no thread may carry another thread's row: on Django's
-connections, each publish keeps its own statement (`Ledger.inserts_in_batches`). And only
+connections, each publish keeps its own statement (`ledger.dispatches.inserts_in_batches`). And only
 the ledger's own engines share, whose statements give up on a row lock after the lock
 timeout (5 s): a row in a shared statement cannot leave it, so a thread whose own open
 transaction holds a key another thread publishes at that moment waits that long for a
@@ -52,7 +52,7 @@ from ..ledger.rows import NewDispatch
 
 
 class InsertOne(Protocol):
-    """`Ledger.insert` without a caller's connection."""
+    """`ledger.dispatches.insert` without a caller's connection."""
 
     def __call__(self, new: NewDispatch, *, again: bool = False) -> bool: ...
 
@@ -100,7 +100,7 @@ class SharedInserts:
         self._inside = threading.local()
 
     def insert(self, row: NewDispatch) -> bool:
-        """Insert `row` as `Ledger.insert` does (True if inserted), in a statement shared
+        """Insert `row` as `ledger.dispatches.insert` does (True if inserted), in a statement shared
         with the rows of concurrent publishes when one is already in flight."""
         inside = self._inside
         if getattr(inside, "inside", False):

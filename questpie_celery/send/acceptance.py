@@ -33,6 +33,7 @@ class AcceptanceRecorder:
 
     def __init__(self, ledger: Ledger, redeliver_in: Callable[[], float]) -> None:
         self.ledger = ledger
+        self._dispatches = ledger.dispatches
         self.redeliver_in = redeliver_in
         self._closed = False
         self._forked()
@@ -46,7 +47,7 @@ class AcceptanceRecorder:
 
     def record(self, dispatch_id: str) -> None:
         if self._closed:
-            self.ledger.mark_queued([dispatch_id], self.redeliver_in())
+            self._dispatches.mark_queued([dispatch_id], self.redeliver_in())
             return
         with self._lock:
             self._accepted.append(dispatch_id)
@@ -68,7 +69,7 @@ class AcceptanceRecorder:
         try:
             # Each row's queued_at is when the newest of the batch was accepted: a moment
             # (a batch interval at most) after its own acceptance, never before it.
-            self.ledger.mark_queued(
+            self._dispatches.mark_queued(
                 batch, self.redeliver_in(), accepted_ago=time.monotonic() - newest
             )
         except QuestpieError as exc:

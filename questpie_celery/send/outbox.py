@@ -95,7 +95,10 @@ class RelayBatch:
 
 class Outbox:
     def __init__(self, ledger: Ledger, sender: Sender, redeliver_after: float) -> None:
-        self._ledger = ledger
+        self._ledger = ledger  # its outage line
+        self._dispatches = ledger.dispatches
+        self._relay = ledger.relay
+        self._claims = ledger.claims  # a delivery that ended unclaimed
         self._sender = sender
         self.redeliver_after = redeliver_after
         self._acceptance = AcceptanceRecorder(ledger, lambda: self.redeliver_after)
@@ -143,14 +146,14 @@ class Outbox:
         process died first, say), after the broker had it acknowledged: the relay sends the
         row again at once rather than after `redeliver_after`. False when the row moved on
         (the delivery did claim it, or another one did)."""
-        return self._ledger.send_unclaimed_now(
+        return self._claims.send_unclaimed_now(
             dispatch_id, job_name, attempt, horizon=ETA_HORIZON_SECONDS
         )
 
     def due_out_of_sends(self) -> list[DispatchRow]:
         """Rows due for the relay that had every send of their attempt: the relay gives
         up on them instead."""
-        return self._ledger.due_out_of_sends(MAX_RELAY_SENDS)
+        return self._relay.due_out_of_sends(MAX_RELAY_SENDS)
 
     # --- sending ------------------------------------------------------------------------
 
@@ -230,12 +233,12 @@ class Outbox:
             len(dispatch_ids),
             dispatch_ids[0],
         ):
-            self._ledger.send_soon(dispatch_ids, attempt - 1, send_in)
+            self._relay.send_soon(dispatch_ids, attempt - 1, send_in)
 
     def send_committed(self, dispatch_ids: Sequence[str]) -> None:
         """Send rows a caller's transaction committed; skip what its savepoints dropped."""
         try:
-            rows = self._ledger.get_many(dispatch_ids)
+            rows = self._dispatches.get_many(dispatch_ids)
         except QuestpieError as exc:
             # The caller's commit succeeded; the relay sends the rows after their grace.
             log.warning(
@@ -315,7 +318,7 @@ class Outbox:
         unknown: its first row counts as refused and the others are given back; a second
         message of one that did arrive is dropped by the fence.
         """
-        taken = self._ledger.take_due(
+        taken = self._relay.take_due(
             limit,
             max_sends=MAX_RELAY_SENDS,
             first_backoff=FIRST_RELAY_BACKOFF_SECONDS,
@@ -391,7 +394,7 @@ class Outbox:
             "again (%s); the relay sends them when their backoff ends",
             len(unsent),
         ):
-            self._ledger.give_back(unsent, REFUSED_SEND_RETRY_SECONDS)
+            self._relay.give_back(unsent, REFUSED_SEND_RETRY_SECONDS)
 
     def _accepted(self, dispatch_ids: list[str]) -> None:
         """Record the broker's acceptance of first sends right after the batch, rather
@@ -404,7 +407,7 @@ class Outbox:
             "pending and the relay sends them again",
             len(dispatch_ids),
         ):
-            self._ledger.mark_queued(dispatch_ids, self.redeliver_after)
+            self._dispatches.mark_queued(dispatch_ids, self.redeliver_after)
 
     @contextmanager
     def _carrying_on(self, failed: str, *args: object) -> Iterator[None]:

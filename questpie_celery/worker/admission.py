@@ -44,7 +44,9 @@ class Admission:
     def __init__(
         self, ledger: Ledger, waits: DeliveryWait, *, redeliver_after: Callable[[], float]
     ) -> None:
-        self._ledger = ledger
+        self._ledger = ledger  # `get`: whether a relaxed ledger lost the row
+        self._dispatches = ledger.dispatches
+        self._retention = ledger.retention
         self._waits = waits
         self._redeliver_after = redeliver_after
 
@@ -105,7 +107,7 @@ class Admission:
         )
 
         def adopt() -> bool:
-            return self._ledger.insert(new) or self._ledger.exists(new.id)
+            return self._dispatches.insert(new) or self._dispatches.exists(new.id)
 
         if not self._waits.run(task, adopt, back):
             report_suppressed(new, delivery=True)
@@ -135,7 +137,7 @@ class Admission:
         # Retention and the beat delete only rows that ended before the time they record
         # first, and every send of a row comes before its end: a message sent after that
         # time cannot be a deleted row's. (With a margin for the sender's clock.)
-        pruned_before = self._ledger.pruned_before()
+        pruned_before = self._retention.pruned_before()
         if back.sent_at is None or (
             pruned_before is not None
             and back.sent_at - SENDER_CLOCK_MARGIN_SECONDS <= pruned_before.timestamp()
@@ -173,7 +175,7 @@ class Admission:
             definition.name,
             extra={"dispatch_id": dispatch_id, "job_name": definition.name},
         )
-        return self._ledger.insert(new) or self._ledger.exists(dispatch_id)
+        return self._dispatches.insert(new) or self._dispatches.exists(dispatch_id)
 
 
 def _not_taken_back(dispatch_id: str, job_name: str, why: str) -> bool:

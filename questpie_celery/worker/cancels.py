@@ -26,7 +26,7 @@ class Cancellation:
     def __init__(self, ledger: Ledger, slots: Slots | None) -> None:
         """`slots` hands a freed slot or seat on at once; without (a tool that reaches
         only the ledger, no broker), the relays' safety net sends the next run soon."""
-        self._ledger = ledger
+        self._cancels = ledger.cancels
         self._slots = slots
 
     def cancel(self, dispatch_id: str) -> bool:
@@ -37,7 +37,7 @@ class Cancellation:
         Raises `UnknownDispatchError` for an id the ledger holds no row of, and for one
         no row can have (not a str, empty, a NUL, a lone surrogate, too long).
         """
-        done = self._ledger.cancel(dispatch_id)
+        done = self._cancels.cancel(dispatch_id)
         if done.outcome == "unknown":
             raise UnknownDispatchError(
                 f"no dispatch {dispatch_id!r} in the ledger: no such id, retention removed "

@@ -120,7 +120,10 @@ class Fence:
         waits: DeliveryWait,
         admission: Admission,
     ) -> None:
-        self._ledger = ledger
+        # A relaxed ledger may lose a row a delivery names: `_claim` takes it back.
+        self._relaxed = ledger.relaxed
+        self._claims = ledger.claims
+        self._limits = ledger.limits
         self._leases = leases
         self._slots = slots
         self._outcomes = outcomes
@@ -243,7 +246,7 @@ class Fence:
             read_policy = d.policy
             if (
                 d.claim.outcome == "unknown"
-                and self._ledger.relaxed
+                and self._relaxed
                 and read_policy is not None
                 and self._wait(
                     d,
@@ -258,7 +261,7 @@ class Fence:
     def _claim_once(self, d: Delivery) -> Claim:
         """One claim statement, noting when it was sent."""
         d.claimed_at = time.monotonic()
-        return self._ledger.claim(
+        return self._claims.claim(
             d.dispatch_id,
             d.definition.name,
             d.attempt,
@@ -316,7 +319,7 @@ class Fence:
             return
         group = group_of(row.group_key)
         wait = self._wait(
-            d, lambda: self._ledger.take_permit(row.job_name, group, rate.count, rate.per_seconds)
+            d, lambda: self._limits.take_permit(row.job_name, group, rate.count, rate.per_seconds)
         )
         if wait is None:
             return
@@ -331,7 +334,7 @@ class Fence:
         if d.claim.outcome != "early":
             return
         self._wait(
-            d, lambda: self._ledger.send_when_due(d.dispatch_id, d.definition.name, d.attempt)
+            d, lambda: self._claims.send_when_due(d.dispatch_id, d.definition.name, d.attempt)
         )
         log.warning(
             "dispatch %s of job %s: delivery for attempt %d came %.1f s before the row is "

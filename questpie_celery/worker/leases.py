@@ -157,7 +157,8 @@ class LeaseKeeper:
     _thread: threading.Thread | None
 
     def __init__(self, ledger: Ledger, lease_seconds: float) -> None:
-        self._ledger = ledger
+        self._ledger = ledger  # its outage line, and `idle` between rounds
+        self._claims = ledger.claims
         self.lease_seconds = lease_seconds
         self._forked()
         reset_in_child(self._forked)
@@ -273,7 +274,7 @@ class LeaseKeeper:
             self._end_if_held(lease, started)
             return True
         try:
-            renewed = self._ledger.renew_lease(lease.dispatch_id, lease.token, self.lease_seconds)
+            renewed = self._claims.renew_lease(lease.dispatch_id, lease.token, self.lease_seconds)
         except Exception as exc:
             # The ledger is unreachable: keep trying; the lease is long enough to ride
             # out a short outage. The ledger's outage line tells the log of it; each

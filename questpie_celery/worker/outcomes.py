@@ -55,7 +55,8 @@ class Unrun:
 
 class Outcomes:
     def __init__(self, ledger: Ledger, outbox: Outbox, slots: Slots) -> None:
-        self._ledger = ledger
+        self._claims = ledger.claims
+        self._relay = ledger.relay
         self._outbox = outbox
         self._slots = slots
         self._wait = LedgerWait(
@@ -69,7 +70,7 @@ class Outcomes:
 
     def completed(self, row: DispatchRow, token: str) -> bool:
         """Record completion (erasing a secret's key); False if the claim was lost."""
-        if not self._patiently(lambda: self._ledger.finish(row.id, token, "completed", None), row):
+        if not self._patiently(lambda: self._claims.finish(row.id, token, "completed", None), row):
             _lost(row, "finished")
             return False
         self._slots.hand_on_or_leave(row)
@@ -89,7 +90,7 @@ class Outcomes:
         run = row.options.run
         if for_good or row.attempt > run.retry_limit:
             if not self._patiently(
-                lambda: self._ledger.finish(row.id, token, "failed", error), row
+                lambda: self._claims.finish(row.id, token, "failed", error), row
             ):
                 _lost(row, "failed")
                 return "lost"
@@ -97,7 +98,7 @@ class Outcomes:
             return "failed"
         plan = self._outbox.plan_retry(run.delay_before_retry(row.attempt))
         if not self._patiently(
-            lambda: self._ledger.retry(
+            lambda: self._claims.retry(
                 row.id, token, retry_in=plan.retry_in, relay_in=plan.relay_in, error=error
             ),
             row,
@@ -105,7 +106,7 @@ class Outcomes:
             # Not retried: the claim was lost, or the run was cancelled while it ran,
             # which the end below records as `cancelled` (only while the claim holds).
             if not self._patiently(
-                lambda: self._ledger.finish(row.id, token, "failed", error), row
+                lambda: self._claims.finish(row.id, token, "failed", error), row
             ):
                 _lost(row, "failed")
                 return "lost"
@@ -165,7 +166,7 @@ class Outcomes:
                 delivery.dispatch_id, delivery.job_name, delivery.attempt
             )
         error = REVOKED if delivery.why == "revoked" else EXPIRED
-        row = self._ledger.end_unclaimed(
+        row = self._claims.end_unclaimed(
             delivery.dispatch_id, delivery.job_name, delivery.attempt, error
         )
         if row is None:
@@ -188,7 +189,7 @@ class Outcomes:
         # A run cancelled while it ran is not retried: its lapse ends it as `cancelled`.
         if row.attempt <= run.retry_limit and row.cancel_requested_at is None:
             plan = self._outbox.plan_retry(run.delay_before_retry(row.attempt))
-            if not self._ledger.lapse(row, retry_in=plan.retry_in, relay_in=plan.relay_in):
+            if not self._claims.lapse(row, retry_in=plan.retry_in, relay_in=plan.relay_in):
                 return False  # renewed or recovered by someone else meanwhile
             log.warning(
                 "dispatch %s of job %s: lease expired on attempt %d; retrying",
@@ -200,7 +201,7 @@ class Outcomes:
             if plan.send_now:
                 self._outbox.send(row, attempt=row.attempt + 1, countdown=plan.retry_in)
             return True
-        if not self._ledger.lapse(row, retry_in=None, relay_in=0.0):
+        if not self._claims.lapse(row, retry_in=None, relay_in=0.0):
             return False
         log.warning(
             "dispatch %s of job %s: lease expired on its last attempt; %s",
@@ -214,7 +215,7 @@ class Outcomes:
 
     def gave_up(self, row: DispatchRow) -> bool:
         """Record `failed` for a dispatch no worker took within the relay's sends."""
-        if not self._ledger.give_up(row):
+        if not self._relay.give_up(row):
             return False
         log.warning(
             "dispatch %s of job %s: no worker took it after %d sends; failed",

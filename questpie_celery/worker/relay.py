@@ -113,7 +113,10 @@ class Relay:
         interval: float = DEFAULT_RELAY_INTERVAL_SECONDS,
         retention: Retention | None = None,
     ) -> None:
-        self._ledger = ledger
+        self._ledger = ledger  # its outage line, `idle` between passes
+        self._claims = ledger.claims
+        self._ledger_slots = ledger.slots
+        self._ledger_relay = ledger.relay
         self._outbox = outbox
         self._outcomes = outcomes
         self._slots = slots
@@ -169,7 +172,7 @@ class Relay:
         moved = self._handle_unrun()
         if end_lapsed_leases:
             asked = time.monotonic()
-            expired = self._ledger.expired_claims()
+            expired = self._claims.expired()
             answered = time.monotonic()
             stalled = answered - asked > STALL_SECONDS
             self._stalls = self._stalls + 1 if stalled else 0
@@ -203,7 +206,7 @@ class Relay:
     def _send_parked(self) -> int:
         return self._slots.send_all_waiting() + sum(
             self._slots.send_next(job_name, slot)
-            for job_name, slot in self._ledger.free_parked_slots()
+            for job_name, slot in self._ledger_slots.free_parked_slots()
         )
 
     def _sample_backlog(self, *, warn: bool) -> bool:
@@ -212,7 +215,7 @@ class Relay:
         try:
             # A little under the period, so the relay that sampled last time wins again
             # rather than each relay deferring to the others' slightly younger samples.
-            self._ledger.sample_backlog(
+            self._ledger_relay.sample_backlog(
                 every=BACKLOG_SAMPLE_SECONDS * 0.9, keep=BACKLOG_KEEP_SECONDS
             )
         except LedgerSchemaError:
@@ -231,7 +234,7 @@ class Relay:
     def run_forever(self, stop: threading.Event) -> None:
         wake = self._wake
         done = threading.Event()  # tells the listener this loop ended
-        wakeups = self._ledger.send_wakeups()
+        wakeups = self._ledger_relay.send_wakeups()
         if wakeups is not None:
             threading.Thread(
                 target=self._listen,

@@ -68,7 +68,9 @@ class Retention:
         *,
         redeliver_after: Callable[[], float] = lambda: DEFAULT_REDELIVER_AFTER_SECONDS,
     ) -> None:
-        self._ledger = ledger
+        self._ledger_retention = ledger.retention
+        self._limits = ledger.limits  # spent rate permits
+        self._throttle = ledger.throttle  # long-open throttle windows
         self.period = period
         #: How long after its end a message of an unkeyed dispatch may still come again.
         self._redeliver_after = redeliver_after
@@ -94,7 +96,7 @@ class Retention:
                 if not left[keyed]:
                     continue
                 began = time.monotonic()
-                count = self._ledger.prune_ended(
+                count = self._ledger_retention.prune_ended(
                     keyed=keyed,
                     older_than=since[keyed],
                     limit=batch,
@@ -114,11 +116,11 @@ class Retention:
 
     def _prune_permits(self) -> None:
         try:
-            self._ledger.prune_permits(older_than=SPENT_PERMIT_SECONDS, limit=RETENTION_BATCH)
+            self._limits.prune_permits(older_than=SPENT_PERMIT_SECONDS, limit=RETENTION_BATCH)
         except QuestpieError as exc:  # a schema before version 6 included
             log.debug("rate permits not pruned (%s); trying again later", exc)
         try:
-            self._ledger.prune_throttle_windows(older_than=SPENT_WINDOW_SECONDS)
+            self._throttle.prune_windows(older_than=SPENT_WINDOW_SECONDS)
         except QuestpieError as exc:  # a schema before version 7 included
             log.debug("throttle windows not pruned (%s); trying again later", exc)
 

@@ -41,7 +41,10 @@ class Slots:
     ) -> None:
         """`limits_of` gives the limits of a job this process runs (None for any other),
         `jobs` the names of the jobs it runs."""
-        self._ledger = ledger
+        self._ledger = ledger  # `get`: the row as it is after a park
+        self._slots = ledger.slots
+        self._limits = ledger.limits
+        self._claims = ledger.claims
         self._outbox = outbox
         self._limits_of = limits_of
         self._jobs = jobs
@@ -52,7 +55,7 @@ class Slots:
         """Set delivery `attempt` aside until its slot frees (`for_seat`: until a
         concurrency seat of its group frees)."""
         waiting_for = "concurrency" if for_seat else None
-        parked = self._ledger.park(dispatch_id, job_name, attempt, waiting_for)
+        parked = self._slots.park(dispatch_id, job_name, attempt, waiting_for)
         row = self._ledger.get(dispatch_id)
         if row is None:
             return
@@ -95,7 +98,7 @@ class Slots:
         would hand the slot (or the seat) on: look again."""
         if for_seat:
             self.send_waiting(row.job_name, group_of(row.group_key))
-        elif row.slot is not None and not self._ledger.slot_running(row.job_name, row.slot):
+        elif row.slot is not None and not self._slots.slot_running(row.job_name, row.slot):
             self.send_next(row.job_name, row.slot)
 
     def hand_on(self, finished: DispatchRow) -> None:
@@ -129,7 +132,7 @@ class Slots:
         it held (awaiting its retry) or was on its way to take goes to the next run
         waiting for it, as when a run ends. A parked run of a slot still held waits on."""
         slot = cancelled.limited_slot
-        if slot is not None and not self._ledger.slot_running(*slot):
+        if slot is not None and not self._slots.slot_running(*slot):
             self.send_next(*slot)
         self.send_waiting(cancelled.job_name, group_of(cancelled.group_key))
 
@@ -138,7 +141,7 @@ class Slots:
 
         A refused send leaves it queued and due for the relay.
         """
-        row = self._ledger.unpark_next(job_name, slot, self._outbox.redeliver_after)
+        row = self._slots.unpark_next(job_name, slot, self._outbox.redeliver_after)
         if row is None:
             return False
         return self._outbox.send(row, attempt=row.attempt + 1)
@@ -151,8 +154,8 @@ class Slots:
             return 0  # a job this process does not run: its own workers hand its seats on
         limit = _limit_or_none(limits)
         sent = 0
-        while self._ledger.seats_taken(job_name, group) < limit:
-            row = self._ledger.unpark_first(job_name, group, self._outbox.redeliver_after)
+        while self._limits.seats_taken(job_name, group) < limit:
+            row = self._limits.unpark_first(job_name, group, self._outbox.redeliver_after)
             if row is None:
                 break
             sent += self._outbox.send(row, attempt=row.attempt + 1)
@@ -162,7 +165,7 @@ class Slots:
         """End a claimed run that was cancelled before its handler began: `cancelled`,
         never run, its slot and seat handed on. False when the claim was lost meanwhile
         or no cancel marks it."""
-        ended = self._ledger.end_unrun(claimed.id, token)
+        ended = self._claims.end_unrun(claimed.id, token)
         if ended is None:
             return False
         log.info(
@@ -178,11 +181,11 @@ class Slots:
         """Set a claimed run back, before its handler, to wait for a start of its group's
         rate limit; the seconds it waits, or None when the claim was lost meanwhile."""
         group = group_of(claimed.group_key)
-        wait = self._ledger.rate_wait(
+        wait = self._limits.rate_wait(
             claimed.job_name, group, rate.count, rate.per_seconds, claimed
         )
         plan = self._outbox.plan_retry(max(wait, MIN_RATE_WAIT_SECONDS))
-        row = self._ledger.wait_for_rate(
+        row = self._limits.wait_for_rate(
             claimed.id, token, retry_in=plan.retry_in, relay_in=plan.relay_in
         )
         if row is None:
@@ -206,12 +209,12 @@ class Slots:
         """The relay's safety net: every group with runs parked for a seat and seats
         free (by the limit in this process's code) gets them sent; how many were sent."""
         sent = 0
-        for job_name in self._ledger.concurrency_waiting_jobs(self._jobs()):
+        for job_name in self._limits.concurrency_waiting_jobs(self._jobs()):
             limits = self._limits_of(job_name)
             if limits is None:
                 continue  # a job this process does not run: its own workers' relays do
             limit = _limit_or_none(limits)
-            for group in self._ledger.groups_with_room(job_name, limit):
+            for group in self._limits.groups_with_room(job_name, limit):
                 sent += self.send_waiting(job_name, group)
         return sent
 

@@ -202,7 +202,7 @@ def pg_db(postgres: PostgresServer) -> str:
 def pg_ledger(pg_db: str) -> Iterator[Ledger]:
     """A migrated PostgreSQL ledger of this test's own."""
     made = open_ledger(pg_db)
-    made.migrate()
+    made.migration.migrate()
     yield made
     made.close()
 
@@ -216,7 +216,7 @@ def ledger(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Ledger]:
         else request.getfixturevalue("pg_db")
     )
     made = open_ledger(url)
-    made.migrate()
+    made.migration.migrate()
     with made.engine.begin() as conn:
         conn.execute(dispatch_table.delete())
     yield made

@@ -227,15 +227,15 @@ def test_a_claim_whose_reply_is_lost_is_read_back(postgres: PostgresServer) -> N
     proxy = FaultProxy(postgres.port)
     direct = postgres.create_database("claim")
     other = open_ledger(direct)
-    other.migrate()
+    other.migration.migrate()
     through = open_ledger(proxy.url(direct, postgres.port))
     try:
         proxy.arm(b"INSERT INTO questpie_beat_tick")
-        assert through.claim_beat_tick("entry", "t1") is True  # its own: it sends
+        assert through.schedules.claim_beat_tick("entry", "t1") is True  # its own: it sends
         assert proxy.fired.is_set()
-        assert other.claim_beat_tick("entry", "t1") is False
-        assert other.claim_beat_tick("entry", "t2") is True
-        assert through.claim_beat_tick("entry", "t2") is False  # another's: it does not
+        assert other.schedules.claim_beat_tick("entry", "t1") is False
+        assert other.schedules.claim_beat_tick("entry", "t2") is True
+        assert through.schedules.claim_beat_tick("entry", "t2") is False  # another's: it does not
     finally:
         through.close()
         other.close()
@@ -292,7 +292,7 @@ def test_a_beat_tells_of_a_ledger_outage_once_and_of_its_end_once(
     proxy = FaultProxy(postgres.port)
     direct = postgres.create_database("quietbeat")
     migrated = open_ledger(direct)
-    migrated.migrate()
+    migrated.migration.migrate()
     env = {
         "BP_LEDGER": proxy.url(direct, postgres.port),
         "BP_BROKER": redis_server.url(redis_server.new_db()),
@@ -304,7 +304,7 @@ def test_a_beat_tells_of_a_ledger_outage_once_and_of_its_end_once(
     back = "the dispatch ledger can be reached again, after"
     until = datetime.now(UTC) + timedelta(seconds=60)
     try:
-        wait_until(migrated.schedules, "the job's schedule stored", seconds_until(until))
+        wait_until(migrated.schedules.listed, "the job's schedule stored", seconds_until(until))
         before = len(beat.log())
         proxy.cut()
         try:

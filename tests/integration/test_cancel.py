@@ -262,7 +262,7 @@ def _row(ledger: Ledger, **values: Any) -> NewDispatch:
         options=StoredOptions(),
         **values,
     )
-    assert ledger.insert(new)
+    assert ledger.dispatches.insert(new)
     return new
 
 
@@ -271,11 +271,11 @@ def test_each_state_before_a_start_is_cancelled_and_then_claims_nothing(ledger: 
     pending = _row(ledger)
     queued = _row(ledger, status="queued")
     parked = _row(ledger, status="queued")
-    ledger.park(parked.id, "job", 1, None)
+    ledger.slots.park(parked.id, "job", 1, None)
     retrying = _row(ledger)
-    claim = ledger.claim(retrying.id, "job", 1, 30)
+    claim = ledger.claims.claim(retrying.id, "job", 1, 30)
     assert claim.token is not None
-    assert ledger.retry(retrying.id, claim.token, retry_in=600, relay_in=600, error="E")
+    assert ledger.claims.retry(retrying.id, claim.token, retry_in=600, relay_in=600, error="E")
     assert [ledger.get(new.id).status for new in (pending, queued, parked, retrying)] == [  # type: ignore[union-attr]
         "pending",
         "queued",
@@ -287,7 +287,7 @@ def test_each_state_before_a_start_is_cancelled_and_then_claims_nothing(ledger: 
         row = ledger.get(new.id)
         assert row is not None and row.status == "cancelled"
         assert row.finished_at is not None and row.next_send_at is None
-        assert ledger.claim(new.id, "job", attempt, 30, any_time=True).outcome == "done"
+        assert ledger.claims.claim(new.id, "job", attempt, 30, any_time=True).outcome == "done"
         assert cancellation.cancel(new.id) is False
 
 
@@ -300,9 +300,9 @@ def test_an_unknown_id_is_an_unknown_dispatch_error(ledger: Ledger) -> None:
 
 def test_an_ended_dispatch_is_left_as_it_was(ledger: Ledger) -> None:
     new = _row(ledger)
-    claim = ledger.claim(new.id, "job", 1, 30)
+    claim = ledger.claims.claim(new.id, "job", 1, 30)
     assert claim.token is not None
-    assert ledger.finish(new.id, claim.token, "completed", None)
+    assert ledger.claims.finish(new.id, claim.token, "completed", None)
     before = ledger.get(new.id)
     assert Cancellation(ledger, None).cancel(new.id) is False
     assert ledger.get(new.id) == before
@@ -314,31 +314,31 @@ def test_a_run_cancelled_while_it_runs_is_never_retried_whatever_ends_it(
     cancellation = Cancellation(ledger, None)
     # Its handler fails: the retry's write does not match, the end writes `cancelled`.
     failing = _row(ledger)
-    claim = ledger.claim(failing.id, "job", 1, 30)
+    claim = ledger.claims.claim(failing.id, "job", 1, 30)
     assert claim.token is not None
-    renewal = ledger.renew_lease(failing.id, claim.token, 30)
+    renewal = ledger.claims.renew_lease(failing.id, claim.token, 30)
     assert renewal is not None and renewal.cancel_requested is False
     assert cancellation.cancel(failing.id) is True
-    renewal = ledger.renew_lease(failing.id, claim.token, 30)
+    renewal = ledger.claims.renew_lease(failing.id, claim.token, 30)
     assert renewal is not None and renewal.cancel_requested is True
     assert ledger.get(failing.id).status == "active"  # type: ignore[union-attr]
     assert cancellation.cancel(failing.id) is True  # still running: it will not run again
-    assert not ledger.retry(failing.id, claim.token, retry_in=0, relay_in=0, error="E")
-    assert ledger.finish(failing.id, claim.token, "failed", "E")
+    assert not ledger.claims.retry(failing.id, claim.token, retry_in=0, relay_in=0, error="E")
+    assert ledger.claims.finish(failing.id, claim.token, "failed", "E")
     row = ledger.get(failing.id)
     assert row is not None and row.status == "cancelled" and row.last_error == "E"
     # Its lease lapses (the worker died): the relay's lapse does not retry it either.
     lapsing = _row(ledger)
-    claim = ledger.claim(lapsing.id, "job", 1, 0.2)
+    claim = ledger.claims.claim(lapsing.id, "job", 1, 0.2)
     assert claim.row is not None and claim.token is not None
     assert cancellation.cancel(lapsing.id) is True
     [expired] = wait_until(
-        lambda: [r for r in ledger.expired_claims() if r.id == lapsing.id],
+        lambda: [r for r in ledger.claims.expired() if r.id == lapsing.id],
         "its lease to lapse (the row among the expired claims)",
         10,
     )
-    assert not ledger.lapse(expired, retry_in=0, relay_in=0)
-    assert ledger.lapse(expired, retry_in=None, relay_in=0)
+    assert not ledger.claims.lapse(expired, retry_in=0, relay_in=0)
+    assert ledger.claims.lapse(expired, retry_in=None, relay_in=0)
     row = ledger.get(lapsing.id)
     assert row is not None and row.status == "cancelled" and row.claim_token is None
 
@@ -376,28 +376,30 @@ def test_a_run_cancelled_between_its_claim_and_its_rate_set_back_never_runs(
     # retry's error kept), not of a completion.
     new = _row(ledger)
     if attempt == 2:
-        first = ledger.claim(new.id, "job", 1, 30)
+        first = ledger.claims.claim(new.id, "job", 1, 30)
         assert first.token is not None
-        assert ledger.retry(new.id, first.token, retry_in=0, relay_in=3600, error="RuntimeError")
-    claim = ledger.claim(new.id, "job", attempt, 30)
+        assert ledger.claims.retry(
+            new.id, first.token, retry_in=0, relay_in=3600, error="RuntimeError"
+        )
+    claim = ledger.claims.claim(new.id, "job", attempt, 30)
     assert claim.outcome == "claimed" and claim.token is not None
     assert Cancellation(ledger, None).cancel(new.id) is True  # found active: marked
-    assert ledger.wait_for_rate(new.id, claim.token, retry_in=0, relay_in=0) is None
+    assert ledger.limits.wait_for_rate(new.id, claim.token, retry_in=0, relay_in=0) is None
     assert ledger.get(new.id).status == "active"  # type: ignore[union-attr]
     # The claimer ends it, unrun: the run side of that set-back.
-    ended = ledger.end_unrun(new.id, claim.token)
+    ended = ledger.claims.end_unrun(new.id, claim.token)
     assert ended is not None and ended.status == "cancelled"
     assert ended.attempt == attempt - 1
     assert ended.last_error == (None if attempt == 1 else "RuntimeError")
     assert (ended.started_at is None) == (attempt == 1)
     assert ended.finished_at is not None and ended.claim_token is None
-    assert ledger.claim(new.id, "job", attempt, 30, any_time=True).outcome == "done"
+    assert ledger.claims.claim(new.id, "job", attempt, 30, any_time=True).outcome == "done"
     # Only a marked run's claimer ends it so: not an unmarked run, not a lost claim.
     other = _row(ledger)
-    held = ledger.claim(other.id, "job", 1, 30)
+    held = ledger.claims.claim(other.id, "job", 1, 30)
     assert held.token is not None
-    assert ledger.end_unrun(other.id, held.token) is None
-    assert ledger.end_unrun(new.id, claim.token) is None
+    assert ledger.claims.end_unrun(other.id, held.token) is None
+    assert ledger.claims.end_unrun(new.id, claim.token) is None
     assert ledger.get(other.id).status == "active"  # type: ignore[union-attr]
 
 

@@ -61,7 +61,7 @@ def row_of(ledger: Ledger, dispatch_id: str) -> Any:
 
 def test_a_burst_is_one_row_with_the_latest_payload_and_a_later_start(ledger: Ledger) -> None:
     first = new_row(payload={"n": 1})
-    burst, inserted = ledger.debounce(first, key="", debounce=5.0, most=50.0)
+    burst, inserted = ledger.debounce.join(first, key="", debounce=5.0, most=50.0)
     assert (burst, inserted) == (first.id, True)
     started = row_of(ledger, burst)
     assert started.debounce_key == "" and started.status == "pending"
@@ -74,28 +74,30 @@ def test_a_burst_is_one_row_with_the_latest_payload_and_a_later_start(ledger: Le
         "the database's clock to move past the burst's first publish",
     )
     second = new_row(payload={"n": 2})
-    assert ledger.debounce(second, key="", debounce=5.0, most=50.0) == (burst, False)
+    assert ledger.debounce.join(second, key="", debounce=5.0, most=50.0) == (burst, False)
     pushed = row_of(ledger, burst)
     assert pushed.payload == {"n": 2}
     assert pushed.run_after > started.run_after
     assert pushed.next_send_at == pushed.run_after
     assert ledger.get(second.id) is None  # no second row
     # Another key is another burst; another job too.
-    other, fresh = ledger.debounce(new_row(payload={"n": 3}), key="k", debounce=5.0, most=50.0)
+    other, fresh = ledger.debounce.join(new_row(payload={"n": 3}), key="k", debounce=5.0, most=50.0)
     assert fresh and other != burst
-    elsewhere, fresh = ledger.debounce(new_row("other"), key="", debounce=5.0, most=50.0)
+    elsewhere, fresh = ledger.debounce.join(new_row("other"), key="", debounce=5.0, most=50.0)
     assert fresh and elsewhere not in (burst, other)
 
 
 def test_a_burst_never_starts_later_than_its_most_after_the_first_publish(ledger: Ledger) -> None:
-    burst, _ = ledger.debounce(new_row(), key="", debounce=30.0, most=2.0)
+    burst, _ = ledger.debounce.join(new_row(), key="", debounce=30.0, most=2.0)
     created = row_of(ledger, burst).created_at
     # The insert's start is the quiet period (the most is the push-back's bound) ...
     assert row_of(ledger, burst).run_after - created == pytest.approx(
         timedelta(seconds=30), abs=timedelta(seconds=1)
     )
     # ... and every publish after it caps the start at the burst's first plus the most.
-    assert ledger.debounce(new_row(payload={"n": 9}), key="", debounce=30.0, most=2.0)[0] == burst
+    assert (
+        ledger.debounce.join(new_row(payload={"n": 9}), key="", debounce=30.0, most=2.0)[0] == burst
+    )
     row = row_of(ledger, burst)
     assert row.run_after - created == pytest.approx(
         timedelta(seconds=2), abs=timedelta(milliseconds=50)
@@ -104,25 +106,25 @@ def test_a_burst_never_starts_later_than_its_most_after_the_first_publish(ledger
 
 
 def test_a_claimed_run_leaves_its_burst(ledger: Ledger) -> None:
-    burst, _ = ledger.debounce(new_row(), key="", debounce=0.01, most=0.1)
+    burst, _ = ledger.debounce.join(new_row(), key="", debounce=0.01, most=0.1)
     start = row_of(ledger, burst).run_after
     wait_until(lambda: ledger.now() >= start, "the burst's start, by the database's clock")
-    claim = ledger.claim(burst, "debounced", 1, lease_seconds=30)
+    claim = ledger.claims.claim(burst, "debounced", 1, lease_seconds=30)
     assert claim.outcome == "claimed", claim
     assert row_of(ledger, burst).debounce_key is None
-    later, inserted = ledger.debounce(new_row(), key="", debounce=1.0, most=10.0)
+    later, inserted = ledger.debounce.join(new_row(), key="", debounce=1.0, most=10.0)
     assert inserted and later != burst
 
 
 def test_a_parked_burst_keeps_its_relay_time(ledger: Ledger) -> None:
-    burst, _ = ledger.debounce(new_row(), key="", debounce=5.0, most=50.0)
+    burst, _ = ledger.debounce.join(new_row(), key="", debounce=5.0, most=50.0)
     with ledger.engine.begin() as conn:
         conn.execute(
             update(dispatch_table)
             .where(dispatch_table.c.id == burst)
             .values(status="parked", next_send_at=None)
         )
-    assert ledger.debounce(new_row(payload={"n": 4}), key="", debounce=5.0, most=50.0) == (
+    assert ledger.debounce.join(new_row(payload={"n": 4}), key="", debounce=5.0, most=50.0) == (
         burst,
         False,
     )
@@ -135,14 +137,14 @@ def test_a_push_never_brings_the_relays_next_send_forward(ledger: Ledger) -> Non
     next send back to that (past) start at every push, undoing the relay's backoff: while
     no worker was free, the relay sent the burst again at every pass until it gave up on
     it, and the burst, with every publish that returned its id, was lost."""
-    burst, _ = ledger.debounce(new_row(send_in=30.0), key="", debounce=0.2, most=0.2)
-    ledger.mark_queued([burst], redeliver_in=3600)  # its message is in the broker
+    burst, _ = ledger.debounce.join(new_row(send_in=30.0), key="", debounce=0.2, most=0.2)
+    ledger.dispatches.mark_queued([burst], redeliver_in=3600)  # its message is in the broker
     queued = row_of(ledger, burst)
     wait_until(
         lambda: ledger.now() > queued.run_after,
         "the database's clock to pass the burst's longest start",
     )
-    assert ledger.debounce(new_row(payload={"n": 1}), key="", debounce=0.2, most=0.2) == (
+    assert ledger.debounce.join(new_row(payload={"n": 1}), key="", debounce=0.2, most=0.2) == (
         burst,
         False,
     )
@@ -150,17 +152,18 @@ def test_a_push_never_brings_the_relays_next_send_forward(ledger: Ledger) -> Non
     assert pushed.payload == {"n": 1} and pushed.run_after == queued.run_after  # capped
     assert pushed.next_send_at == queued.next_send_at  # an hour off, as the relay left it
     assert (
-        ledger.take_due(10, max_sends=25, first_backoff=1, max_backoff=1, accepted_backoff=1) == []
+        ledger.relay.take_due(10, max_sends=25, first_backoff=1, max_backoff=1, accepted_backoff=1)
+        == []
     )
     # A later start still brings the relay's look along with it.
-    later, _ = ledger.debounce(new_row(), key="later", debounce=0.5, most=50.0)
+    later, _ = ledger.debounce.join(new_row(), key="later", debounce=0.5, most=50.0)
     with ledger.engine.begin() as conn:
         conn.execute(
             update(dispatch_table)
             .where(dispatch_table.c.id == later)
             .values(next_send_at=db_time())
         )
-    ledger.debounce(new_row(), key="later", debounce=30.0, most=50.0)
+    ledger.debounce.join(new_row(), key="later", debounce=30.0, most=50.0)
     moved = row_of(ledger, later)
     assert moved.next_send_at == moved.run_after
 
@@ -169,15 +172,15 @@ def test_an_early_delivery_gives_the_relay_its_sends_back(ledger: Ledger) -> Non
     """A delivery that came before the row's start reached a worker: the relay's budget of
     sends that found none starts again, so a burst pushed back by a long stream, whose
     early deliveries are dropped one after another, is never given up on."""
-    burst, _ = ledger.debounce(new_row(), key="", debounce=30.0, most=300.0)
+    burst, _ = ledger.debounce.join(new_row(), key="", debounce=30.0, most=300.0)
     with ledger.engine.begin() as conn:
         conn.execute(
             update(dispatch_table)
             .where(dispatch_table.c.id == burst)
             .values(send_count=24, next_send_at=db_time(3600))
         )
-    assert ledger.claim(burst, "debounced", 1, 30).outcome == "early"
-    assert ledger.send_when_due(burst, "debounced", 1) is True
+    assert ledger.claims.claim(burst, "debounced", 1, 30).outcome == "early"
+    assert ledger.claims.send_when_due(burst, "debounced", 1) is True
     row = row_of(ledger, burst)
     assert (row.send_count, row.next_send_at) == (0, row.run_after)
 
@@ -185,19 +188,20 @@ def test_an_early_delivery_gives_the_relay_its_sends_back(ledger: Ledger) -> Non
 def test_a_debounced_row_under_a_taken_slot_is_refused(ledger: Ledger) -> None:
     exclusive = QueuePolicy("exclusive")
     held = new_row(singleton_key="s", policy=exclusive)
-    assert ledger.insert(held)  # a dispatch of the slot, not of a burst
+    assert ledger.dispatches.insert(held)  # a dispatch of the slot, not of a burst
     refused = new_row(singleton_key="s", policy=exclusive)
-    assert ledger.debounce(refused, key="s", debounce=1.0, most=10.0) == (None, False)
+    assert ledger.debounce.join(refused, key="s", debounce=1.0, most=10.0) == (None, False)
     assert ledger.get(refused.id) is None
 
 
 def test_one_window_per_key_measured_from_the_accepted_one(ledger: Ledger) -> None:
     first = new_row("throttled")
-    assert ledger.throttle(first, key="", window=0.5) == "accepted"
+    assert ledger.throttle.insert(first, key="", window=0.5) == "accepted"
     closed = new_row("throttled")
-    assert ledger.throttle(closed, key="", window=0.5) == "closed"
+    assert ledger.throttle.insert(closed, key="", window=0.5) == "closed"
     assert ledger.get(closed.id) is None  # rolled back with the window refused
-    assert ledger.throttle(new_row("throttled"), key="k", window=0.5) == "accepted"  # its own key
+    # Another key of the job has its own window.
+    assert ledger.throttle.insert(new_row("throttled"), key="k", window=0.5) == "accepted"
     with ledger.engine.connect() as conn:
         opens = conn.execute(
             select(throttle_table.c.open_at).where(
@@ -206,7 +210,7 @@ def test_one_window_per_key_measured_from_the_accepted_one(ledger: Ledger) -> No
         ).scalar_one()
     wait_until(lambda: ledger.now() >= opens, "the window to open, by the database's clock")
     again = new_row("throttled")
-    assert ledger.throttle(again, key="", window=0.5) == "accepted"
+    assert ledger.throttle.insert(again, key="", window=0.5) == "accepted"
     with ledger.engine.connect() as conn:
         windows = conn.execute(
             select(throttle_table.c.throttle_key, throttle_table.c.dispatch_id).where(
@@ -217,8 +221,8 @@ def test_one_window_per_key_measured_from_the_accepted_one(ledger: Ledger) -> No
         [("", again.id), ("k", windows[[w[0] for w in windows].index("k")][1])]
     )
     # A window open again an hour ago is pruned, one still closed is not.
-    assert ledger.prune_throttle_windows(older_than=3600) == 0
-    assert ledger.prune_throttle_windows(older_than=-3600) == 2
+    assert ledger.throttle.prune_windows(older_than=3600) == 0
+    assert ledger.throttle.prune_windows(older_than=-3600) == 2
 
 
 def test_a_known_key_takes_no_window(ledger: Ledger) -> None:
@@ -229,8 +233,8 @@ def test_a_known_key_takes_no_window(ledger: Ledger) -> None:
         options=StoredOptions(),
         idempotency_key="k1",
     )
-    assert ledger.throttle(keyed, key="", window=60) == "accepted"
-    assert ledger.throttle(keyed, key="", window=60) == "not inserted"
+    assert ledger.throttle.insert(keyed, key="", window=60) == "accepted"
+    assert ledger.throttle.insert(keyed, key="", window=60) == "not inserted"
 
 
 # --- real workers: PostgreSQL, Redis, a prefork worker ----------------------------------------
@@ -722,15 +726,15 @@ def test_a_burst_and_a_window_on_sqlite_with_a_real_worker(sqlite_fs: Stack) -> 
 def test_the_statements_carry_a_pooled_ledgers_settings(pooled_stack: Stack) -> None:
     ledger = pooled_stack.ledger  # through PgBouncer in transaction mode, pooled=True
     key = uuid.uuid4().hex
-    burst, inserted = ledger.debounce(new_row(payload={"n": 1}), key=key, debounce=30, most=60)
+    burst, inserted = ledger.debounce.join(new_row(payload={"n": 1}), key=key, debounce=30, most=60)
     assert inserted
-    assert ledger.debounce(new_row(payload={"n": 2}), key=key, debounce=30, most=60) == (
+    assert ledger.debounce.join(new_row(payload={"n": 2}), key=key, debounce=30, most=60) == (
         burst,
         False,
     )
     assert row_of(ledger, burst).payload == {"n": 2}
-    assert ledger.throttle(new_row("throttled"), key=key, window=30) == "accepted"
-    assert ledger.throttle(new_row("throttled"), key=key, window=30) == "closed"
+    assert ledger.throttle.insert(new_row("throttled"), key=key, window=30) == "accepted"
+    assert ledger.throttle.insert(new_row("throttled"), key=key, window=30) == "closed"
 
 
 def test_a_debounced_publish_on_a_bare_connection_is_sent_by_the_relay(

@@ -161,7 +161,7 @@ def _fill(ledger: Ledger) -> dict[str, str]:
 
 def _open_site(url: str) -> Iterator[Site]:
     ledger = open_ledger(url)
-    ledger.migrate()
+    ledger.migration.migrate()
     ids = _fill(ledger)
     django_site.use_database(url)
     client = Client()
@@ -339,7 +339,7 @@ FIXTURE_ID = str(uuid.UUID(hashlib.md5(b"qp1233").hexdigest()))
 def big_site(postgres: PostgresServer) -> Iterator[Site]:
     url = postgres.create_database("admin_big")
     ledger = open_ledger(url)
-    ledger.migrate()
+    ledger.migration.migrate()
     fill(ledger.engine, SCALE_ROWS)
     # The fixture's ids are not derived from its keys; a published keyed dispatch's is.
     keyed = derive_dispatch_id("job-9", "order-x-1")

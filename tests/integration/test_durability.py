@@ -158,7 +158,7 @@ def test_a_stale_copy_of_a_pruned_dispatch_is_not_taken_back(make_stack: StackFa
     stack.wait_status(dispatch_id, "completed")
     # Pruned once it is 4 s old: its message, published before, is older still.
     wait_until(
-        lambda: stack.ledger.prune_schedule_history(
+        lambda: stack.ledger.retention.prune_schedule_history(
             key_prefix=FIRE_KEY_PREFIX, older_than=4, limit=10
         ),
         "the fire's row old enough to prune",

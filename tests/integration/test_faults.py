@@ -653,10 +653,10 @@ def test_a_ledger_that_refuses_or_cannot_be_reached_says_which_and_what_to_do(
     ledger = open_ledger("postgresql://" + url.format(**values))
     try:
         if says is None:
-            assert ledger.migrate() > 0
+            assert ledger.migration.migrate() > 0
             return
         with pytest.raises(LedgerUnavailableError) as caught:
-            ledger.migrate()
+            ledger.migration.migrate()
         assert str(caught.value).startswith("the dispatch ledger database "), caught.value
         assert says.format(**values) in str(caught.value)
         assert "wrong-one" not in str(caught.value)

@@ -52,10 +52,10 @@ def test_the_fences_statements_on_the_drivers_cursor_are_sqlalchemys_own(
 
     monkeypatch.setattr(DriverStatement, "run", counted)
     shortcut, token = claimed(pg_ledger)
-    assert pg_ledger.renew(shortcut, token, 60) is True
+    assert pg_ledger.claims.renew(shortcut, token, 60) is True
     assert kinds() == ["INSERT", "UPDATE", "UPDATE"]
     # Our own claim again (a try whose reply was lost): nothing matches, the row is read.
-    claimed_direct = pg_ledger.claim(shortcut, JOB, 1, 60, token)
+    claimed_direct = pg_ledger.claims.claim(shortcut, JOB, 1, 60, token)
     assert claimed_direct.outcome == "claimed" and len(direct_runs) == 4
     assert claimed_direct.row == row_of(pg_ledger, shortcut)
 
@@ -66,15 +66,15 @@ def test_the_fences_statements_on_the_drivers_cursor_are_sqlalchemys_own(
 
     with _listening(pg_ledger, "before_cursor_execute", listener):
         traced, traced_token = claimed(pg_ledger)
-        assert pg_ledger.finish(traced, traced_token, "completed", None) is True
+        assert pg_ledger.claims.finish(traced, traced_token, "completed", None) is True
     assert len(direct_runs) == 4, "a listened-to engine's statement skipped SQLAlchemy"
     assert direct_runs[0] in seen and direct_runs[1] in seen, (
         "the driver's SQL is not the one SQLAlchemy runs"
     )
     # The claim's row, as each path returns it: the same values, of the same types.
     fresh = new_row(idempotency_key=None)
-    assert pg_ledger.insert(fresh)
-    through_driver = pg_ledger.claim(fresh.id, JOB, 1, 60)
+    assert pg_ledger.dispatches.insert(fresh)
+    through_driver = pg_ledger.claims.claim(fresh.id, JOB, 1, 60)
     assert kinds()[4:] == ["INSERT", "UPDATE"]
     assert through_driver.row is not None
     by_sqlalchemy = row_of(pg_ledger, fresh.id)
@@ -82,7 +82,7 @@ def test_the_fences_statements_on_the_drivers_cursor_are_sqlalchemys_own(
     for name in DispatchRow.__dataclass_fields__:
         ours, theirs = getattr(through_driver.row, name), getattr(by_sqlalchemy, name)
         assert type(ours) is type(theirs), name
-    assert pg_ledger.finish(fresh.id, through_driver.token or "", "completed", None) is True
+    assert pg_ledger.claims.finish(fresh.id, through_driver.token or "", "completed", None) is True
     assert len(direct_runs) == 7
     assert row_of(pg_ledger, fresh.id).status == "completed"
 
@@ -113,12 +113,12 @@ def test_a_listener_of_any_execution_event_sees_the_hottest_statements(
         return real_run(self, conn, params)
 
     monkeypatch.setattr(DriverStatement, "run", counted)
-    assert pg_ledger.insert(new_row()) is True
+    assert pg_ledger.dispatches.insert(new_row()) is True
     assert len(direct_runs) == 1  # unwatched: on the driver's cursor
     heard: list[object] = []
     with _listening(pg_ledger, name, lambda *args, **_: heard.append(args)):
         dispatch_id, token = claimed(pg_ledger)
-        assert pg_ledger.finish(dispatch_id, token, "completed", None) is True
+        assert pg_ledger.claims.finish(dispatch_id, token, "completed", None) is True
     assert len(direct_runs) == 1, f"a statement skipped the {name} listener"
     if name.endswith("execute"):  # (nothing failed, and autocommit commits nothing)
         assert heard
@@ -131,7 +131,7 @@ def test_sqlalchemys_statement_log_shows_the_hottest_statements_too(
     claim and the outcome are logged like every other statement."""
     with caplog.at_level(logging.INFO, logger="sqlalchemy.engine"):
         dispatch_id, token = claimed(pg_ledger)
-        assert pg_ledger.finish(dispatch_id, token, "completed", None) is True
+        assert pg_ledger.claims.finish(dispatch_id, token, "completed", None) is True
     logged = [
         r.getMessage().split()[0] for r in caplog.records if r.name.startswith("sqlalchemy.engine")
     ]
@@ -155,14 +155,14 @@ def test_listeners_of_the_engines_execution_and_errors_see_the_hottest_statement
 
     with _listening(pg_ledger, "before_execute", before):
         dispatch_id, token = claimed(pg_ledger)
-        assert pg_ledger.finish(dispatch_id, token, "completed", None) is True
+        assert pg_ledger.claims.finish(dispatch_id, token, "completed", None) is True
     assert seen.count("Insert") == 1 and seen.count("Update") == 2, seen
     with _listening(pg_ledger, "handle_error", on_error):
         first = new_row(idempotency_key=None, policy=QueuePolicy.SINGLETON, singleton_key="s")
         second = new_row(idempotency_key=None, policy=QueuePolicy.SINGLETON, singleton_key="s")
-        assert pg_ledger.insert(first) and pg_ledger.insert(second)
-        assert pg_ledger.claim(first.id, JOB, 1, 60).outcome == "claimed"
-        assert pg_ledger.claim(second.id, JOB, 1, 60).outcome == "blocked"
+        assert pg_ledger.dispatches.insert(first) and pg_ledger.dispatches.insert(second)
+        assert pg_ledger.claims.claim(first.id, JOB, 1, 60).outcome == "claimed"
+        assert pg_ledger.claims.claim(second.id, JOB, 1, 60).outcome == "blocked"
     assert heard == ["23505"], heard  # the slot index's unique violation
 
 
@@ -174,13 +174,13 @@ def test_a_failure_on_the_drivers_cursor_is_sqlalchemys_to_handle(
     singleton slot (SlotTaken, a blocked claim), and a dropped connection (reconnected)."""
     first = new_row(idempotency_key=None, policy=QueuePolicy.SINGLETON, singleton_key="s")
     second = new_row(idempotency_key=None, policy=QueuePolicy.SINGLETON, singleton_key="s")
-    assert pg_ledger.insert(first) and pg_ledger.insert(second)
-    assert pg_ledger.claim(first.id, JOB, 1, 60).outcome == "claimed"
-    assert pg_ledger.claim(second.id, JOB, 1, 60).outcome == "blocked"
+    assert pg_ledger.dispatches.insert(first) and pg_ledger.dispatches.insert(second)
+    assert pg_ledger.claims.claim(first.id, JOB, 1, 60).outcome == "claimed"
+    assert pg_ledger.claims.claim(second.id, JOB, 1, 60).outcome == "blocked"
     assert row_of(pg_ledger, second.id).status == "pending"
     drop_connections(postgres, pg_ledger)
     with caplog.at_level(logging.INFO, logger="questpie_celery.ledger.store"):
-        assert pg_ledger.claim(second.id, JOB, 1, 60).outcome == "blocked"
+        assert pg_ledger.claims.claim(second.id, JOB, 1, 60).outcome == "blocked"
     assert any("reconnecting" in r.getMessage() for r in caplog.records)
 
 
@@ -200,7 +200,7 @@ def test_a_handle_error_listener_that_counts_more_errors_as_disconnects_still_wo
         dispatch_id, token = claimed(pg_ledger)
         with pg_ledger.engine.connect() as conn:  # the pool's one idle connection
             conn.exec_driver_sql("SET default_transaction_read_only = on")
-        assert pg_ledger.finish(dispatch_id, token, "completed", None) is True
+        assert pg_ledger.claims.finish(dispatch_id, token, "completed", None) is True
     assert row_of(pg_ledger, dispatch_id).status == "completed"
 
 
@@ -210,7 +210,7 @@ def test_a_select_on_the_drivers_cursor_returns_rows_and_escaped_names_bind(
     """A SELECT returns its rows, as through SQLAlchemy, not a row count; and a bind whose
     name SQLAlchemy escapes (a space) gets its value, through its type's processor."""
     new = new_row()
-    assert pg_ledger.insert(new) is True
+    assert pg_ledger.dispatches.insert(new) is True
     exists = DriverStatement(select(dispatch_table.c.id).where(by_id()), pg_ledger.engine)
     with pg_ledger.engine.connect() as conn:
         assert exists.run(conn, {"dispatch_id": new.id}) == [{"id": new.id}]
@@ -236,12 +236,12 @@ def test_a_ledger_on_an_engine_of_ones_own_keeps_its_execution_options(
         conn.execute(text("CREATE SCHEMA tenant"))
     tenant = Ledger(plain.execution_options(schema_translate_map={None: "tenant"}))
     try:
-        tenant.migrate()
+        tenant.migration.migrate()
         new = new_row()
-        assert tenant.insert(new) is True
-        claim = tenant.claim(new.id, JOB, 1, 60)
+        assert tenant.dispatches.insert(new) is True
+        claim = tenant.claims.claim(new.id, JOB, 1, 60)
         assert claim.outcome == "claimed" and claim.token is not None
-        assert tenant.finish(new.id, claim.token, "completed", None) is True
+        assert tenant.claims.finish(new.id, claim.token, "completed", None) is True
         assert pg_ledger.get(new.id) is None, "the tenant's row went into the other ledger"
         assert row_of(tenant, new.id).status == "completed"
     finally:
@@ -256,7 +256,7 @@ def test_a_claim_meeting_a_held_row_waits_the_lock_timeout_once(
     lock timeout (PG_LOCK_TIMEOUT_MS); an error of the database on the driver's cursor is
     not run again, on that cursor or through SQLAlchemy."""
     locked = new_row()
-    assert pg_ledger.insert(locked)
+    assert pg_ledger.dispatches.insert(locked)
     caller = create_engine(pg_ledger.engine.url.render_as_string(hide_password=False))
     try:
         with caller.begin() as conn:
@@ -266,7 +266,7 @@ def test_a_claim_meeting_a_held_row_waits_the_lock_timeout_once(
                 .with_for_update()
             )
             with lock_timeouts(monkeypatch) as timeouts, pytest.raises(LedgerBusyError):
-                pg_ledger.claim(locked.id, JOB, 1, 60)
+                pg_ledger.claims.claim(locked.id, JOB, 1, 60)
     finally:
         caller.dispose()
     assert len(timeouts) == 1, timeouts
@@ -281,8 +281,8 @@ def test_only_the_ledgers_own_postgresql_engines_share_inserts(pg_db: str) -> No
     own = open_ledger(pg_db)
     passed_in = Ledger(create_engine(pg_db))
     try:
-        assert own.inserts_in_batches is True
-        assert passed_in.inserts_in_batches is False
+        assert own.dispatches.inserts_in_batches is True
+        assert passed_in.dispatches.inserts_in_batches is False
     finally:
         own.close()
         passed_in.close()

@@ -22,7 +22,7 @@ def _due(ledger: Ledger, count: int, **values: Any) -> list[str]:
     ids = []
     for _ in range(count):
         new = new_row(idempotency_key=None, send_in=0.0)
-        assert ledger.insert(new) is True
+        assert ledger.dispatches.insert(new) is True
         ids.append(new.id)
     if values:
         with ledger.engine.begin() as conn:
@@ -47,7 +47,7 @@ def test_take_due_counts_each_send_and_backs_it_off(ledger: Ledger) -> None:
     spent = _due(ledger, 1, send_count=25)
     _due(ledger, 1, next_send_at=datetime.now(UTC) + timedelta(hours=1))  # not due yet
     before = ledger.now()
-    taken = ledger.take_due(100, max_sends=25, **BACKOFF)
+    taken = ledger.relay.take_due(100, max_sends=25, **BACKOFF)
     after = ledger.now()
     assert sorted(r.id for r in taken) == sorted(fresh + resent + capped + accepted)
     by_id = {r.id: r for r in taken}
@@ -62,15 +62,15 @@ def test_take_due_counts_each_send_and_backs_it_off(ledger: Ledger) -> None:
         assert by_id[dispatch_id].send_count == count
         assert _due_after(by_id[dispatch_id], ahead, before, after), (ahead, before, after)
     # Backed off: not due again. Out of sends: left for give_up.
-    assert ledger.take_due(100, max_sends=25, **BACKOFF) == []
-    assert [r.id for r in ledger.due_out_of_sends(25)] == spent
+    assert ledger.relay.take_due(100, max_sends=25, **BACKOFF) == []
+    assert [r.id for r in ledger.relay.due_out_of_sends(25)] == spent
 
 
 def test_give_back_uncounts_only_the_take_it_names(ledger: Ledger) -> None:
     first, second = _due(ledger, 2)
-    taken = {r.id: r for r in ledger.take_due(10, max_sends=25, **BACKOFF)}
+    taken = {r.id: r for r in ledger.relay.take_due(10, max_sends=25, **BACKOFF)}
     before = ledger.now()
-    ledger.give_back([taken[first]], send_in=5.0)
+    ledger.relay.give_back([taken[first]], send_in=5.0)
     after = ledger.now()
     row = row_of(ledger, first)
     assert row.send_count == 0 and _due_after(row, 5.0, before, after), (row, before, after)
@@ -81,7 +81,7 @@ def test_give_back_uncounts_only_the_take_it_names(ledger: Ledger) -> None:
             .where(dispatch_table.c.id == second)
             .values(send_count=2, next_send_at=datetime.now(UTC) + timedelta(seconds=8))
         )
-    ledger.give_back([taken[second]], send_in=5.0)
+    ledger.relay.give_back([taken[second]], send_in=5.0)
     assert row_of(ledger, second).send_count == 2
 
 
@@ -94,7 +94,7 @@ def test_relays_taking_at_once_never_share_a_row(ledger: Ledger) -> None:
 
     def drain(index: int) -> None:
         start.wait()
-        while batch := relays[index].take_due(25, max_sends=25, **BACKOFF):
+        while batch := relays[index].relay.take_due(25, max_sends=25, **BACKOFF):
             taken[index] += [row.id for row in batch]
 
     threads = [threading.Thread(target=drain, args=(i,)) for i in range(len(relays))]
@@ -110,11 +110,11 @@ def test_relays_taking_at_once_never_share_a_row(ledger: Ledger) -> None:
 
 
 def test_wake_relays_notifies_listeners_at_commit_only(ledger: Ledger) -> None:
-    wakeups = ledger.send_wakeups()
+    wakeups = ledger.relay.send_wakeups()
     if ledger.dialect == "sqlite":
         assert wakeups is None  # SQLite has no notifications: relays poll
         with ledger.engine.begin() as conn:
-            ledger.wake_relays(conn)  # and waking them is a no-op
+            ledger.relay.wake_relays(conn)  # and waking them is a no-op
         return
     assert wakeups is not None
     # The caller's transactions: not the ledger's own autocommit.
@@ -125,14 +125,14 @@ def test_wake_relays_notifies_listeners_at_commit_only(ledger: Ledger) -> None:
         # Nothing to hear yet: the wait's own timeout (what it measures) runs out.
         assert wakeups.wait(0.1) is False
         with caller.begin() as conn:
-            ledger.wake_relays(conn)
-            ledger.wake_relays(conn)
+            ledger.relay.wake_relays(conn)
+            ledger.relay.wake_relays(conn)
             assert heard.until_control() == [], "notified before the commit"
         assert heard.until_control() == [""], "one commit, one wake-up"
         assert wakeups.wait(5) is True  # the relay's listener heard it (and the controls)
         with caller.connect() as conn:
             transaction = conn.begin()
-            ledger.wake_relays(conn)
+            ledger.relay.wake_relays(conn)
             transaction.rollback()
         assert heard.until_control() == [], "a rolled-back transaction woke the relays"
     finally:

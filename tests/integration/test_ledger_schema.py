@@ -21,23 +21,23 @@ from tests.support.ledgers import JOB, new_row, row_of
 
 
 def test_migrate_is_idempotent_and_matches_metadata(ledger: Ledger) -> None:
-    first_id = ledger.ledger_id()
-    assert ledger.migrate() == SCHEMA_VERSION
-    assert ledger.migrate() == SCHEMA_VERSION
+    first_id = ledger.migration.ledger_id()
+    assert ledger.migration.migrate() == SCHEMA_VERSION
+    assert ledger.migration.migrate() == SCHEMA_VERSION
     assert ledger.schema_version() == SCHEMA_VERSION
     tables = set(inspect(ledger.engine).get_table_names())
     assert set(metadata.tables) <= tables
     # One identity for the database, whoever asks, however often it is migrated.
     again = Ledger(ledger.engine)
-    assert again.ledger_id() == first_id
+    assert again.migration.ledger_id() == first_id
     fresh = open_ledger(ledger.engine.url.render_as_string(hide_password=False))
     try:
-        assert fresh.migrate() == SCHEMA_VERSION
-        assert fresh.ledger_id() == first_id
+        assert fresh.migration.migrate() == SCHEMA_VERSION
+        assert fresh.migration.ledger_id() == first_id
     finally:
         fresh.close()
     with ledger.engine.connect() as conn:
-        assert ledger.ledger_id(conn) == first_id
+        assert ledger.migration.ledger_id(conn) == first_id
 
 
 def empty_database(request: pytest.FixtureRequest, tmp_path: Path, dialect: str) -> str:
@@ -55,9 +55,9 @@ def test_missing_tables_give_a_schema_error(
     ledger = open_ledger(empty_database(request, tmp_path, dialect))
     try:
         with pytest.raises(LedgerSchemaError, match="migrate"):
-            ledger.insert(new_row())
+            ledger.dispatches.insert(new_row())
         with pytest.raises(LedgerSchemaError):
-            ledger.ledger_id()
+            ledger.migration.ledger_id()
     finally:
         ledger.close()
 
@@ -70,7 +70,7 @@ def test_a_missing_column_gives_a_schema_error(
     to migrate, which the fence and the publisher wait out or report, not as a failure."""
     ledger = open_ledger(empty_database(request, tmp_path, dialect))
     try:
-        ledger.migrate()
+        ledger.migration.migrate()
         with ledger.engine.begin() as conn:
             conn.exec_driver_sql(f"ALTER TABLE {dispatch_table.name} DROP COLUMN started_at")
         with pytest.raises(LedgerSchemaError, match="run `questpie-celery migrate`"):
@@ -82,8 +82,8 @@ def test_a_missing_column_gives_a_schema_error(
 def test_two_ledgers_have_different_identities(ledger: Ledger, tmp_path: Path) -> None:
     other = open_ledger(f"sqlite:///{tmp_path / 'other.sqlite3'}")
     try:
-        other.migrate()
-        assert other.ledger_id() != ledger.ledger_id()
+        other.migration.migrate()
+        assert other.migration.ledger_id() != ledger.migration.ledger_id()
     finally:
         other.close()
 
@@ -91,19 +91,21 @@ def test_two_ledgers_have_different_identities(ledger: Ledger, tmp_path: Path) -
 def test_pruning_records_how_far_back_rows_may_be_gone_and_never_moves_it_back(
     ledger: Ledger,
 ) -> None:
-    assert ledger.pruned_before() is None  # nothing was ever pruned
+    assert ledger.retention.pruned_before() is None  # nothing was ever pruned
     before = ledger.now()
-    ledger.prune_schedule_history(key_prefix="questpie-schedule:", older_than=3600, limit=10)
+    ledger.retention.prune_schedule_history(
+        key_prefix="questpie-schedule:", older_than=3600, limit=10
+    )
     after = ledger.now()
-    first = ledger.pruned_before()
+    first = ledger.retention.pruned_before()
     assert first is not None
     # An hour before the prune, by the database's clock.
     hour = timedelta(hours=1)
     assert before - hour <= first <= after - hour, (before, first, after)
-    ledger.prune_ended(keyed=False, older_than=7 * 86400, limit=10, spare_key_prefix="x")
-    assert ledger.pruned_before() == first  # an older cutoff does not move it back
-    ledger.prune_ended(keyed=True, older_than=60, limit=10, spare_key_prefix="x")
-    later = ledger.pruned_before()
+    ledger.retention.prune_ended(keyed=False, older_than=7 * 86400, limit=10, spare_key_prefix="x")
+    assert ledger.retention.pruned_before() == first  # an older cutoff does not move it back
+    ledger.retention.prune_ended(keyed=True, older_than=60, limit=10, spare_key_prefix="x")
+    later = ledger.retention.pruned_before()
     assert later is not None and later > first
 
 
@@ -126,15 +128,15 @@ def test_a_dispatch_id_of_any_storable_shape_is_a_row_like_any_other(
 ) -> None:
     assert unstorable_id(odd) is None
     new = new_row(odd, idempotency_key=None)
-    assert ledger.insert(new) is True
-    assert ledger.insert(new) is False
-    assert ledger.exists(odd) and ledger.existing([odd, "other"]) == {odd}
-    claim = ledger.claim(odd, JOB, 1, 60)
+    assert ledger.dispatches.insert(new) is True
+    assert ledger.dispatches.insert(new) is False
+    assert ledger.dispatches.exists(odd) and ledger.dispatches.existing([odd, "other"]) == {odd}
+    claim = ledger.claims.claim(odd, JOB, 1, 60)
     assert claim.outcome == "claimed" and claim.token is not None
-    assert ledger.claim(odd, JOB, 1, 60).outcome == "busy"
-    assert ledger.finish(odd, claim.token, "completed", None)
+    assert ledger.claims.claim(odd, JOB, 1, 60).outcome == "busy"
+    assert ledger.claims.finish(odd, claim.token, "completed", None)
     assert row_of(ledger, odd).status == "completed"
-    assert ledger.claim(odd, JOB, 1, 60).outcome == "done"
+    assert ledger.claims.claim(odd, JOB, 1, 60).outcome == "done"
 
 
 def test_ids_the_ledger_cannot_store_are_named_with_the_reason() -> None:
@@ -148,10 +150,10 @@ def test_ids_the_ledger_cannot_store_are_named_with_the_reason() -> None:
 def test_migrating_a_version_4_ledger_widens_its_dispatch_ids(ledger: Ledger) -> None:
     """A ledger made before version 5 held ids of at most 36 characters."""
     kept = new_row()
-    assert ledger.insert(kept)
+    assert ledger.dispatches.insert(kept)
     before = _make_version_4(ledger)
-    assert ledger.migrate() == SCHEMA_VERSION
-    assert ledger.migrate() == SCHEMA_VERSION
+    assert ledger.migration.migrate() == SCHEMA_VERSION
+    assert ledger.migration.migrate() == SCHEMA_VERSION
     if ledger.dialect == "postgresql":
         inspector = inspect(ledger.engine)
         for table, name in (
@@ -163,8 +165,8 @@ def test_migrating_a_version_4_ledger_widens_its_dispatch_ids(ledger: Ledger) ->
         # A change to the catalog only: neither the table nor its indexes were rewritten.
         assert _storage(ledger) == before
     long_id = "plain-call-" + "x" * 200
-    assert ledger.insert(new_row(long_id, idempotency_key=None))
-    assert ledger.claim(long_id, JOB, 1, 60).outcome == "claimed"
+    assert ledger.dispatches.insert(new_row(long_id, idempotency_key=None))
+    assert ledger.claims.claim(long_id, JOB, 1, 60).outcome == "claimed"
     assert row_of(ledger, kept.id).payload == kept.payload  # the old row came through
 
 
@@ -196,7 +198,7 @@ def _make_version_4(ledger: Ledger) -> dict[str, int]:
     # A longer id waits for the migration (a schema error, which the fence waits out)
     # rather than meeting the old width (PostgreSQL would refuse it).
     with pytest.raises(LedgerSchemaError, match="run `questpie-celery migrate`"):
-        ledger.insert(new_row("y" * 37, idempotency_key=None))
+        ledger.dispatches.insert(new_row("y" * 37, idempotency_key=None))
     return _storage(ledger) if ledger.dialect == "postgresql" else {}
 
 
@@ -217,13 +219,15 @@ def test_a_process_running_across_the_migration_goes_on(
     aledger = AsyncLedger(pg_ledger)
     loop = asyncio.new_event_loop()
     kept = new_row(idempotency_key=None)
-    assert pg_ledger.insert(kept)
+    assert pg_ledger.dispatches.insert(kept)
 
     def hot_path(*, ours_only: bool = False) -> None:
-        assert pg_ledger.insert(new_row(idempotency_key=None))
+        assert pg_ledger.dispatches.insert(new_row(idempotency_key=None))
         assert row_of(pg_ledger, kept.id).id == kept.id
-        assert pg_ledger.claim(random_dispatch_id(), JOB, 1, 60).outcome == "unknown"
-        pg_ledger.take_due(10, max_sends=5, first_backoff=1, max_backoff=5, accepted_backoff=5)
+        assert pg_ledger.claims.claim(random_dispatch_id(), JOB, 1, 60).outcome == "unknown"
+        pg_ledger.relay.take_due(
+            10, max_sends=5, first_backoff=1, max_backoff=5, accepted_backoff=5
+        )
         assert loop.run_until_complete(aledger.insert(new_row(idempotency_key=None)))
         assert loop.run_until_complete(aledger.get(kept.id)) is not None
         if not ours_only:
@@ -234,7 +238,7 @@ def test_a_process_running_across_the_migration_goes_on(
             hot_path()
         other = open_ledger(pg_db)
         try:
-            assert other.migrate() == SCHEMA_VERSION
+            assert other.migration.migrate() == SCHEMA_VERSION
         finally:
             other.close()
         with pytest.raises(LedgerUnavailableError, match="prepare_threshold"):
@@ -245,8 +249,8 @@ def test_a_process_running_across_the_migration_goes_on(
             "no statement met its stale plan"
         )
         fresh = new_row("plain-call-" + "x" * 40, idempotency_key=None)
-        assert pg_ledger.insert(fresh)
-        assert pg_ledger.claim(fresh.id, JOB, 1, 60).outcome == "claimed"
+        assert pg_ledger.dispatches.insert(fresh)
+        assert pg_ledger.claims.claim(fresh.id, JOB, 1, 60).outcome == "claimed"
     finally:
         loop.run_until_complete(aledger.close())
         loop.close()

@@ -87,20 +87,20 @@ class Transitions(RuleBasedStateMachine):
             policy=QueuePolicy.SINGLETON,
             singleton_key=random_dispatch_id(),
         )
-        assert self.ledger.insert(new)
+        assert self.ledger.dispatches.insert(new)
         self.ids.append(new.id)
 
     @rule(index=st.integers(0, 2), ago=st.floats(0, 0.5))
     def acceptance_mark(self, index: int, ago: float) -> None:
         row = self._pick(index)
         if row is not None:  # early or late, on any row: the publisher's batch
-            self.ledger.mark_queued([row.id], 3600, accepted_ago=ago)
+            self.ledger.dispatches.mark_queued([row.id], 3600, accepted_ago=ago)
 
     @rule(index=st.integers(0, 2), lease=st.sampled_from([60.0, -1.0]))
     def claim(self, index: int, lease: float) -> None:
         row = self._pick(index)
         if row is not None and row.status in ("pending", "queued", "retry"):
-            claim = self.ledger.claim(row.id, JOB, row.attempt + 1, lease)
+            claim = self.ledger.claims.claim(row.id, JOB, row.attempt + 1, lease)
             if claim.token is not None:
                 self.tokens[row.id] = claim.token
 
@@ -111,15 +111,15 @@ class Transitions(RuleBasedStateMachine):
             return
         token = self.tokens[row.id]
         if outcome == "retry":
-            self.ledger.retry(row.id, token, retry_in=0, relay_in=0, error="E")
+            self.ledger.claims.retry(row.id, token, retry_in=0, relay_in=0, error="E")
         else:
-            self.ledger.finish(row.id, token, outcome, "E" if outcome == "failed" else None)  # type: ignore[arg-type]
+            self.ledger.claims.finish(row.id, token, outcome, "E" if outcome == "failed" else None)  # type: ignore[arg-type]
 
     @rule(index=st.integers(0, 2), again=st.booleans())
     def lease_lapses(self, index: int, again: bool) -> None:
         row = self._pick(index)
-        if row is not None and row in self.ledger.expired_claims():
-            self.ledger.lapse(row, retry_in=0 if again else None, relay_in=0)
+        if row is not None and row in self.ledger.claims.expired():
+            self.ledger.claims.lapse(row, retry_in=0 if again else None, relay_in=0)
 
     @rule(index=st.integers(0, 2))
     def park_and_unpark(self, index: int) -> None:
@@ -127,13 +127,15 @@ class Transitions(RuleBasedStateMachine):
         if row is None:
             return
         if row.status == "parked" and row.slot is not None:
-            self.ledger.unpark_next(JOB, row.slot, 3600)
+            self.ledger.slots.unpark_next(JOB, row.slot, 3600)
         elif row.status in ("pending", "queued", "retry"):
-            self.ledger.park(row.id, JOB, row.attempt + 1)
+            self.ledger.slots.park(row.id, JOB, row.attempt + 1)
 
     @rule()
     def relay_sends(self) -> None:
-        self.ledger.take_due(50, max_sends=25, first_backoff=0, max_backoff=0, accepted_backoff=0)
+        self.ledger.relay.take_due(
+            50, max_sends=25, first_backoff=0, max_backoff=0, accepted_backoff=0
+        )
 
     @rule(index=st.integers(0, 2), how=st.sampled_from(["give up", "revoke", "lost"]))
     def unrun(self, index: int, how: str) -> None:
@@ -141,24 +143,24 @@ class Transitions(RuleBasedStateMachine):
         if row is None or row.status not in ("pending", "queued", "retry"):
             return
         if how == "give up":
-            self.ledger.give_up(row)
+            self.ledger.relay.give_up(row)
         elif how == "revoke":
-            self.ledger.end_unclaimed(row.id, JOB, row.attempt + 1, "Revoked")
+            self.ledger.claims.end_unclaimed(row.id, JOB, row.attempt + 1, "Revoked")
         else:
-            self.ledger.send_unclaimed_now(row.id, JOB, row.attempt + 1, horizon=60)
+            self.ledger.claims.send_unclaimed_now(row.id, JOB, row.attempt + 1, horizon=60)
 
     @rule(index=st.integers(0, 2))
     def requeue(self, index: int) -> None:
         row = self._pick(index)
         if row is not None and row.status == "failed":
-            self.ledger.requeue(row.id)
+            self.ledger.views.requeue(row.id)
 
     @rule(index=st.integers(0, 2))
     def cancel(self, index: int) -> None:
         row = self._pick(index)
         if row is None:
             return
-        done = self.ledger.cancel(row.id)
+        done = self.ledger.cancels.cancel(row.id)
         if done.outcome == "cancelled":
             assert done.row is not None
             self.cancelled_unstarted[row.id] = done.row.attempt
@@ -172,9 +174,9 @@ class Transitions(RuleBasedStateMachine):
             return
         token = self.tokens[row.id]
         if how == "rate set-back":
-            self.ledger.wait_for_rate(row.id, token, retry_in=0, relay_in=0)
+            self.ledger.limits.wait_for_rate(row.id, token, retry_in=0, relay_in=0)
             return
-        ended = self.ledger.end_unrun(row.id, token)
+        ended = self.ledger.claims.end_unrun(row.id, token)
         assert (ended is not None) == (row.cancel_requested_at is not None)
         if ended is not None:
             assert ended.status == "cancelled" and ended.attempt == row.attempt - 1

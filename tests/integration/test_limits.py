@@ -117,7 +117,7 @@ def test_waiting_runs_say_why_and_go_by_priority_then_age(two_workers: Stack) ->
         status = stack.questpie.queue.get_status(dispatch_id)
         assert status is not None
         assert status.waiting_for == "concurrency" and status.group_key == g
-    counts = {(c.job_name, c.group_key): c for c in stack.ledger.group_counts()}
+    counts = {(c.job_name, c.group_key): c for c in stack.ledger.limits.group_counts()}
     assert counts[("limit.one", g)].running == 1
     assert counts[("limit.one", g)].waiting_for_concurrency == 3
     listing = CliRunner().invoke(
@@ -216,7 +216,7 @@ def test_concurrency_limit_on_sqlite_with_two_workers(sqlite_fs: Stack) -> None:
 def _rows(ledger: Ledger, job: str, grp: str, count: int) -> list[str]:
     ids = [f"{job}-{uuid.uuid4().hex}" for _ in range(count)]
     for dispatch_id in ids:
-        assert ledger.insert(
+        assert ledger.dispatches.insert(
             NewDispatch(
                 id=dispatch_id,
                 job_name=job,
@@ -237,7 +237,7 @@ def test_concurrent_claims_never_take_more_seats_than_the_limit(ledger: Ledger) 
 
     def claim(dispatch_id: str) -> None:
         barrier.wait()
-        outcomes[dispatch_id] = ledger.claim(dispatch_id, job, 1, 30, concurrency=3).outcome
+        outcomes[dispatch_id] = ledger.claims.claim(dispatch_id, job, 1, 30, concurrency=3).outcome
 
     threads = [threading.Thread(target=claim, args=(i,)) for i in ids]
     for thread in threads:
@@ -252,9 +252,9 @@ def test_concurrent_claims_never_take_more_seats_than_the_limit(ledger: Ledger) 
     # A run that ends frees its seat: the next claim takes that one.
     finished = ledger.get(claimed[1])
     assert finished is not None and finished.claim_token is not None
-    assert ledger.finish(finished.id, finished.claim_token, "completed", None)
+    assert ledger.claims.finish(finished.id, finished.claim_token, "completed", None)
     waiting = next(i for i in ids if i not in claimed)
-    again = ledger.claim(waiting, job, 1, 30, concurrency=3)
+    again = ledger.claims.claim(waiting, job, 1, 30, concurrency=3)
     assert again.outcome == "claimed" and again.row is not None
     assert again.row.seat == finished.seat
 
@@ -267,7 +267,7 @@ def test_concurrent_starts_take_at_most_the_rate(ledger: Ledger) -> None:
 
     def start() -> None:
         barrier.wait()
-        answer = ledger.take_permit(job, "g", 3, 60.0)
+        answer = ledger.limits.take_permit(job, "g", 3, 60.0)
         with lock:
             taken.append(answer)
 
@@ -279,7 +279,7 @@ def test_concurrent_starts_take_at_most_the_rate(ledger: Ledger) -> None:
     assert taken.count(None) == 3
     # Those refused learn how long until a start frees: about the window.
     assert all(answer is not None and 0 <= answer <= 60 for answer in taken if answer is not None)
-    assert ledger.take_permit(job, "other", 3, 60.0) is None  # another group: its own
+    assert ledger.limits.take_permit(job, "other", 3, 60.0) is None  # another group: its own
 
 
 def test_migrating_a_version_5_ledger_adds_the_limits(ledger: Ledger) -> None:
@@ -296,8 +296,8 @@ def test_migrating_a_version_5_ledger_adds_the_limits(ledger: Ledger) -> None:
             ("questpie_schedule", "group_key"),
         ):
             conn.execute(text(f"ALTER TABLE {table} DROP COLUMN {column}"))
-    assert ledger.migrate() == SCHEMA_VERSION
-    assert ledger.migrate() == SCHEMA_VERSION
+    assert ledger.migration.migrate() == SCHEMA_VERSION
+    assert ledger.migration.migrate() == SCHEMA_VERSION
     inspector = inspect(ledger.engine)
     columns = {c["name"] for c in inspector.get_columns("questpie_queue_dispatch")}
     assert {"group_key", "seat", "waiting_for"} <= columns
@@ -306,9 +306,9 @@ def test_migrating_a_version_5_ledger_adds_the_limits(ledger: Ledger) -> None:
     assert {"questpie_limit_seat", "questpie_limit_waiting"} <= indexes
     old = ledger.get(kept)
     assert old is not None and old.group_key is None  # the old row came through
-    claim = ledger.claim(kept, "old-job", 1, 30, concurrency=1)
+    claim = ledger.claims.claim(kept, "old-job", 1, 30, concurrency=1)
     assert claim.outcome == "claimed" and claim.row is not None and claim.row.seat == 0
-    assert ledger.take_permit("old-job", "", 1, 1.0) is None
+    assert ledger.limits.take_permit("old-job", "", 1, 1.0) is None
 
 
 def test_a_groups_free_seat_is_found_whatever_the_other_groups_hold(ledger: Ledger) -> None:
@@ -317,12 +317,12 @@ def test_a_groups_free_seat_is_found_whatever_the_other_groups_hold(ledger: Ledg
     job = f"limited-{uuid.uuid4().hex[:6]}"
     busy = _rows(ledger, job, "a", 2)
     for dispatch_id in busy:
-        assert ledger.claim(dispatch_id, job, 1, 30, concurrency=3).outcome == "claimed"
+        assert ledger.claims.claim(dispatch_id, job, 1, 30, concurrency=3).outcome == "claimed"
     first, second, third = _rows(ledger, job, "b", 3)
-    assert ledger.claim(first, job, 1, 30, concurrency=2).row.seat == 0  # type: ignore[union-attr]
-    claimed = ledger.claim(second, job, 1, 30, concurrency=2)
+    assert ledger.claims.claim(first, job, 1, 30, concurrency=2).row.seat == 0  # type: ignore[union-attr]
+    claimed = ledger.claims.claim(second, job, 1, 30, concurrency=2)
     assert claimed.outcome == "claimed" and claimed.row is not None and claimed.row.seat == 1
-    assert ledger.claim(third, job, 1, 30, concurrency=2).outcome == "blocked"
+    assert ledger.claims.claim(third, job, 1, 30, concurrency=2).outcome == "blocked"
 
 
 # --- what a hostile review found, each a test that failed first ----------------------------
@@ -337,7 +337,7 @@ def outbox(ledger: Ledger) -> Iterator[Outbox]:
 
 
 def _claimed(ledger: Ledger, dispatch_id: str, job: str, **kwargs: Any) -> Claim:
-    claim = ledger.claim(dispatch_id, job, kwargs.pop("attempt", 1), 30, **kwargs)
+    claim = ledger.claims.claim(dispatch_id, job, kwargs.pop("attempt", 1), 30, **kwargs)
     assert claim.outcome == "claimed" and claim.token is not None and claim.row is not None
     return claim
 
@@ -349,11 +349,11 @@ def test_the_relay_reaches_a_group_with_room_behind_a_hundred_full_ones(
     for i in range(101):
         holder, waiter = _rows(ledger, job, f"a{i:03d}", 2)
         claim = _claimed(ledger, holder, job, concurrency=1)
-        assert ledger.claim(waiter, job, 1, 30, concurrency=1).outcome == "blocked"
-        assert ledger.park(waiter, job, 1, "concurrency")
+        assert ledger.claims.claim(waiter, job, 1, 30, concurrency=1).outcome == "blocked"
+        assert ledger.slots.park(waiter, job, 1, "concurrency")
     # The last group's holder ended, and its worker died before it could hand on.
     assert claim.token is not None
-    assert ledger.finish(holder, claim.token, "completed", None)
+    assert ledger.claims.finish(holder, claim.token, "completed", None)
     slots = Slots(ledger, outbox, lambda _: Limits(concurrency=1), lambda: [job])
     assert slots.send_all_waiting() == 1
     assert ledger.get(waiter).status == "queued"  # type: ignore[union-attr]
@@ -361,23 +361,23 @@ def test_the_relay_reaches_a_group_with_room_behind_a_hundred_full_ones(
 
 def test_a_run_refused_again_at_its_time_keeps_its_place_in_the_queue(ledger: Ledger) -> None:
     job = f"rated-{uuid.uuid4().hex[:6]}"
-    assert ledger.take_permit(job, "g", 1, 3600.0) is None  # the window's one start
+    assert ledger.limits.take_permit(job, "g", 1, 3600.0) is None  # the window's one start
     waits: dict[str, float] = {}
     # In the order they came (SQLite's clock may give them one millisecond: then by id).
     ids = sorted(_rows(ledger, job, "g", 3), key=lambda i: (ledger.get(i).created_at, i))  # type: ignore[union-attr]
     for dispatch_id in ids:
         claim = _claimed(ledger, dispatch_id, job)
-        assert ledger.take_permit(job, "g", 1, 3600.0) is not None
+        assert ledger.limits.take_permit(job, "g", 1, 3600.0) is not None
         assert claim.row is not None and claim.token is not None
-        waits[dispatch_id] = ledger.rate_wait(job, "g", 1, 3600.0, claim.row)
-        assert ledger.wait_for_rate(dispatch_id, claim.token, retry_in=0.0, relay_in=60.0)
+        waits[dispatch_id] = ledger.limits.rate_wait(job, "g", 1, 3600.0, claim.row)
+        assert ledger.limits.wait_for_rate(dispatch_id, claim.token, retry_in=0.0, relay_in=60.0)
     first, second, third = ids
     assert waits[first] < waits[second] < waits[third]  # first come, first served
     # The first one's time comes, but a newcomer took the start a moment before: it waits
     # again, and still goes before the two that came after it.
     again = _claimed(ledger, first, job)
     assert again.row is not None
-    assert ledger.rate_wait(job, "g", 1, 3600.0, again.row) < waits[second]
+    assert ledger.limits.rate_wait(job, "g", 1, 3600.0, again.row) < waits[second]
 
 
 def test_a_claim_without_a_limit_never_meets_the_seat_index(ledger: Ledger) -> None:
@@ -388,11 +388,11 @@ def test_a_claim_without_a_limit_never_meets_the_seat_index(ledger: Ledger) -> N
     # seat column still 0), then `running` took seat 0 and awaits its retry, holding it.
     claim = _claimed(ledger, waiting, job, concurrency=1)
     assert claim.token is not None
-    assert ledger.wait_for_rate(waiting, claim.token, retry_in=0.0, relay_in=60.0)
+    assert ledger.limits.wait_for_rate(waiting, claim.token, retry_in=0.0, relay_in=60.0)
     held = _claimed(ledger, running, job, concurrency=1)
     assert held.token is not None
-    assert ledger.retry(running, held.token, retry_in=600.0, relay_in=600.0, error="Boom")
-    got = ledger.claim(waiting, job, 1, 30)
+    assert ledger.claims.retry(running, held.token, retry_in=600.0, relay_in=600.0, error="Boom")
+    got = ledger.claims.claim(waiting, job, 1, 30)
     assert got.outcome == "claimed" and got.row is not None and got.row.seat is None
 
 
@@ -425,8 +425,10 @@ def test_a_run_waiting_for_its_rate_window_is_not_listed_as_stuck(ledger: Ledger
             .values(queued_at=datetime.now(UTC) - timedelta(minutes=10))
         )
     # ... and it waits another fifty for a start of its "N/h" limit.
-    assert ledger.wait_for_rate(dispatch_id, claim.token, retry_in=3000.0, relay_in=3060.0)
-    assert [c for c in ledger.stuck_counts(grace=60.0, redeliver_after=300.0) if c[1] == job] == []
+    assert ledger.limits.wait_for_rate(dispatch_id, claim.token, retry_in=3000.0, relay_in=3060.0)
+    assert [
+        c for c in ledger.views.stuck_counts(grace=60.0, redeliver_after=300.0) if c[1] == job
+    ] == []
 
 
 def test_a_park_tried_again_after_it_landed_still_looks_for_a_free_seat(
@@ -437,10 +439,10 @@ def test_a_park_tried_again_after_it_landed_still_looks_for_a_free_seat(
     job = f"limited-{uuid.uuid4().hex[:6]}"
     holder, waiter = _rows(ledger, job, "g", 2)
     claim = _claimed(ledger, holder, job, concurrency=1)
-    assert ledger.claim(waiter, job, 1, 30, concurrency=1).outcome == "blocked"
-    assert ledger.park(waiter, job, 1, "concurrency")  # the first try
+    assert ledger.claims.claim(waiter, job, 1, 30, concurrency=1).outcome == "blocked"
+    assert ledger.slots.park(waiter, job, 1, "concurrency")  # the first try
     assert claim.token is not None  # the holder ends meanwhile, finding nobody parked yet
-    assert ledger.finish(holder, claim.token, "completed", None)
+    assert ledger.claims.finish(holder, claim.token, "completed", None)
     Slots(ledger, outbox, lambda _: Limits(concurrency=1), lambda: [job]).park(
         waiter, job, 1, for_seat=True
     )
@@ -453,11 +455,11 @@ def test_a_lowered_limit_holds_at_the_claim_while_runs_above_it_finish(ledger: L
     held = [_claimed(ledger, dispatch_id, job, concurrency=3) for dispatch_id in ids[:3]]
     first = held[0]
     assert first.token is not None and first.row is not None and first.row.seat == 0
-    assert ledger.finish(ids[0], first.token, "completed", None)  # seat 0 frees
+    assert ledger.claims.finish(ids[0], first.token, "completed", None)  # seat 0 frees
     # The new code's limit is 1: two runs still hold seats 1 and 2, so seat 0 stays free.
-    assert ledger.claim(ids[3], job, 1, 30, concurrency=1).outcome == "blocked"
+    assert ledger.claims.claim(ids[3], job, 1, 30, concurrency=1).outcome == "blocked"
     # Under the old limit it would have gone, to seat 0.
-    again = ledger.claim(ids[3], job, 1, 30, concurrency=3)
+    again = ledger.claims.claim(ids[3], job, 1, 30, concurrency=3)
     assert again.row is not None and again.row.seat == 0
 
 
@@ -469,13 +471,13 @@ def test_the_relay_reaches_its_own_job_behind_a_hundred_it_does_not_run(
     for i in range(100):
         foreign = f"aa-foreign-{i:03d}"
         [waiter] = _rows(ledger, foreign, "g", 1)
-        assert ledger.park(waiter, foreign, 1, "concurrency")
+        assert ledger.slots.park(waiter, foreign, 1, "concurrency")
     holder, waiter = _rows(ledger, mine, "g", 2)
     claim = _claimed(ledger, holder, mine, concurrency=1)
-    assert ledger.claim(waiter, mine, 1, 30, concurrency=1).outcome == "blocked"
-    assert ledger.park(waiter, mine, 1, "concurrency")
+    assert ledger.claims.claim(waiter, mine, 1, 30, concurrency=1).outcome == "blocked"
+    assert ledger.slots.park(waiter, mine, 1, "concurrency")
     assert claim.token is not None  # the holder ends, and its worker dies before handing on
-    assert ledger.finish(holder, claim.token, "completed", None)
+    assert ledger.claims.finish(holder, claim.token, "completed", None)
     ours = {mine: Limits(concurrency=1)}
     Slots(ledger, outbox, ours.get, lambda: list(ours)).send_all_waiting()
     assert ledger.get(waiter).status == "queued"  # type: ignore[union-attr]
@@ -489,10 +491,10 @@ def test_a_retry_keeps_its_seat_when_a_worker_without_the_limit_claims_it(
     running, other = _rows(ledger, job, "g", 2)
     held = _claimed(ledger, running, job, concurrency=1)
     assert held.token is not None
-    assert ledger.retry(running, held.token, retry_in=0.0, relay_in=60.0, error="Boom")
-    plain = ledger.claim(running, job, 2, 30)
+    assert ledger.claims.retry(running, held.token, retry_in=0.0, relay_in=60.0, error="Boom")
+    plain = ledger.claims.claim(running, job, 2, 30)
     assert plain.outcome == "claimed" and plain.row is not None and plain.row.seat == 0
-    assert ledger.claim(other, job, 1, 30, concurrency=1).outcome == "blocked"
+    assert ledger.claims.claim(other, job, 1, 30, concurrency=1).outcome == "blocked"
 
 
 # --- a pool process that stood still past its lease -------------------------------------

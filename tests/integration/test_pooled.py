@@ -112,14 +112,14 @@ def test_without_pooled_the_poolers_refusals_name_the_setting(database: tuple[st
     unpooled = open_ledger(through)
     try:
         with pytest.raises(LedgerUnavailableError, match=re.escape(HINT)) as refused:
-            unpooled.migrate()
+            unpooled.migration.migrate()
         assert "startup parameter 'options'" in str(refused.value)
     finally:
         unpooled.close()
     pooled = open_ledger(through, pooled=True)
-    assert pooled.migrate() > 0
+    assert pooled.migration.migrate() > 0
     new = _new()
-    assert pooled.insert(new)
+    assert pooled.dispatches.insert(new)
     # Engines of an application's own, made without prepare_threshold=None: psycopg
     # prepares a statement after its fifth run, and two clients' prepared statements
     # meet on the server connection the pooler hands both.
@@ -145,25 +145,25 @@ def test_pooled_clients_in_turn_share_the_poolers_connections(database: tuple[st
     loops = [asyncio.new_event_loop() for _ in clients]
     aledgers = [AsyncLedger(ledger) for ledger in clients]
     try:
-        clients[0].migrate()
+        clients[0].migration.migrate()
         for _ in range(8):
             for ledger in clients:
                 new = _new(idempotency_key=uuid.uuid4().hex)
-                assert ledger.insert(new)
-                assert not ledger.insert(new)
+                assert ledger.dispatches.insert(new)
+                assert not ledger.dispatches.insert(new)
                 batch = [_new(), _new()]
-                assert ledger.insert_many(batch) == {b.id for b in batch}
-                ledger.mark_queued([new.id], 3600)
-                claim = ledger.claim(new.id, JOB, 1, 60)
+                assert ledger.dispatches.insert_many(batch) == {b.id for b in batch}
+                ledger.dispatches.mark_queued([new.id], 3600)
+                claim = ledger.claims.claim(new.id, JOB, 1, 60)
                 assert claim.outcome == "claimed" and claim.token is not None
-                assert ledger.renew(new.id, claim.token, 60)
-                assert ledger.finish(new.id, claim.token, "completed", None)
-                taken = ledger.take_due(
+                assert ledger.claims.renew(new.id, claim.token, 60)
+                assert ledger.claims.finish(new.id, claim.token, "completed", None)
+                taken = ledger.relay.take_due(
                     100, max_sends=50, first_backoff=1, max_backoff=5, accepted_backoff=5
                 )
                 assert {b.id for b in batch} <= {row.id for row in taken}
-                ledger.give_back(taken, 0)  # an executemany
-                assert ledger.get_policy("nothing") is None
+                ledger.relay.give_back(taken, 0)  # an executemany
+                assert ledger.policies.get("nothing") is None
         for _ in range(8):
             for aledger, loop in zip(aledgers, loops, strict=True):
                 new = _new()
@@ -194,7 +194,7 @@ def test_a_pooled_ledger_sets_its_settings_in_each_statement_and_leaves_none_beh
         with admin.connect() as conn:
             # The test server runs with synchronous_commit off: this database does not.
             conn.execute(text(f'ALTER DATABASE "{name}" SET synchronous_commit = on'))
-        ledger.migrate()
+        ledger.migration.migrate()
         with admin.begin() as conn:
             conn.execute(text("CREATE TABLE seen (op text, id text, sync text, lock text)"))
             conn.execute(
@@ -213,16 +213,16 @@ def test_a_pooled_ledger_sets_its_settings_in_each_statement_and_leaves_none_beh
                 )
             )
         plain, batched, theirs = _new(), _new(), _new()
-        assert ledger.insert(plain)
+        assert ledger.dispatches.insert(plain)
         secret = _new(
             payload=None, secret_ciphertext=b"c", secret_wrapped_key=b"w", secret_key_id="k"
         )
-        assert ledger.insert(secret)
-        assert ledger.insert_many([batched]) == {batched.id}
-        claim = ledger.claim(plain.id, JOB, 1, 60)
+        assert ledger.dispatches.insert(secret)
+        assert ledger.dispatches.insert_many([batched]) == {batched.id}
+        claim = ledger.claims.claim(plain.id, JOB, 1, 60)
         assert claim.outcome == "claimed"
         with caller_engine.begin() as conn:
-            assert ledger.insert(theirs, conn=conn)
+            assert ledger.dispatches.insert(theirs, conn=conn)
         with admin.connect() as conn:
             seen = {(op, i): (s, lock) for op, i, s, lock in conn.execute(text("TABLE seen"))}
         assert seen == {
@@ -251,9 +251,9 @@ def test_a_pooled_ledgers_writes_wait_at_most_the_lock_timeout(
     _, through = database
     ledger = open_ledger(through, pooled=True)
     try:
-        ledger.migrate()
+        ledger.migration.migrate()
         locked = _new()
-        assert ledger.insert(locked)
+        assert ledger.dispatches.insert(locked)
         held = _new(idempotency_key="held")
 
         async def ainsert() -> object:
@@ -264,7 +264,7 @@ def test_a_pooled_ledgers_writes_wait_at_most_the_lock_timeout(
                 await aledger.close()
 
         with caller_engine.begin() as conn:
-            assert ledger.insert(held, conn=conn)
+            assert ledger.dispatches.insert(held, conn=conn)
             conn.execute(
                 select(dispatch_table.c.id)
                 .where(dispatch_table.c.id == locked.id)
@@ -272,18 +272,18 @@ def test_a_pooled_ledgers_writes_wait_at_most_the_lock_timeout(
             )
             outcomes = run_apart(
                 {
-                    "insert": lambda: ledger.insert(_new(held.id)),
-                    "insert_many": lambda: ledger.insert_many([_new(), _new(held.id)]),
+                    "insert": lambda: ledger.dispatches.insert(_new(held.id)),
+                    "insert_many": lambda: ledger.dispatches.insert_many([_new(), _new(held.id)]),
                     "asyncio insert": in_loop(ainsert),
-                    "claim": lambda: ledger.claim(locked.id, JOB, 1, 60),
+                    "claim": lambda: ledger.claims.claim(locked.id, JOB, 1, 60),
                 }
             )
         for name, outcome in outcomes.items():
             assert isinstance(outcome, LedgerBusyError), (name, outcome)
             assert "lock_timeout" in str(outcome)
         # Once the caller's transaction has ended, the same writes go through.
-        assert ledger.claim(locked.id, JOB, 1, 60).outcome == "claimed"
-        assert ledger.insert(_new(held.id)) is False  # the caller's row, committed
+        assert ledger.claims.claim(locked.id, JOB, 1, 60).outcome == "claimed"
+        assert ledger.dispatches.insert(_new(held.id)) is False  # the caller's row, committed
     finally:
         ledger.close()
 
@@ -304,17 +304,17 @@ def test_a_pooled_migrate_waits_at_most_the_lock_timeout_for_the_table(
         "WHERE table_name = :table AND column_name = 'id'"
     )
     try:
-        ledger.migrate()
+        ledger.migration.migrate()
         with admin.connect() as conn:  # the dispatch table as schema version 4 made it
             conn.execute(
                 text(f"ALTER TABLE {dispatch_table.name} ALTER COLUMN id TYPE varchar(36)")
             )
         with caller_engine.begin() as conn:
-            assert ledger.insert(_new(), conn=conn)
-            outcome = run_apart({"migrate": ledger.migrate})["migrate"]
+            assert ledger.dispatches.insert(_new(), conn=conn)
+            outcome = run_apart({"migrate": ledger.migration.migrate})["migrate"]
         assert isinstance(outcome, LedgerBusyError), outcome
         assert "lock_timeout" in str(outcome)
-        assert ledger.migrate() == SCHEMA_VERSION
+        assert ledger.migration.migrate() == SCHEMA_VERSION
         with admin.connect() as conn:
             assert conn.execute(column, {"table": dispatch_table.name}).scalar() == "text"
     finally:
@@ -430,7 +430,7 @@ def test_the_relay_polls_and_sends_a_pending_row(pooled_stack: Stack) -> None:
         )
     row = stack.wait_status(dispatch_id, "completed")
     assert (row.attempt, len(stack.runs(t))) == (1, 1)
-    assert stack.ledger.send_wakeups() is None
+    assert stack.ledger.relay.send_wakeups() is None
     direct = create_engine(stack.env["QP_TEST_RUNS"])
     try:
         with direct.connect() as conn:

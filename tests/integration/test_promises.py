@@ -78,7 +78,7 @@ def test_a_child_forked_while_other_threads_use_the_pool_starts(
     child's reset of the ledger (and of the connection its hottest statements keep) must
     not touch the pool."""
     ledger = open_ledger(postgres.create_database())
-    ledger.migrate()
+    ledger.migration.migrate()
     stop = threading.Event()
 
     def churn() -> None:  # check pool connections out and in, as busy threads do
@@ -92,7 +92,7 @@ def test_a_child_forked_while_other_threads_use_the_pool_starts(
     stuck = 0
     try:
         for n in range(30):
-            assert ledger.exists(derive_dispatch_id("record", f"{n}")) is False  # kept
+            assert ledger.dispatches.exists(derive_dispatch_id("record", f"{n}")) is False  # kept
             ready, told = os.pipe()
             pid = os.fork()
             if pid == 0:  # the child: past the fork's hooks, it says so and leaves

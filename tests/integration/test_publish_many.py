@@ -209,7 +209,7 @@ def test_in_a_session_rows_ride_its_transaction(make_stack: StackFactory, ledger
             assert stack.dispatch_count() == 0  # not visible before the commit
         session.commit()
     stack.wait_runs(t, 5)
-    assert stack.ledger.get_many([i for i in rolled if i]) == []
+    assert stack.ledger.dispatches.get_many([i for i in rolled if i]) == []
     for dispatch_id in committed:
         assert dispatch_id is not None
         stack.wait_status(dispatch_id, "completed")

@@ -52,16 +52,16 @@ def _insert(ledger: Ledger, key: str | None = None, **fields: Any) -> str:
         options=OPTIONS,
         **fields,
     )
-    assert ledger.insert(new)
+    assert ledger.dispatches.insert(new)
     return dispatch_id
 
 
 def _ended(ledger: Ledger, status: str, key: str | None = None, days_ago: float = 8) -> str:
     """A dispatch that ran and ended `days_ago` days ago (by the database's clock)."""
     dispatch_id = _insert(ledger, key)
-    claim = ledger.claim(dispatch_id, JOB, 1, 60)
+    claim = ledger.claims.claim(dispatch_id, JOB, 1, 60)
     assert claim.token is not None
-    assert ledger.finish(
+    assert ledger.claims.finish(
         dispatch_id, claim.token, status, "RuntimeError" if status == "failed" else None
     )  # type: ignore[arg-type]
     _age(ledger, dispatch_id, days_ago * DAY)
@@ -123,9 +123,9 @@ def test_old_ended_keyed_rows_keep_their_key_and_lose_payload_and_options(
     again = NewDispatch(
         id=completed, job_name=JOB, idempotency_key="order-1", payload={}, options=OPTIONS
     )
-    assert ledger.insert(again) is False
-    assert ledger.claim(completed, JOB, 1, 60).outcome == "done"
-    assert ledger.claim(completed, JOB, 2, 60).outcome == "done"
+    assert ledger.dispatches.insert(again) is False
+    assert ledger.claims.claim(completed, JOB, 1, 60).outcome == "done"
+    assert ledger.claims.claim(completed, JOB, 2, 60).outcome == "done"
     # The operator sees that the options are gone, not defaults in their place; a pruned
     # failed dispatch cannot be requeued, its payload being gone.
     operator = Operator(ledger)
@@ -144,7 +144,7 @@ def test_old_ended_keyed_rows_keep_their_key_and_lose_payload_and_options(
     )
     with pytest.raises(PublishOptionsError, match="retention"):
         operator.requeue(failed)
-    assert ledger.requeue(failed) is False  # the statement refuses it too
+    assert ledger.views.requeue(failed) is False  # the statement refuses it too
     assert _prune(ledger) == (0, 0)
 
 
@@ -157,15 +157,15 @@ def test_a_row_that_has_not_ended_is_never_touched_whatever_its_age(ledger: Ledg
 
         ids[f"pending{keyed}"] = _insert(ledger, key("pending"))
         ids[f"queued{keyed}"] = queued = _insert(ledger, key("queued"))
-        ledger.mark_queued([queued], 3600)
+        ledger.dispatches.mark_queued([queued], 3600)
         ids[f"active{keyed}"] = active = _insert(ledger, key("active"))
-        ledger.claim(active, JOB, 1, 60)
+        ledger.claims.claim(active, JOB, 1, 60)
         ids[f"retry{keyed}"] = retrying = _insert(ledger, key("retry"))
-        token = ledger.claim(retrying, JOB, 1, 60).token
+        token = ledger.claims.claim(retrying, JOB, 1, 60).token
         assert token is not None
-        assert ledger.retry(retrying, token, retry_in=3600, relay_in=3600, error="E")
+        assert ledger.claims.retry(retrying, token, retry_in=3600, relay_in=3600, error="E")
         ids[f"parked{keyed}"] = parked = _insert(ledger, key("parked"))
-        assert ledger.park(parked, JOB, 1)
+        assert ledger.slots.park(parked, JOB, 1)
     # A year old, and even with a finish time, which no such row has: only the status
     # decides, so nothing here may go.
     for dispatch_id in ids.values():
@@ -189,7 +189,7 @@ def test_an_unkeyed_row_stays_while_a_copy_of_its_message_may_come_again(
     assert (retention.prune(60).deleted, retention.prune(0).deleted) == (1, 0)
     assert ledger.get(hours_ago) is None
     assert _row(ledger, minutes_ago).status == "completed"
-    assert ledger.claim(minutes_ago, JOB, 1, 60).outcome == "done"  # a copy is refused
+    assert ledger.claims.claim(minutes_ago, JOB, 1, 60).outcome == "done"  # a copy is refused
     assert _row(ledger, keyed).pruned  # a keyed row keeps its id anyway: the period holds
     # The period still counts when it is the longer one.
     assert Retention(ledger, WEEK, redeliver_after=lambda: 60).prune(WEEK).deleted == 0
@@ -248,7 +248,9 @@ def test_schedule_fires_are_left_to_the_beat(ledger: Ledger) -> None:
     assert _prune(ledger) == (0, 0)
     assert _row(ledger, fire) == before
     # The beat's own pruning deletes it (after its fire_retention, a week by default).
-    assert ledger.prune_schedule_history(key_prefix=FIRE_KEY_PREFIX, older_than=WEEK, limit=10)
+    assert ledger.retention.prune_schedule_history(
+        key_prefix=FIRE_KEY_PREFIX, older_than=WEEK, limit=10
+    )
     assert ledger.get(fire) is None
 
 
@@ -277,7 +279,9 @@ def test_an_older_schema_is_a_schema_error_and_the_relay_says_so_once(
     stale = Ledger(ledger.engine)  # a process that has not seen the new schema
     old = _ended(stale, "completed")
     with pytest.raises(LedgerSchemaError, match="migrate"):
-        stale.prune_ended(keyed=False, older_than=0, limit=10, spare_key_prefix=FIRE_KEY_PREFIX)
+        stale.retention.prune_ended(
+            keyed=False, older_than=0, limit=10, spare_key_prefix=FIRE_KEY_PREFIX
+        )
     retention = Retention(stale, WEEK)
     with caplog.at_level(logging.WARNING, logger="questpie_celery.worker.retention"):
         retention.now_and_then()
@@ -286,7 +290,7 @@ def test_an_older_schema_is_a_schema_error_and_the_relay_says_so_once(
     (warning,) = [r.getMessage() for r in caplog.records]  # once, not on every retry
     assert "migrate" in warning
     assert stale.get(old) is not None
-    stale.migrate()
+    stale.migration.migrate()
     retention.now_and_then()  # not yet: it waits out its retry time
     assert stale.get(old) is not None
     retention._next_run = 0.0
@@ -301,8 +305,8 @@ def test_migrating_a_version_3_ledger_lets_options_be_pruned(ledger: Ledger) -> 
     _make_version_3(ledger)
     columns = {c["name"]: c for c in inspect(ledger.engine).get_columns("questpie_queue_dispatch")}
     assert not columns["options"]["nullable"]
-    assert ledger.migrate() == SCHEMA_VERSION
-    assert ledger.migrate() == SCHEMA_VERSION
+    assert ledger.migration.migrate() == SCHEMA_VERSION
+    assert ledger.migration.migrate() == SCHEMA_VERSION
     inspector = inspect(ledger.engine)
     columns = {c["name"]: c for c in inspector.get_columns("questpie_queue_dispatch")}
     assert columns["options"]["nullable"]

@@ -172,7 +172,7 @@ def test_a_pool_process_stopped_for_well_under_its_lease_keeps_its_live_claim(
         time.sleep(0.6 * lease)  # the stop itself
         row = stack.row(first)
         assert row.status == "active"
-        assert not any(r.id == first for r in stack.ledger.expired_claims())
+        assert not any(r.id == first for r in stack.ledger.claims.expired())
     finally:
         os.kill(pid, signal.SIGCONT)
     mark = stack.row(first).lease_expires_at

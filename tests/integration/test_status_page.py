@@ -281,7 +281,7 @@ def test_the_metrics_tell_prometheus_what_the_ledger_holds(
     assert figures["questpie_parked_runs"][(("job", "policy.stately"),)] == 1
     assert figures["questpie_parked_oldest_age_seconds"][(("job", "policy.stately"),)] > 0
 
-    sampled_at, due = ledger.backlog_history(3600)[-1]
+    sampled_at, due = ledger.relay.backlog_history(3600)[-1]
     assert figures["questpie_relay_backlog"] == {(): due}
     assert figures["questpie_relay_backlog_sampled_timestamp_seconds"] == {
         (): pytest.approx(sampled_at.timestamp())
@@ -293,7 +293,7 @@ def test_the_metrics_tell_prometheus_what_the_ledger_holds(
 
 def test_the_metrics_are_read_only_and_for_this_machine_like_the_page(pg_db: str) -> None:
     ledger = open_ledger(pg_db)
-    ledger.migrate()
+    ledger.migration.migrate()
     ledger.close()
     with serve(pg_db) as base:
         _, figures = scrape(base)
@@ -343,7 +343,7 @@ def test_a_ledger_outage_is_one_line_in_the_pages_log_and_the_page_says_so(
     proxy = FaultProxy(postgres.port)
     direct = postgres.create_database("pageoutage")
     migrated = open_ledger(direct)
-    migrated.migrate()
+    migrated.migration.migrate()
     log = tmp_path / "web.log"
     down = "the dispatch ledger cannot be reached ("
     back = "the dispatch ledger can be reached again, after"

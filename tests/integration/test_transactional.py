@@ -176,7 +176,7 @@ def test_session_on_another_ledger_database_is_refused_before_writing(
     """A second database with its own ledger tables: a row there would never be sent."""
     other_url = postgres.create_database("other")
     other = open_ledger(other_url)
-    other.migrate()
+    other.migration.migrate()
     other.close()
     engine = create_engine(other_url)
     t = tag()

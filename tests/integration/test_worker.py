@@ -448,7 +448,7 @@ def test_a_plain_call_under_an_id_no_row_can_have_that_ends_unrun_leaves_the_rel
     new = NewDispatch(
         id=due, job_name="record", idempotency_key=t, payload={"tag": t}, options=StoredOptions()
     )
-    assert stack.ledger.insert(new)
+    assert stack.ledger.dispatches.insert(new)
     assert stack.wait_status(due, "completed").attempt == 1
     assert "relay pass failed" not in stack.worker.log()
     assert [r["dispatch_id"] for r in stack.runs(t)] == [due]

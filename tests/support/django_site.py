@@ -4,7 +4,7 @@ Django's settings are configured once per process; `use_database(url)` then poin
 Django's `default` connection at a ledger database (SQLite or PostgreSQL) and creates
 Django's own tables there (users, sessions, the admin's log), as a project's
 `manage.py migrate` would. The ledger's tables come from the package's own
-`Ledger.migrate()`, never from Django.
+`ledger.migration.migrate()`, never from Django.
 """
 
 from __future__ import annotations

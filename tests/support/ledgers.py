@@ -51,8 +51,8 @@ def due_now(ledger: Ledger, dispatch_id: str) -> None:
 
 def claimed(ledger: Ledger, lease: float = 60) -> tuple[str, str]:
     new = new_row()
-    assert ledger.insert(new) is True
-    claim = ledger.claim(new.id, JOB, 1, lease)
+    assert ledger.dispatches.insert(new) is True
+    claim = ledger.claims.claim(new.id, JOB, 1, lease)
     assert claim.outcome == "claimed" and claim.token is not None
     return new.id, claim.token
 

@@ -23,6 +23,6 @@ def idle(tmp_path_factory: pytest.TempPathFactory) -> Iterator[IdleApp]:
 def ledger(tmp_path: Path) -> Iterator[Ledger]:
     """A migrated, empty SQLite ledger of this test's own."""
     made = open_ledger(sqlite_url(tmp_path))
-    made.migrate()
+    made.migration.migrate()
     yield made
     made.close()

@@ -32,9 +32,9 @@ def _between(value: datetime | None, low: datetime, high: datetime) -> None:
 @pytest.mark.parametrize("lease", [60.0, 0.25, 3600.0])
 def test_claim_times_are_now_and_now_plus_the_lease(ledger: Ledger, lease: float) -> None:
     new = new_dispatch()
-    assert ledger.insert(new) is True
+    assert ledger.dispatches.insert(new) is True
     before = sqlite_now(ledger)
-    claim = ledger.claim(new.id, new.job_name, 1, lease)
+    claim = ledger.claims.claim(new.id, new.job_name, 1, lease)
     after = sqlite_now(ledger)
     assert claim.outcome == "claimed" and claim.row is not None
     row = claim.row
@@ -50,11 +50,11 @@ def test_claim_times_are_now_and_now_plus_the_lease(ledger: Ledger, lease: float
 
 def test_renew_moves_the_lease_to_now_plus_the_lease(ledger: Ledger) -> None:
     new = new_dispatch()
-    ledger.insert(new)
-    claim = ledger.claim(new.id, new.job_name, 1, 0.5)
+    ledger.dispatches.insert(new)
+    claim = ledger.claims.claim(new.id, new.job_name, 1, 0.5)
     assert claim.token is not None
     before = sqlite_now(ledger)
-    assert ledger.renew(new.id, claim.token, 120.0) is True
+    assert ledger.claims.renew(new.id, claim.token, 120.0) is True
     after = sqlite_now(ledger)
     row = ledger.get(new.id)
     assert row is not None
@@ -66,11 +66,11 @@ def test_retry_sets_run_after_to_now_plus_retry_in(
     ledger: Ledger, retry_in: float, relay_in: float
 ) -> None:
     new = new_dispatch()
-    ledger.insert(new)
-    claim = ledger.claim(new.id, new.job_name, 1, 60)
+    ledger.dispatches.insert(new)
+    claim = ledger.claims.claim(new.id, new.job_name, 1, 60)
     assert claim.token is not None
     before = sqlite_now(ledger)
-    assert ledger.retry(new.id, claim.token, retry_in=retry_in, relay_in=relay_in, error="E")
+    assert ledger.claims.retry(new.id, claim.token, retry_in=retry_in, relay_in=relay_in, error="E")
     after = sqlite_now(ledger)
     row = ledger.get(new.id)
     assert row is not None
@@ -88,7 +88,7 @@ def test_retry_sets_run_after_to_now_plus_retry_in(
 def test_insert_times_are_the_databases_now(ledger: Ledger) -> None:
     new = new_dispatch(send_in=30.0)
     before = sqlite_now(ledger)
-    assert ledger.insert(new) is True
+    assert ledger.dispatches.insert(new) is True
     after = sqlite_now(ledger)
     row = ledger.get(new.id)
     assert row is not None
@@ -102,7 +102,7 @@ def test_insert_times_are_the_databases_now(ledger: Ledger) -> None:
 def test_given_absolute_times_are_kept(ledger: Ledger) -> None:
     at = datetime(2031, 5, 6, 7, 8, 9, 123000, tzinfo=UTC)
     new = new_dispatch(run_after=at, next_send_at=at - timedelta(minutes=1))
-    ledger.insert(new)
+    ledger.dispatches.insert(new)
     row = ledger.get(new.id)
     assert row is not None
     assert (row.run_after, row.next_send_at) == (at, at - timedelta(minutes=1))
@@ -110,9 +110,9 @@ def test_given_absolute_times_are_kept(ledger: Ledger) -> None:
 
 def test_mark_queued_sets_queued_at_now_and_redelivery_from_now(ledger: Ledger) -> None:
     new = new_dispatch()
-    ledger.insert(new)
+    ledger.dispatches.insert(new)
     before = sqlite_now(ledger)
-    ledger.mark_queued([new.id], 900.0)
+    ledger.dispatches.mark_queued([new.id], 900.0)
     after = sqlite_now(ledger)
     row = ledger.get(new.id)
     assert row is not None
@@ -123,11 +123,11 @@ def test_mark_queued_sets_queued_at_now_and_redelivery_from_now(ledger: Ledger) 
 
 def test_finish_sets_finished_at_now(ledger: Ledger) -> None:
     new = new_dispatch()
-    ledger.insert(new)
-    claim = ledger.claim(new.id, new.job_name, 1, 60)
+    ledger.dispatches.insert(new)
+    claim = ledger.claims.claim(new.id, new.job_name, 1, 60)
     assert claim.token is not None
     before = sqlite_now(ledger)
-    assert ledger.finish(new.id, claim.token, "completed", None) is True
+    assert ledger.claims.finish(new.id, claim.token, "completed", None) is True
     after = sqlite_now(ledger)
     row = ledger.get(new.id)
     assert row is not None

@@ -33,8 +33,8 @@ LEASE = 0.3  # renewed every 0.1 s
 
 def _claimed(ledger: Ledger) -> tuple[str, str]:
     new = new_dispatch()
-    assert ledger.insert(new) is True
-    claim = ledger.claim(new.id, new.job_name, 1, LEASE)
+    assert ledger.dispatches.insert(new) is True
+    claim = ledger.claims.claim(new.id, new.job_name, 1, LEASE)
     assert claim.outcome == "claimed" and claim.token is not None
     return new.id, claim.token
 
@@ -51,10 +51,10 @@ def _advanced_past(ledger: Ledger, dispatch_id: str, mark: datetime) -> datetime
 
 
 class FailingOnce:
-    """`Ledger.renew_lease` that raises `error` on its first call only, then renews."""
+    """`ledger.claims.renew_lease` that raises `error` on its first call only, then renews."""
 
     def __init__(self, ledger: Ledger, error: BaseException) -> None:
-        self._renew = ledger.renew_lease
+        self._renew = ledger.claims.renew_lease
         self._error = error
         self.calls = 0
         self.raised = threading.Event()
@@ -72,7 +72,7 @@ def test_a_renewal_that_raises_does_not_stop_renewing(
 ) -> None:
     dispatch_id, token = _claimed(ledger)
     failing = FailingOnce(ledger, RuntimeError("not a QuestpieError"))
-    monkeypatch.setattr(ledger, "renew_lease", failing)
+    monkeypatch.setattr(ledger.claims, "renew_lease", failing)
     keeper = LeaseKeeper(ledger, lease_seconds=LEASE)
     with caplog.at_level(logging.WARNING), keeper.hold(dispatch_id, token, 60) as lease:
         assert failing.raised.wait(10), "the renewer never tried to renew"
@@ -94,10 +94,11 @@ def test_a_renewal_that_raises_does_not_stop_renewing(
 
 
 class FailingFirst:
-    """`Ledger.renew_lease` that raises each of `errors` in turn on its first calls, then renews."""
+    """`ledger.claims.renew_lease` that raises each of `errors` in turn on its first calls,
+    then renews."""
 
     def __init__(self, ledger: Ledger, *errors: BaseException) -> None:
-        self._renew = ledger.renew_lease
+        self._renew = ledger.claims.renew_lease
         self._errors = list(errors)
         self.calls = 0
 
@@ -118,7 +119,7 @@ def test_a_renewal_failing_otherwise_after_an_outage_is_a_warning(
     failing = FailingFirst(
         ledger, LedgerUnavailableError("the ledger is down"), RuntimeError("a bug")
     )
-    monkeypatch.setattr(ledger, "renew_lease", failing)
+    monkeypatch.setattr(ledger.claims, "renew_lease", failing)
     keeper = LeaseKeeper(ledger, lease_seconds=LEASE)
     with (
         caplog.at_level(logging.DEBUG, logger="questpie_celery.worker.leases"),
@@ -151,7 +152,7 @@ def test_a_dead_renewer_is_restarted_by_the_next_hold(
 
     monkeypatch.setattr(threading, "excepthook", died)
     failing = FailingOnce(ledger, SystemExit(0))
-    monkeypatch.setattr(ledger, "renew_lease", failing)
+    monkeypatch.setattr(ledger.claims, "renew_lease", failing)
     keeper = LeaseKeeper(ledger, lease_seconds=LEASE)
     with keeper.hold(dispatch_id, token, 60):
         first = keeper._thread
@@ -177,7 +178,7 @@ def test_renewal_stops_when_the_claim_is_lost(ledger: Ledger) -> None:
     dispatch_id, token = _claimed(ledger)
     keeper = LeaseKeeper(ledger, lease_seconds=LEASE)
     with keeper.hold(dispatch_id, token, 60) as lease:
-        assert ledger.finish(dispatch_id, token, "failed", "Lost") is True
+        assert ledger.claims.finish(dispatch_id, token, "failed", "Lost") is True
         wait_until(lambda: lease.lost, "the lease to be reported lost")
 
 
@@ -187,7 +188,7 @@ def test_renewal_stops_past_max_age(ledger: Ledger) -> None:
     keeper = LeaseKeeper(ledger, lease_seconds=LEASE)
     with keeper.hold(dispatch_id, token, max_age_seconds=0.0):
         expired = wait_until(
-            lambda: any(row.id == dispatch_id for row in ledger.expired_claims()),
+            lambda: any(row.id == dispatch_id for row in ledger.claims.expired()),
             "the lease to lapse",
         )
         assert expired
@@ -205,7 +206,7 @@ def test_a_run_past_a_cap_that_ends_its_process_kills_it_before_the_lease_lapses
     with keeper.hold(dispatch_id, token, max_age_seconds=0.0, ends_process=True) as lease:
         wait_until(lambda: killed, "the process to end itself")
         assert killed[0] == (os.getpid(), signal.SIGKILL)
-        assert not any(row.id == dispatch_id for row in ledger.expired_claims())
+        assert not any(row.id == dispatch_id for row in ledger.claims.expired())
     # A run that has returned is recording its outcome: never cut off.
     count = len(killed)
     keeper._end_process(lease)
@@ -221,8 +222,8 @@ def test_a_ledger_slow_on_every_read_still_frees_lapsed_leases(
     app = IdleApp.build(tmp_path)
     try:
         new = new_dispatch(status="queued")
-        assert app.ledger.insert(new)
-        assert app.ledger.claim(new.id, "record", 1, lease_seconds=-1).outcome == "claimed"
+        assert app.ledger.dispatches.insert(new)
+        assert app.ledger.claims.claim(new.id, "record", 1, lease_seconds=-1).outcome == "claimed"
         monkeypatch.setattr(relay, "STALL_SECONDS", -1.0)  # every read counts as stalled
         for _ in range(relay.MAX_STALLS_IN_A_ROW):
             assert app.questpie.run_relay(once=True, end_lapsed_leases=True) == 0
@@ -269,7 +270,7 @@ def _hold_in_a_pool_process(
             leases._watch_for_continue()
         ledger = open_ledger(url)
         if renew is not None:
-            ledger.renew_lease = renew(ledger)  # type: ignore[method-assign]
+            ledger.claims.renew_lease = renew(ledger)  # type: ignore[method-assign]
         keeper = LeaseKeeper(ledger, lease_seconds=STALL_LEASE)
         with keeper.hold(dispatch_id, token, 600):
             os.write(write, b"holding\n")
@@ -288,8 +289,8 @@ def _steps(read: int) -> list[float]:
 
 def _claimed_for_stall(ledger: Ledger) -> tuple[str, str]:
     new = new_dispatch()
-    assert ledger.insert(new) is True
-    claim = ledger.claim(new.id, new.job_name, 1, STALL_LEASE)
+    assert ledger.dispatches.insert(new) is True
+    claim = ledger.claims.claim(new.id, new.job_name, 1, STALL_LEASE)
     assert claim.outcome == "claimed" and claim.token is not None
     return new.id, claim.token
 
@@ -329,7 +330,7 @@ def test_a_pool_process_stopped_past_its_lease_ends_itself_when_it_wakes(
     renewal, that renewal finds the claim gone: the relay ended it meanwhile, as here."""
     url = sqlite_url(tmp_path)
     ledger = open_ledger(url)
-    ledger.migrate()
+    ledger.migration.migrate()
     dispatch_id, token = _claimed_for_stall(ledger)
     pid, read = _hold_in_a_pool_process(url, dispatch_id, token, watch_continue=watch_continue)
     try:
@@ -339,7 +340,7 @@ def test_a_pool_process_stopped_past_its_lease_ends_itself_when_it_wakes(
         relay_ends_it = (
             bool
             if watch_continue
-            else lambda: ledger.finish(dispatch_id, token, "failed", "LeaseExpired")
+            else lambda: ledger.claims.finish(dispatch_id, token, "failed", "LeaseExpired")
         )
         resumed_at = _stall_past_the_lease(ledger, pid, dispatch_id, relay_ends_it)
         assert _ended_by(pid) == signal.SIGKILL
@@ -356,14 +357,14 @@ def test_a_pool_process_whose_renewal_finds_the_claim_gone_ends_itself(
 ) -> None:
     url = sqlite_url(tmp_path)
     ledger = open_ledger(url)
-    ledger.migrate()
+    ledger.migration.migrate()
     dispatch_id, token = _claimed_for_stall(ledger)
     pid, read = _hold_in_a_pool_process(url, dispatch_id, token, watch_continue=True)
     try:
         with os.fdopen(os.dup(read), "rb", buffering=0) as pipe:
             assert pipe.readline() == b"holding\n"
         # The relay ended the claim (a lapse it saw while this process was cut off).
-        assert ledger.finish(dispatch_id, token, "failed", "LeaseExpired") is True
+        assert ledger.claims.finish(dispatch_id, token, "failed", "LeaseExpired") is True
         assert _ended_by(pid) == signal.SIGKILL
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -377,12 +378,12 @@ def test_a_ledger_out_of_reach_longer_than_a_lease_is_not_a_stall(tmp_path: Path
     goes through, the claim is the run's own again."""
     url = sqlite_url(tmp_path)
     ledger = open_ledger(url)
-    ledger.migrate()
+    ledger.migration.migrate()
     dispatch_id, token = _claimed_for_stall(ledger)
     back = tmp_path / "ledger-back"
 
     def down_until_back(child: Ledger) -> Callable[[str, str, float], Renewal | None]:
-        renew = child.renew_lease
+        renew = child.claims.renew_lease
 
         def renewing(dispatch_id: str, token: str, lease_seconds: float) -> Renewal | None:
             if not back.exists():
@@ -399,7 +400,7 @@ def test_a_ledger_out_of_reach_longer_than_a_lease_is_not_a_stall(tmp_path: Path
             assert pipe.readline() == b"holding\n"
             lapsed_at = _expires(ledger, dispatch_id)
             wait_until(
-                lambda: any(row.id == dispatch_id for row in ledger.expired_claims()),
+                lambda: any(row.id == dispatch_id for row in ledger.claims.expired()),
                 "the claim to lapse while the ledger is out of reach",
             )
             back.touch()
@@ -422,12 +423,12 @@ def test_a_renewal_that_answers_late_but_in_time_does_not_end_the_pool_process(
     a stalled ledger is not a stalled process, and the run goes on."""
     url = sqlite_url(tmp_path)
     ledger = open_ledger(url)
-    ledger.migrate()
+    ledger.migration.migrate()
     dispatch_id, token = _claimed_for_stall(ledger)
     slow = tmp_path / "slow"
 
     def slow_once(child: Ledger) -> Callable[[str, str, float], Renewal | None]:
-        renew = child.renew_lease
+        renew = child.claims.renew_lease
         answered_late: list[bool] = []
 
         def renewing(dispatch_id: str, token: str, lease_seconds: float) -> Renewal | None:
@@ -452,7 +453,7 @@ def test_a_renewal_that_answers_late_but_in_time_does_not_end_the_pool_process(
                 lambda seen=mark: _advanced_past(ledger, dispatch_id, seen), "the next renewal"
             )
         assert os.waitpid(pid, os.WNOHANG) == (0, 0), "a slow ledger was taken for a stall"
-        assert not any(row.id == dispatch_id for row in ledger.expired_claims())
+        assert not any(row.id == dispatch_id for row in ledger.claims.expired())
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)

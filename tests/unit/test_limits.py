@@ -105,7 +105,7 @@ def test_every_dispatch_of_a_limited_job_has_a_row_with_its_group(idle: IdleApp)
 
 def test_a_schedule_keeps_its_group_key(idle: IdleApp) -> None:
     idle.questpie.queue.limit_rate.schedule({"tag": "x"}, "*/5 * * * *", group_key="tenant-e")
-    rows = [row for row, _ in idle.ledger.schedules() if row.job_name == "limit.rate"]
+    rows = [row for row, _ in idle.ledger.schedules.listed() if row.job_name == "limit.rate"]
     assert [row.group_key for row in rows] == ["tenant-e"]
     idle.questpie.queue.limit_rate.unschedule()
 
@@ -131,40 +131,40 @@ def test_a_parked_run_is_sent_on_when_a_seat_frees_and_counted_meanwhile(ledger:
     job_name = "limited"
     rows = [new_dispatch(job_name, group_key="g", status="queued") for _ in range(3)]
     for new in rows:
-        assert ledger.insert(new)
+        assert ledger.dispatches.insert(new)
         # Waiting runs go first come, first served by their rows' creation time, which
         # SQLite's clock gives in milliseconds (rows of one millisecond go by id).
         time.sleep(0.002)
-    first = ledger.claim(rows[0].id, job_name, 1, 30, concurrency=1)
+    first = ledger.claims.claim(rows[0].id, job_name, 1, 30, concurrency=1)
     assert first.outcome == "claimed" and first.token is not None
-    blocked = ledger.claim(rows[1].id, job_name, 1, 30, concurrency=1)
+    blocked = ledger.claims.claim(rows[1].id, job_name, 1, 30, concurrency=1)
     assert (blocked.outcome, blocked.blocked_by) == ("blocked", "concurrency")
-    assert ledger.park(rows[1].id, job_name, 1, "concurrency")
-    assert ledger.park(rows[2].id, job_name, 1, "concurrency")
-    [counts] = ledger.group_counts()
+    assert ledger.slots.park(rows[1].id, job_name, 1, "concurrency")
+    assert ledger.slots.park(rows[2].id, job_name, 1, "concurrency")
+    [counts] = ledger.limits.group_counts()
     assert (counts.job_name, counts.group_key, counts.running) == (job_name, "g", 1)
     assert counts.waiting_for_concurrency == 2
-    assert ledger.seats_taken(job_name, "g") == 1
-    assert ledger.finish(rows[0].id, first.token, "completed", None)
-    assert ledger.seats_taken(job_name, "g") == 0
-    sent = ledger.unpark_first(job_name, "g", 60)
+    assert ledger.limits.seats_taken(job_name, "g") == 1
+    assert ledger.claims.finish(rows[0].id, first.token, "completed", None)
+    assert ledger.limits.seats_taken(job_name, "g") == 0
+    sent = ledger.limits.unpark_first(job_name, "g", 60)
     assert sent is not None and sent.id == rows[1].id and sent.status == "queued"
     # On its way to the seat: counted, so a second hand-on does not send a second run.
-    assert ledger.seats_taken(job_name, "g") == 1
-    again = ledger.claim(sent.id, job_name, 1, 30, concurrency=1)
+    assert ledger.limits.seats_taken(job_name, "g") == 1
+    again = ledger.claims.claim(sent.id, job_name, 1, 30, concurrency=1)
     assert again.outcome == "claimed" and again.row is not None
     assert again.row.waiting_for is None and again.row.seat == 0
 
 
 def test_a_run_refused_a_start_waits_unrun_and_uncounted(ledger: Ledger) -> None:
     new = new_dispatch("rated", status="queued")
-    assert ledger.insert(new)
-    assert ledger.take_permit("rated", "", 1, 3600.0) is None
-    claim = ledger.claim(new.id, "rated", 1, 30)
+    assert ledger.dispatches.insert(new)
+    assert ledger.limits.take_permit("rated", "", 1, 3600.0) is None
+    claim = ledger.claims.claim(new.id, "rated", 1, 30)
     assert claim.outcome == "claimed" and claim.token is not None and claim.row is not None
-    wait = ledger.take_permit("rated", "", 1, 3600.0)
+    wait = ledger.limits.take_permit("rated", "", 1, 3600.0)
     assert wait is not None and 3500 < wait <= 3600
-    back = ledger.wait_for_rate(new.id, claim.token, retry_in=wait, relay_in=wait)
+    back = ledger.limits.wait_for_rate(new.id, claim.token, retry_in=wait, relay_in=wait)
     assert back is not None
     assert (back.status, back.attempt, back.waiting_for, back.claim_token) == (
         "queued",
@@ -174,13 +174,13 @@ def test_a_run_refused_a_start_waits_unrun_and_uncounted(ledger: Ledger) -> None
     )
     assert back.group_key is None  # "" in the column is no group
     # Its next delivery is early until the window comes.
-    assert ledger.claim(new.id, "rated", 1, 30).outcome == "early"
+    assert ledger.claims.claim(new.id, "rated", 1, 30).outcome == "early"
     assert row_count(ledger) == 1
 
 
 def test_permits_unused_for_longer_than_any_window_are_pruned(ledger: Ledger) -> None:
-    assert ledger.take_permit("rated", "old", 2, 1.0) is None
-    assert ledger.take_permit("rated", "new", 2, 1.0) is None
+    assert ledger.limits.take_permit("rated", "old", 2, 1.0) is None
+    assert ledger.limits.take_permit("rated", "new", 2, 1.0) is None
     with ledger.engine.begin() as conn:
         conn.execute(
             update(rate_permit_table)
@@ -188,14 +188,14 @@ def test_permits_unused_for_longer_than_any_window_are_pruned(ledger: Ledger) ->
             .values(started_at=datetime.now(UTC))
         )
     # Only what is older than the age given goes: nothing used within the last minute...
-    assert ledger.prune_permits(older_than=60.0, limit=10) == 1  # old's unused one
+    assert ledger.limits.prune_permits(older_than=60.0, limit=10) == 1  # old's unused one
     # ... and, told an age in the future, everything (in batches of `limit`).
-    assert ledger.prune_permits(older_than=-3600.0, limit=1) == 1
-    assert ledger.prune_permits(older_than=-3600.0, limit=10) == 2
+    assert ledger.limits.prune_permits(older_than=-3600.0, limit=1) == 1
+    assert ledger.limits.prune_permits(older_than=-3600.0, limit=10) == 2
     with ledger.engine.connect() as conn:
         assert conn.execute(select(rate_permit_table)).all() == []
     # A group whose permits went makes them again at its next start.
-    assert ledger.take_permit("rated", "old", 2, 1.0) is None
+    assert ledger.limits.take_permit("rated", "old", 2, 1.0) is None
 
 
 def test_a_lowered_limit_lets_waiting_runs_go_only_under_it_and_a_removed_one_lets_all_go(
@@ -206,25 +206,25 @@ def test_a_lowered_limit_lets_waiting_runs_go_only_under_it_and_a_removed_one_le
     group = f"g-{uuid.uuid4().hex[:6]}"
     rows = [new_dispatch(job_name, group_key=group, status="queued") for _ in range(5)]
     for new in rows:
-        assert ledger.insert(new)
+        assert ledger.dispatches.insert(new)
     # Under the old code's limit of 3, three run and two park.
-    held = [ledger.claim(new.id, job_name, 1, 30, concurrency=3) for new in rows[:3]]
+    held = [ledger.claims.claim(new.id, job_name, 1, 30, concurrency=3) for new in rows[:3]]
     assert all(claim.outcome == "claimed" for claim in held)
     for new in rows[3:]:
-        assert ledger.claim(new.id, job_name, 1, 30, concurrency=3).outcome == "blocked"
-        assert ledger.park(new.id, job_name, 1, "concurrency")
+        assert ledger.claims.claim(new.id, job_name, 1, 30, concurrency=3).outcome == "blocked"
+        assert ledger.slots.park(new.id, job_name, 1, "concurrency")
     # The new code (limit 1): two of three end, and still nothing goes.
     slots = Slots(
         ledger, idle.questpie._outbox, lambda _: Limits(concurrency=1), lambda: [job_name]
     )
     for claim in held[:2]:
         assert claim.row is not None and claim.token is not None
-        assert ledger.finish(claim.row.id, claim.token, "completed", None)
+        assert ledger.claims.finish(claim.row.id, claim.token, "completed", None)
         slots.hand_on(claim.row)
     assert {ledger.get(new.id).status for new in rows[3:]} == {"parked"}  # type: ignore[union-attr]
     last = held[2]
     assert last.row is not None and last.token is not None
-    assert ledger.finish(last.row.id, last.token, "completed", None)
+    assert ledger.claims.finish(last.row.id, last.token, "completed", None)
     slots.hand_on(last.row)
     statuses = [ledger.get(new.id).status for new in rows[3:]]  # type: ignore[union-attr]
     assert sorted(statuses) == ["parked", "queued"]  # one seat under the new limit: one goes
@@ -241,15 +241,15 @@ def test_a_run_awaiting_its_retry_keeps_its_seat_and_a_delayed_one_takes_none(
     first, second = (new_dispatch(job_name, status="queued") for _ in range(2))
     later = new_dispatch(job_name, status="queued", run_after=datetime.now(UTC).replace(year=2100))
     for new in (first, second, later):
-        assert ledger.insert(new)
+        assert ledger.dispatches.insert(new)
     # Not due: early, whatever the seats (it holds none and counts for nothing).
-    assert ledger.claim(later.id, job_name, 1, 30, concurrency=1).outcome == "early"
-    claim = ledger.claim(first.id, job_name, 1, 30, concurrency=1)
+    assert ledger.claims.claim(later.id, job_name, 1, 30, concurrency=1).outcome == "early"
+    claim = ledger.claims.claim(first.id, job_name, 1, 30, concurrency=1)
     assert claim.outcome == "claimed" and claim.token is not None
-    assert ledger.retry(first.id, claim.token, retry_in=0.0, relay_in=60.0, error="Boom")
+    assert ledger.claims.retry(first.id, claim.token, retry_in=0.0, relay_in=60.0, error="Boom")
     # Awaiting its retry, it holds the seat: another run of the group waits.
-    blocked = ledger.claim(second.id, job_name, 1, 30, concurrency=1)
+    blocked = ledger.claims.claim(second.id, job_name, 1, 30, concurrency=1)
     assert (blocked.outcome, blocked.blocked_by) == ("blocked", "concurrency")
-    retried = ledger.claim(first.id, job_name, 2, 30, concurrency=1)
+    retried = ledger.claims.claim(first.id, job_name, 2, 30, concurrency=1)
     assert retried.outcome == "claimed" and retried.row is not None
     assert retried.row.seat == 0 and retried.row.attempt == 2

@@ -170,7 +170,7 @@ def test_stored_options_round_trip_through_the_ledger(idle: IdleApp) -> None:
         carry={"headers": {"x-trace": "abc"}},
     )
     new = new_dispatch(options=stored)
-    assert idle.ledger.insert(new) is True
+    assert idle.ledger.dispatches.insert(new) is True
     row = idle.ledger.get(new.id)
     assert isinstance(row, DispatchRow)
     assert row.options == stored
@@ -217,7 +217,7 @@ def test_malformed_fields_do_not_spoil_the_good_ones() -> None:
 def test_malformed_options_column_reads_back_as_defaults(idle: IdleApp) -> None:
     """A row whose `options` JSON someone else wrote badly still reads (and can be sent)."""
     new = new_dispatch()
-    assert idle.ledger.insert(new) is True
+    assert idle.ledger.dispatches.insert(new) is True
     with idle.ledger.engine.begin() as conn:
         conn.exec_driver_sql(
             "UPDATE questpie_queue_dispatch SET options = ? WHERE id = ?",

@@ -152,7 +152,7 @@ def test_slot_indexes_in_a_migrated_database_list_exactly_the_rules_policies(
 
 
 def _claim(ledger: Ledger, dispatch_id: str) -> str:
-    return ledger.claim(dispatch_id, "policy.job", 1, 60).outcome
+    return ledger.claims.claim(dispatch_id, "policy.job", 1, 60).outcome
 
 
 @pytest.mark.parametrize("name", list(RULES))
@@ -165,18 +165,18 @@ def test_the_database_enforces_each_policys_rules(ledger: Ledger, name: str) -> 
         return new_dispatch("policy.job", policy=policy, singleton_key=key)
 
     first, second = dispatch(), dispatch()
-    assert ledger.insert(first) is True
+    assert ledger.dispatches.insert(first) is True
     # A second waiting dispatch of the same slot.
-    assert ledger.insert(second) is not (one_waiting or one_overall)
+    assert ledger.dispatches.insert(second) is not (one_waiting or one_overall)
     # Another slot of the same job is never affected.
-    assert ledger.insert(dispatch("slot-b")) is True
+    assert ledger.dispatches.insert(dispatch("slot-b")) is True
     assert _claim(ledger, first.id) == "claimed"
     if one_overall:
-        assert ledger.insert(second) is False  # one run holds the whole slot
+        assert ledger.dispatches.insert(second) is False  # one run holds the whole slot
         return
     # The first now runs, so a waiting place is free again (where only one may wait, the
     # second gets in now; elsewhere it was in already and its id is taken).
-    assert ledger.insert(second) is one_waiting
+    assert ledger.dispatches.insert(second) is one_waiting
     assert _claim(ledger, second.id) == ("blocked" if one_running else "claimed")
     row = ledger.get(second.id)
     assert row is not None
@@ -185,7 +185,7 @@ def test_the_database_enforces_each_policys_rules(ledger: Ledger, name: str) -> 
         # Once the first run ends for good, the slot's running place is free.
         first_row = ledger.get(first.id)
         assert first_row is not None and first_row.claim_token is not None
-        assert ledger.finish(first.id, first_row.claim_token, "completed", None) is True
+        assert ledger.claims.finish(first.id, first_row.claim_token, "completed", None) is True
         assert _claim(ledger, second.id) == "claimed"
 
 
@@ -210,7 +210,7 @@ def test_a_plain_delivery_of_a_policy_job_is_taken_in_as_a_publish_would_write_i
     delivery is here already: a row due in ten minutes would turn it away as early). A
     second one meets the taken slot and is suppressed, reported as a publish's is."""
     ledger = open_ledger(sqlite_url(tmp_path))
-    ledger.migrate()
+    ledger.migration.migrate()
     app = Celery("admission", broker="memory://")
 
     def run(self: Any, payload: Any) -> None:
@@ -274,7 +274,7 @@ def test_the_worker_and_publish_lines_keep_the_loggers_operators_filter_on(
     assert [r.name for r in told] == ["questpie_celery.publish"]
 
     ledger = open_ledger(sqlite_url(tmp_path))
-    ledger.migrate()
+    ledger.migration.migrate()
     app = Celery("admission-loggers", broker="memory://")
 
     def run(self: Any, payload: Any) -> None:

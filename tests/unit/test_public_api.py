@@ -239,8 +239,8 @@ def test_pooled_is_a_flag_and_a_pooled_ledger_never_listens() -> None:
     unpooled, pooled = open_ledger(url), open_ledger(url, pooled=True)
     # A LISTEN through a pooler in transaction mode stays on a server connection that
     # other clients use next, and delivers nothing: a pooled ledger's relays poll.
-    assert pooled.pooled and pooled.send_wakeups() is None
-    assert unpooled.send_wakeups() is not None
+    assert pooled.pooled and pooled.relay.send_wakeups() is None
+    assert unpooled.relay.send_wakeups() is not None
 
 
 def test_redis_apps_get_ten_priority_steps() -> None:
@@ -279,7 +279,7 @@ def test_cli_policy_set_and_show(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert shown.output.strip() == "report: stately"
     assert runner.invoke(main, ["policy", "set", "report", "fifo", "--ledger-url", url]).exit_code
     ledger = open_ledger(url)
-    assert ledger.get_policy("report") is QueuePolicy.STATELY
+    assert ledger.policies.get("report") is QueuePolicy.STATELY
     ledger.close()
 
 

@@ -48,7 +48,7 @@ def idle(tmp_path: Path) -> Iterator[IdleApp]:
 
 
 def stored(idle: IdleApp) -> list[ScheduleRow]:
-    return [row for row, _ in idle.ledger.schedules()]
+    return [row for row, _ in idle.ledger.schedules.listed()]
 
 
 def make_due(idle: IdleApp, job_name: str, at: datetime) -> None:

@@ -37,7 +37,7 @@ def due(ledger: Ledger, count: int, job_name: str = "record") -> list[str]:
     long_ago = datetime.now(UTC) - timedelta(hours=1)
     made = [new_dispatch(job_name, next_send_at=long_ago) for _ in range(count)]
     for row in made:
-        assert ledger.insert(row)
+        assert ledger.dispatches.insert(row)
     return [row.id for row in made]
 
 
@@ -55,8 +55,8 @@ def test_one_sample_per_period_however_often_asked_and_old_ones_go(ledger: Ledge
             )
         )
     for _ in range(3):  # three relays, one after another within the period
-        ledger.sample_backlog(every=30, keep=7200)
-    history = ledger.backlog_history(3600)
+        ledger.relay.sample_backlog(every=30, keep=7200)
+    history = ledger.relay.backlog_history(3600)
     assert [n for _, n in history] == [3]
     assert samples(ledger) == 1  # the three-hour-old sample was dropped
 
@@ -69,7 +69,7 @@ def test_a_running_relay_records_the_backlog(tmp_path: Path) -> None:
         relay = threading.Thread(target=idle.questpie.run_relay, kwargs={"stop": stop})
         relay.start()
         try:
-            history = wait_until(lambda: idle.ledger.backlog_history(60), "a backlog sample")
+            history = wait_until(lambda: idle.ledger.relay.backlog_history(60), "a backlog sample")
         finally:
             stop.set()
             relay.join(10)
@@ -164,7 +164,7 @@ def test_serving_beyond_this_machine_needs_the_public_flag(tmp_path: Path) -> No
 
 def test_a_far_off_start_is_not_counted_as_waiting_before_it_comes(ledger: Ledger) -> None:
     week = datetime.now(UTC) + timedelta(days=7)
-    assert ledger.insert(new_dispatch("later", run_after=week, next_send_at=week))
+    assert ledger.dispatches.insert(new_dispatch("later", run_after=week, next_send_at=week))
     (late,) = due(ledger, 1, job_name="late")
     with ledger.engine.begin() as conn:
         conn.execute(
@@ -286,7 +286,7 @@ def test_a_ledger_not_migrated_is_told_as_unreadable_not_as_an_outage(
 
     caplog.set_level(logging.WARNING, logger="questpie_celery.web")
     assert asyncio.run(statuses(3)) == [503] * 3
-    ledger.migrate()
+    ledger.migration.migrate()
     assert asyncio.run(statuses(1)) == [200]
     said = [r.getMessage() for r in caplog.records if r.name == "questpie_celery.web"]
     assert len(said) == 2, said

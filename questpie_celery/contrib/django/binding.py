@@ -107,7 +107,7 @@ def migrate_ledger(alias: str) -> int | None:
     version, or None for another database."""
     if alias != ledger_database():
         return None
-    return Ledger(django_ledger_engine(alias)).migrate()
+    return Ledger(django_ledger_engine(alias)).migration.migrate()
 
 
 # --- the engine ----------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The ledger's tables as Django sees them, for the read-only admin.
 
 Unmanaged (`Meta.managed = False`): Django's migrations never create, alter or drop
-them; the package's own migration does (`Ledger.migrate()`), and the table names are
+them; the package's own migration does (`ledger.migration.migrate()`), and the table names are
 read from `questpie_celery.ledger.schema`. Each model maps only the columns the admin
 shows. A dispatch's `payload`, `secret_ciphertext` and `secret_wrapped_key`, a
 schedule's `payload` and the `options` of both are not fields, so no query Django

@@ -221,7 +221,7 @@ def threads(tag: str) -> dict[str, Any]:
 
 def listens(tag: str) -> dict[str, Any]:
     """Whether this project's relays would hold a LISTEN (not behind a pooler)."""
-    return {"listens": questpie._ledger.send_wakeups() is not None}
+    return {"listens": questpie._ledger.relay.send_wakeups() is not None}
 
 
 if __name__ == "__main__":

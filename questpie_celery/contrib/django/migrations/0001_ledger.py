@@ -1,5 +1,5 @@
 """The ledger tables, created from `questpie_celery.ledger.schema` by the same
-`Ledger.migrate()` that `questpie-celery migrate` runs: one definition, no copy of the
+`ledger.migration.migrate()` that `questpie-celery migrate` runs: one definition, no copy of the
 DDL. A later schema version is a new migration calling the same idempotent function.
 
 Only the ledger's database (`QUESTPIE_DATABASE`, "default") gets the tables; on any

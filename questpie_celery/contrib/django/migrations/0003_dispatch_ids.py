@@ -1,5 +1,5 @@
 """Ledger schema version 5: a dispatch id may be any task id a plain Celery call carries,
-not only a 36-character UUID. `Ledger.migrate()` widens the columns (as `questpie-celery
+not only a 36-character UUID. `ledger.migration.migrate()` widens the columns (as `questpie-celery
 migrate` does); the unmanaged models follow, with no DDL of Django's own."""
 
 from typing import Any, ClassVar

@@ -1,5 +1,5 @@
 """Ledger schema version 8: each dispatch counts its claims (the handler's fencing
-token). `Ledger.migrate()` adds the column (as `questpie-celery migrate` does), and with
+token). `ledger.migration.migrate()` adds the column (as `questpie-celery migrate` does), and with
 it whatever an earlier schema version added since this project last migrated."""
 
 from typing import Any, ClassVar
