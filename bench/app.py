@@ -14,7 +14,7 @@ from pydantic import BaseModel
 from sqlalchemy import create_engine
 
 from bench.floor import CLAIM, FINISH
-from questpie_celery import JobContext, Questpie, job
+from questpie_celery import JobContext, LedgerTask, Questpie, job
 from questpie_celery.ledger import DispatchRow
 from questpie_celery.ledger.claims import ClaimStatements
 from questpie_celery.ledger.direct import DriverStatement
@@ -49,6 +49,15 @@ def raw(payload: dict[str, Any]) -> None:
 def noop(payload: Payload, ctx: JobContext) -> None:
     del payload, ctx
     bump("bench:noop")
+
+
+@celery_app.task(
+    base=LedgerTask, name="bench.adopted", ledger={"idempotency_key": "{key}"}, shared=False
+)
+def adopted(n: int, key: str) -> None:
+    """An existing Celery task adopted where it stands: its key is one of its arguments."""
+    del n, key
+    bump("bench:adopted")
 
 
 @job(name="bench.exclusive", schema=Payload, options={"queue_policy": "exclusive"})

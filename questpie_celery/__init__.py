@@ -7,6 +7,7 @@ is), `ledger/` (the only code that talks SQL), `send/` (after the row, the messa
 `beat.py`, `web.py` and `testing/` are the entry points above it.
 """
 
+from .adopted import LedgerRefused, LedgerTask
 from .app import Questpie
 from .errors import (
     BrokerError,
@@ -46,7 +47,9 @@ __all__ = [
     "JobOptions",
     "LedgerBusyError",
     "LedgerError",
+    "LedgerRefused",
     "LedgerSchemaError",
+    "LedgerTask",
     "LedgerUnavailableError",
     "PayloadValidationError",
     "PermanentFailure",

@@ -13,8 +13,9 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import replace
 from datetime import timedelta
 from types import ModuleType
 from typing import Any, Never
@@ -25,6 +26,8 @@ from celery.signals import worker_init
 from sqlalchemy import Engine
 
 from ._runtime.outages import Outage
+from .adopted.calls import Call
+from .adopted.task import Adoption, LedgerTask, serve
 from .client import JobClient
 from .config.settings import DEFAULT_LEASE_SECONDS, Durability, Settings, given_ledger, period
 from .config.wiring import wire
@@ -37,7 +40,9 @@ from .errors import (
 )
 from .jobs.context import ContextFactory
 from .jobs.definition import HandlerContext, JobDefinition, P, declared_jobs, job
+from .jobs.ids import unstorable_id
 from .jobs.keywords import JobOptions
+from .jobs.options import resolve_options
 from .jobs.policies import QueuePolicy
 from .ops.operations import Operator
 from .publish.schedules import DEFAULT_FIRE_RETENTION_SECONDS, Schedules
@@ -158,7 +163,10 @@ class Questpie:
         # starts knowing them, also if the ledger goes down later.
         worker_init.connect(self._on_worker_init, weak=False)
         _BY_APP[celery_app] = self
+        serve(celery_app, self._adopt)
         self.register(*settings.jobs)
+        if celery_app.finalized:
+            self._adopt_tasks()
 
     # --- registration ---------------------------------------------------------------------
 
@@ -176,6 +184,45 @@ class Questpie:
 
     def _on_finalize(self, sender: Any = None, **_: Any) -> None:
         self._register_declared()
+        self._adopt_tasks()
+
+    def _adopt_tasks(self) -> None:
+        """Adopt the app's `LedgerTask`s that are not yet (each becomes a job of the
+        ledger under its own name)."""
+        for task in list(self._celery_app.tasks.values()):
+            if isinstance(task, LedgerTask) and task.questpie_adoption is None:
+                self._adopt(task)
+
+    def _adopt(self, task: LedgerTask) -> None:
+        definition = task.questpie_job()
+        if not self._registry.add(self._client_for(definition)):
+            raise JobDefinitionError(f"task {task.name!r}: a job of that name is registered")
+        definition.compiled_on(self._celery_app)
+        self._tasks[definition.name] = task
+        task.questpie_definition = definition
+        task.questpie_runner = self._runner
+        task.questpie_adoption = Adoption(definition, self._runner, self._publish_adopted)
+
+    def _publish_adopted(
+        self,
+        definition: JobDefinition[Call],
+        call: Call,
+        options: Mapping[str, Any],
+        *,
+        dispatch_id: str | None,
+        carry: Mapping[str, Any],
+        session: Any,
+        connection: Any,
+    ) -> str | None:
+        resolved = resolve_options(definition.options, options)
+        if resolved.idempotency_key is not None:
+            dispatch_id = None  # a key names its own dispatch
+        elif dispatch_id is not None and (why := unstorable_id(dispatch_id)) is not None:
+            raise PublishOptionsError(f"task_id cannot be a dispatch id: {why}")
+        resolved = replace(resolved, carry={**resolved.carry, **carry}, dispatch_id=dispatch_id)
+        return self._publisher.publish(
+            definition, call, resolved, session=session, connection=connection
+        )
 
     def _on_worker_init(self, sender: Any = None, **_: Any) -> None:
         if getattr(sender, "app", None) is not self._celery_app:

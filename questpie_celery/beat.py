@@ -78,6 +78,7 @@ class LedgerScheduler(Scheduler):  # type: ignore[misc]  # Celery ships no type 
         # the last run their current multiple implies, so the first run is at the next.
         for entry in self.schedule.values():
             _align(entry)
+            _report_unsendable(self.app, entry)
         self._sync_job_schedules()
 
     def reserve(self, entry: ScheduleEntry) -> ScheduleEntry:
@@ -151,6 +152,18 @@ class LedgerScheduler(Scheduler):  # type: ignore[misc]  # Celery ships no type 
             log.debug("beat entry %s: another beat sent its %s tick", entry.name, tick)
             return
         super().apply_entry(entry, producer=producer)
+
+
+def _report_unsendable(app: Celery, entry: ScheduleEntry) -> None:
+    """Log, once as beat starts, an entry naming a job's task that every tick would send
+    with no payload: its task takes one positional argument, the payload (`args=[{}]`)."""
+    task = app.tasks.get(entry.task)
+    mistake = getattr(task, "payload_mistake", None)
+    if mistake is None:
+        return
+    why = mistake(entry.args, entry.kwargs)
+    if why is not None:
+        log.error("beat entry %r: %s; every tick of it would fail at the worker", entry.name, why)
 
 
 def _interval_seconds(entry: ScheduleEntry) -> float | None:

@@ -38,7 +38,10 @@ def new_dispatch(
     one is derived from the key, or random) and `queued` (the broker has it already)."""
     key = options.idempotency_key
     if dispatch_id is None:
-        dispatch_id = derive_dispatch_id(job_name, key) if key is not None else random_dispatch_id()
+        if key is not None:
+            dispatch_id = derive_dispatch_id(job_name, key)
+        else:
+            dispatch_id = options.dispatch_id or random_dispatch_id()
     sealed = keyring.seal(body, job_name=job_name, dispatch_id=dispatch_id) if keyring else None
     return NewDispatch(
         id=dispatch_id,

@@ -68,6 +68,17 @@ def checked_factory(factory: object) -> ContextFactory | None:
     return factory
 
 
+class RetryIn(Exception):  # not an error: how a run asks for its retry
+    """Raised by a run to be retried in `seconds` (an adopted Celery task's `self.retry()`
+    or `autoretry_for`): the next attempt of the same dispatch, while it has retries
+    left. `cause` is the exception the retry is for, if any."""
+
+    def __init__(self, seconds: float, cause: BaseException | None = None) -> None:
+        super().__init__(f"retry in {seconds:g}s")
+        self.seconds = seconds
+        self.cause = cause
+
+
 class AppContext:
     """The application's factory, and running a handler inside what it builds."""
 

@@ -130,6 +130,9 @@ class JobDefinition(Generic[P]):
             type(handler).__call__
         )
         self._has_secret_fields = _has_secret_fields(schema)
+        #: A failed run is retried while retries are left (a job's); False for an adopted
+        #: Celery task, which is retried only when it asks (`RetryIn`), as in Celery.
+        self.retries_failures = True
         #: The Celery apps whose `Questpie` made this job's task (see `task`).
         self._apps: weakref.WeakSet[Celery] = weakref.WeakSet()
 

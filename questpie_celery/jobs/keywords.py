@@ -12,7 +12,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Mapping
 from datetime import datetime
-from typing import TypedDict
+from typing import Any, TypedDict
 
 from .policies import QueuePolicy, QueuePolicyName
 
@@ -69,6 +69,8 @@ class ManyOptions(SharedOptions, total=False):
     item)."""
 
     secret_payload: bool | None
+    #: Custom message headers (JSON values), on every send of the dispatch and its retries.
+    headers: Mapping[str, Any] | None
 
 
 class DispatchKeys(TypedDict, total=False):
@@ -82,6 +84,37 @@ class DispatchKeys(TypedDict, total=False):
 class PublishOptions(DispatchKeys, ManyOptions, total=False):
     """The options of one dispatch (`publish`, `apublish`): its keys and the shared ones."""
 
+
+#: The ledger options an adopted Celery task declares (`ledger={...}` on a `LedgerTask`):
+#: a job's, its keys (templates over its arguments) and `secret_payload`.
+ADOPTED_TASK_OPTIONS = frozenset(
+    {
+        "idempotency_key",
+        "singleton_key",
+        "group_key",
+        "secret_payload",
+        "queue_policy",
+        "concurrency_limit",
+        "rate_limit",
+        "debounce_seconds",
+        "debounce_max_seconds",
+        "throttle_seconds",
+        "expire_in_seconds",
+    }
+)
+#: The ledger options an adopted task's `apply_async` (or a signature's options) takes
+#: beside Celery's own; Celery's `countdown`, `eta`, `priority`, `queue` and `headers`
+#: keep their names and meaning.
+ADOPTED_CALL_OPTIONS = (
+    "idempotency_key",
+    "singleton_key",
+    "group_key",
+    "secret_payload",
+    "queue_policy",
+    "debounce_seconds",
+    "debounce_max_seconds",
+    "throttle_seconds",
+)
 
 #: Every keyword of `publish()`, for the message that names the one meant.
 PUBLISH_OPTION_NAMES = (*PublishOptions.__annotations__, "session", "connection")

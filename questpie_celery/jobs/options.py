@@ -7,6 +7,7 @@ Validation happens before anything is written anywhere.
 
 from __future__ import annotations
 
+import json
 import string
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -24,6 +25,11 @@ DEFAULT_RETRY_DELAY = 0.0
 DEFAULT_EXPIRE_IN_SECONDS = 900
 MAX_KEY_LENGTH = 512
 MAX_RETRY_BACKOFF_SECONDS = 3600
+#: The most retries a dispatch may have: the ledger counts attempts in a 32-bit integer
+#: (an adopted task with `max_retries=None`, retried for as long as it asks).
+MAX_RETRY_LIMIT = 2**31 - 2
+#: The message header that is questpie's own (see `send/broker.py`); never a custom one.
+QUESTPIE_HEADER = "questpie"
 MAX_PRIORITY = 9
 #: Upper bounds no worker could honour past (and datetime arithmetic overflows beyond).
 MAX_START_AFTER_SECONDS = 10 * 365 * 86400
@@ -160,6 +166,12 @@ class DispatchOptions:
     debounce_max_seconds: float | None = None
     #: Throttled: at most one dispatch per job and key accepted per window this long.
     throttle_seconds: float | None = None
+    #: Celery options kept with the dispatch for every send: its custom `headers` (the
+    #: `headers` option) and, for an adopted task's call, its route.
+    carry: Mapping[str, Any] = field(default_factory=dict)
+    #: The id an unkeyed dispatch takes (an adopted task's call whose id Celery's Canvas
+    #: froze); a keyed dispatch's id is always its key's.
+    dispatch_id: str | None = None
 
     @property
     def flow_controlled(self) -> bool:
@@ -173,7 +185,9 @@ class DispatchOptions:
         return self.singleton_key if self.singleton_key is not None else ""
 
     def stored(self) -> StoredOptions:
-        return StoredOptions(run=self.run, priority=self.priority, queue=self.queue)
+        return StoredOptions(
+            run=self.run, priority=self.priority, queue=self.queue, carry=self.carry
+        )
 
 
 def validate_job_options(options: Mapping[str, Any] | None) -> JobOptions:
@@ -293,6 +307,7 @@ def _merge(
         debounce_seconds=values.get("debounce_seconds"),
         debounce_max_seconds=_debounce_max(values),
         throttle_seconds=values.get("throttle_seconds"),
+        carry={"headers": values["headers"]} if values.get("headers") else {},
     )
 
 
@@ -452,6 +467,22 @@ def _queue(value: object) -> str:
     return value
 
 
+def _headers(value: object) -> dict[str, Any]:
+    """Custom headers: a mapping of str names to JSON values (the ledger keeps them for
+    every send), none of them questpie's own."""
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise PublishOptionsError("headers must be a mapping of str names to values")
+    if QUESTPIE_HEADER in value:
+        raise PublishOptionsError(f"headers must not set {QUESTPIE_HEADER!r}: it is questpie's")
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        raise PublishOptionsError(
+            "headers must hold JSON values (str, numbers, lists, ...)"
+        ) from None
+    return dict(value)
+
+
 _VALIDATORS: dict[str, Any] = {
     "idempotency_key": lambda v, _now: _idempotency_key(v),
     "singleton_key": lambda v, _now: _key(v, "singleton_key"),
@@ -468,4 +499,5 @@ _VALIDATORS: dict[str, Any] = {
     "debounce_seconds": lambda v, _now: _positive_seconds(v, "debounce_seconds"),
     "debounce_max_seconds": lambda v, _now: _positive_seconds(v, "debounce_max_seconds"),
     "throttle_seconds": lambda v, _now: _positive_seconds(v, "throttle_seconds"),
+    "headers": lambda v, _now: _headers(v),
 }

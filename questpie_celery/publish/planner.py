@@ -252,7 +252,7 @@ class Plan:
         item = self.options[index]
         body = self.bodies[index]
         if self.plain_ok and item.idempotency_key is None:
-            return Route(random_dispatch_id(), plain=(body, item))
+            return Route(item.dispatch_id or random_dispatch_id(), plain=(body, item))
         new = new_dispatch(
             self.job_name, body, item, self.policy, self.keyring, self.first, self.stored
         )

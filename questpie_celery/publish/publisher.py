@@ -95,6 +95,7 @@ def send_unledgered(
         priority=options.priority,
         queue=options.queue,
         eta=options.start_after,
+        carry=options.carry,
         trace=trace,
     )
 

@@ -1,7 +1,9 @@
 """Everything that crosses the broker: the message header, priorities, and sending.
 
 A questpie message is an ordinary Celery task message: the task named after the
-job, one positional argument (the payload as a JSON object), the JSON serializer.
+job, one positional argument (the payload as a JSON object), the task's serializer
+(JSON for a job's; an adopted Celery task's payload is its serialized call, sent with
+the serializer the app accepts).
 Our metadata rides in one custom header, `questpie`, which Celery exposes as
 `task.request.questpie` and copies into the message of a `retry()`.
 """
@@ -24,11 +26,11 @@ from celery import Celery, Task
 from .._runtime import telemetry
 from ..errors import BrokerError, MalformedHeaderError, PublishOptionsError
 from ..filesystem import TRANSPORT as FILESYSTEM_TRANSPORT
-from ..jobs.options import MAX_PRIORITY, RunOptions
+from ..jobs.options import MAX_PRIORITY, QUESTPIE_HEADER, RunOptions
 
 log = logging.getLogger(__name__)
 
-HEADER = "questpie"
+HEADER = QUESTPIE_HEADER
 HEADER_VERSION = 1
 #: Extra seconds between the soft and the hard time limit of a run.
 HARD_TIME_LIMIT_GRACE_SECONDS = 30
@@ -327,6 +329,7 @@ class Sender:
         self.app = app
         self._local = threading.local()  # `.open`: this thread's open batch, if any
         self._kind: str | None = None
+        self._task_settings_seen: dict[str, tuple[str, bool]] = {}
 
     @contextmanager
     def batch(self, size: int) -> Iterator[None]:
@@ -420,19 +423,21 @@ class Sender:
             task = self.app.tasks[job_name]
             task.apply(args=[payload], task_id=dispatch_id, headers=headers, **carried)
             return
+        serializer, own_limits = self._task_settings(job_name)
         options: dict[str, Any] = {
             **carried,
             "task_id": dispatch_id,
             "headers": headers,
-            "serializer": "json",
-            # Celery enforces these on the prefork pool only; the lease caps the rest.
-            "soft_time_limit": header.run.expire_in_seconds,
-            "time_limit": header.run.expire_in_seconds + HARD_TIME_LIMIT_GRACE_SECONDS,
+            "serializer": serializer,
             # What monitors (Flower, events) show of the arguments. Celery's own saferepr
             # of them costs more than the rest of building the message.
             "argsrepr": _short_repr(payload),
             "kwargsrepr": "{}",
         }
+        if not own_limits:
+            # Celery enforces these on the prefork pool only; the lease caps the rest.
+            options["soft_time_limit"] = header.run.expire_in_seconds
+            options["time_limit"] = header.run.expire_in_seconds + HARD_TIME_LIMIT_GRACE_SECONDS
         if self._kind is None:  # read once: the broker URL is fixed once the app is configured
             self._kind = broker_kind(self.app)
         mapped = broker_priority(self._kind, priority)
@@ -478,6 +483,21 @@ class Sender:
                 f"the broker did not accept dispatch {dispatch_id} of job {job_name!r}: "
                 f"{type(exc).__name__}"
             ) from exc
+
+    def _task_settings(self, job_name: str) -> tuple[str, bool]:
+        """The task's own serializer (JSON for a job's task; for an adopted Celery task,
+        the one its app accepts: its message carries the serialized call as a string),
+        and whether it keeps its own time limits (an adopted task: Celery's, as declared,
+        rather than ones made from `expire_in_seconds`)."""
+        settings = self._task_settings_seen.get(job_name)
+        if settings is None:
+            task = self.app.tasks.get(job_name)
+            settings = (
+                getattr(task, "serializer", None) or "json",
+                bool(getattr(task, "questpie_own_time_limits", False)),
+            )
+            self._task_settings_seen[job_name] = settings
+        return settings
 
     def send_back(self, task: Task, header: MessageHeader, countdown: float) -> None:
         """Send the delivery being run again as it came (its id, arguments, route, time

@@ -18,6 +18,7 @@ before the run waits for an unreachable ledger, or goes back to the broker, as
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -39,7 +40,7 @@ from ..errors import (
     SecretDecryptionError,
     SecretJobError,
 )
-from ..jobs.context import AppContext
+from ..jobs.context import AppContext, RetryIn
 from ..jobs.crypto import Keyring, Sealed
 from ..jobs.definition import JobContext, JobDefinition
 from ..jobs.ids import shown_id, unstorable_id
@@ -78,6 +79,7 @@ class _Ending:
     for_good: bool = False
     exit: BaseException | None = None  # a fresh SystemExit or KeyboardInterrupt to re-raise
     visible: Exception | None = None  # what Celery may see of it
+    retry_in: float | None = None  # the run asked to be retried this much later (`RetryIn`)
 
 
 @dataclass
@@ -398,6 +400,7 @@ class Fence:
                     d.token,
                     ending.error,
                     for_good=ending.for_good,
+                    retry_in=ending.retry_in,
                     carry=carry_for_retry(row.options.carry, d.task.request),
                 )
             ending_span.set(outcome=result)
@@ -411,7 +414,10 @@ class Fence:
         if result == "failed":
             raise ending.visible or HandlerAbortedError()
         if result == "retrying":
-            raise Retry(exc=ending.visible, when=row.options.run.delay_before_retry(row.attempt))
+            when = ending.retry_in
+            if when is None:
+                when = row.options.run.delay_before_retry(row.attempt)
+            raise Retry(exc=ending.visible, when=when)
         raise Ignore()
 
     def _call(
@@ -446,8 +452,11 @@ class Fence:
             # A bad payload or ciphertext is not mended by retrying; a worker missing the
             # right secret might be, by a better-configured one.
             return _ending_of(row, exc, for_good=not getattr(exc, "retryable", False))
+        except RetryIn as asked:  # the next attempt, when the run asked for it
+            ending = _ending_of(row, asked.cause or asked, for_good=False)
+            return dataclasses.replace(ending, retry_in=asked.seconds)
         except BaseException as exc:  # every end is recorded; see Fence.run
-            return _ending_of(row, exc, for_good=False)
+            return _ending_of(row, exc, for_good=not definition.retries_failures)
         # A secret dispatch's return value is never stored: it may echo the payload.
         return _Ending(result=None if row.secret else result)
 

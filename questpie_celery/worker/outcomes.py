@@ -84,9 +84,11 @@ class Outcomes:
         *,
         for_good: bool,
         carry: Mapping[str, Any] | None = None,
+        retry_in: float | None = None,
     ) -> Ending:
         """Record a failed attempt: a retry while the dispatch has retries left and the
-        failure may mend, else `failed` for good (erasing a secret's key)."""
+        failure may mend, else `failed` for good (erasing a secret's key). `retry_in`:
+        the run asked for its retry this much later, else the dispatch's delay applies."""
         run = row.options.run
         if for_good or row.attempt > run.retry_limit:
             if not self._patiently(
@@ -96,7 +98,8 @@ class Outcomes:
                 return "lost"
             self._slots.hand_on_or_leave(row)
             return "failed"
-        plan = self._outbox.plan_retry(run.delay_before_retry(row.attempt))
+        delay = run.delay_before_retry(row.attempt) if retry_in is None else retry_in
+        plan = self._outbox.plan_retry(delay)
         if not self._patiently(
             lambda: self._claims.retry(
                 row.id, token, retry_in=plan.retry_in, relay_in=plan.relay_in, error=error

@@ -27,7 +27,8 @@ from ..jobs.context import AppContext
 from ..jobs.definition import JobContext, JobDefinition
 from ..jobs.ids import unstorable_id
 from ..jobs.options import resolve_options
-from ..send.broker import HARD_TIME_LIMIT_GRACE_SECONDS, MessageHeader
+from ..jobs.policies import QueuePolicy
+from ..send.broker import HARD_TIME_LIMIT_GRACE_SECONDS, HEADER, MessageHeader
 from .admission import Admission
 from .delivery_wait import DeliveryWait
 from .fence import Fence, mark_started
@@ -62,12 +63,18 @@ class DeliveryRequest(Request):  # type: ignore[misc]  # celery ships no type in
             if isinstance(exc, ExceptionWithTraceback):  # as the pool process sent it
                 exc = exc.exc
             if isinstance(exc, _LOST):
-                self.task.questpie_runner.ended_unrun(self.task, Context(self.request_dict))
+                self._ended_unrun()
 
     def on_timeout(self, soft: bool, timeout: float) -> None:
         super().on_timeout(soft, timeout)
         if not soft:  # the pool kills the process
-            self.task.questpie_runner.ended_unrun(self.task, Context(self.request_dict))
+            self._ended_unrun()
+
+    def _ended_unrun(self) -> None:
+        # An adopted task whose app no Questpie was made for has no runner.
+        runner = getattr(self.task, "questpie_runner", None)
+        if runner is not None:
+            runner.ended_unrun(self.task, Context(self.request_dict))
 
 
 class JobTask(Task):  # type: ignore[misc]  # celery ships no type information
@@ -80,6 +87,27 @@ class JobTask(Task):  # type: ignore[misc]  # celery ships no type information
     Request = DeliveryRequest
     questpie_definition: JobDefinition[Any]
     questpie_runner: Runner
+
+    def apply_async(self, args: Any = None, kwargs: Any = None, *more: Any, **options: Any) -> Any:
+        """Celery's `apply_async`, refusing at once a call whose payload every delivery
+        would refuse (a plain Celery call of the job; `publish()` is the ledgered one)."""
+        headers = options.get("headers") or {}
+        why = None if HEADER in headers else self.payload_mistake(args, kwargs)
+        if why is not None:
+            raise TypeError(f"{self.name}: {why}")
+        return super().apply_async(args, kwargs, *more, **options)
+
+    def payload_mistake(self, args: Any, kwargs: Any) -> str | None:
+        """Why a call with these arguments cannot run the job, or None: a job's task
+        takes one positional argument, its payload."""
+        if kwargs:
+            return (
+                f"a job's task takes its payload as one positional argument, args=[{{...}}], "
+                f"not keywords ({', '.join(map(str, kwargs))})"
+            )
+        if not args or len(args) != 1:
+            return "a job's task takes one positional argument, its payload: args=[{...}]"
+        return None
 
 
 class Runner:
@@ -151,8 +179,54 @@ class Runner:
             log.exception("could not note delivery %s that ended without a run", request.id)
 
     def execute(self, task: JobTask, payload: Any) -> Any:
-        task.request.questpie_started = time.monotonic()  # the soft time limit runs from here
+        """Run one delivery of a job's task: `payload` is its message's one argument."""
         definition = task.questpie_definition
+        return self._delivering(
+            task,
+            definition,
+            lambda: self._execute(
+                task,
+                definition,
+                lambda _ledgered: payload,
+                lambda header: self._run_plain(task, definition, header, payload),
+            ),
+        )
+
+    def execute_adopted(
+        self,
+        task: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        as_payload: Callable[[], dict[str, Any]],
+        run_sent: Callable[[Any], Any],
+    ) -> Any:
+        """Run one delivery of an adopted Celery task (`LedgerTask`). A message of ours
+        carries the call as its one argument (`run_sent` runs an unledgered one); any
+        other is the task's own call, run as Celery runs it unless its policy or limits
+        hold however it was sent (then `as_payload` serializes the call, to be taken
+        into the ledger)."""
+        definition = task.questpie_definition
+        return self._delivering(
+            task,
+            definition,
+            lambda: self._execute(
+                task,
+                definition,
+                lambda ledgered: (
+                    (args[0] if len(args) == 1 else None) if ledgered else as_payload()
+                ),
+                lambda header: (
+                    task.run(*args, **kwargs)
+                    if header is None
+                    else run_sent(args[0] if len(args) == 1 else None)
+                ),
+            ),
+        )
+
+    def _delivering(
+        self, task: Any, definition: JobDefinition[Any], deliver: Callable[[], Any]
+    ) -> Any:
+        task.request.questpie_started = time.monotonic()  # the soft time limit runs from here
         with (
             telemetry.continued_from(task.request.headers),
             telemetry.span(
@@ -160,29 +234,42 @@ class Runner:
             ),
         ):
             try:
-                return self._execute(task, definition, payload)
+                return deliver()
             finally:
                 # What the handler published is sent before the delivery is done: a pool
                 # process may be recycled or stopped next, and its exit runs no atexit
                 # (whatever the time leaves over is the relay's, as after a kill).
                 self._sent(HANDLER_SENDS_FLUSH_SECONDS)
 
-    def _execute(self, task: JobTask, definition: JobDefinition[Any], payload: Any) -> Any:
+    def _execute(
+        self,
+        task: Any,
+        definition: JobDefinition[Any],
+        payload: Callable[[bool], Any],
+        plain: Callable[[MessageHeader | None], Any],
+    ) -> Any:
+        """Where a delivery goes: the fence for a ledgered message, or for a plain one
+        whose policy or limits hold however it was sent (`payload(ledgered)` is what
+        the fence runs), else `plain`."""
         header = self._fence.header_of(task, definition)
         if header is not None and header.ledgered:
             return self._fence.run(
-                task, definition, header, payload, lambda: self._policies.in_force(definition)
+                task, definition, header, payload(True), lambda: self._policies.in_force(definition)
             )
+        policy = self._policy_of_plain(task, definition, header)
+        if policy.ledgered or definition.limits.active:
+            body, back = self._admission.plain(task, definition, policy, header, payload(False))
+            return self._fence.run_admitted(task, definition, body, back)
+        return plain(header)
+
+    def _policy_of_plain(
+        self, task: Any, definition: JobDefinition[Any], header: MessageHeader | None
+    ) -> QueuePolicy:
         # A policy this process never read, with the ledger down, is waited for like a
         # claim: guessing `standard` could run a policy job unfenced.
-        policy = self._waits.unledgered(
+        return self._waits.unledgered(
             task, lambda: self._policies.in_force(definition), header, definition
         )
-        if policy.ledgered or definition.limits.active:
-            # Its policy, or its limits, hold however it was sent: it goes through the fence.
-            body, back = self._admission.plain(task, definition, policy, header, payload)
-            return self._fence.run_admitted(task, definition, body, back)
-        return self._run_plain(task, definition, header, payload)
 
     def _run_plain(
         self,

@@ -29,7 +29,9 @@ def _queue(name: str) -> Queue:
 def capture(stack: Stack, queue: str, timeout: float = 10.0) -> Message:
     """Take the one message waiting in `queue` out of the broker."""
     with Connection(stack.env["QP_TEST_BROKER"]) as conn:
-        simple = conn.SimpleQueue(_queue(queue))
+        # As the stack's worker would: its app may send with pickle (adopted tasks).
+        accept = stack.celery_app.conf.accept_content
+        simple = conn.SimpleQueue(_queue(queue), accept=accept)
         message: Message = simple.get(block=True, timeout=timeout)
         message.ack()
         simple.close()

@@ -24,6 +24,10 @@ build the same app:
 - QP_TEST_DELIVERIES: a folder; each process that runs tasks appends there, to a file
   named by its pid, the id of every delivery it starts, before the fence sees it, so a
   test that kills the process knows what it held
+- QP_TEST_BEAT_TAG: a beat entry that calls the adopted `adopted.rebuild_index` every
+  second, its runs recorded under this tag
+- QP_TEST_SERIALIZER: the app's task and result serializer (`pickle` for the adopted
+  tasks of `adoptedapp.py`, as a project that sends dataclasses has it)
 - QP_TEST_QUEUE_TYPE: `quorum` declares every queue Celery creates as a RabbitMQ quorum
   queue; QP_TEST_CONFIRM: turn on publisher confirms (`confirm_publish`)
 
@@ -99,9 +103,16 @@ def make_celery(
     priority_queue: str | None = None,
     queue_type: str = "classic",
     confirm_publish: bool = False,
+    serializer: str = "json",
 ) -> Celery:
-    app = Celery("questpie_tests", broker=broker, backend=backend)
+    # The adopted Celery tasks (`base=LedgerTask`) are shared tasks of that module.
+    app = Celery(
+        "questpie_tests", broker=broker, backend=backend, include=["tests.support.adoptedapp"]
+    )
     conf: dict[str, Any] = {
+        "task_serializer": serializer,
+        "result_serializer": serializer,
+        "accept_content": sorted({serializer, "json"}),
         "task_default_queue": queue,
         "worker_prefetch_multiplier": 1,
         "broker_connection_retry_on_startup": True,
@@ -465,9 +476,18 @@ def build(
     pooled: bool = False,
     queue_type: str = "classic",
     confirm_publish: bool = False,
+    serializer: str = "json",
 ) -> tuple[Celery, Questpie]:
     app = make_celery(
-        broker, backend, fs_dir, queue, extended, priority_queue, queue_type, confirm_publish
+        broker,
+        backend,
+        fs_dir,
+        queue,
+        extended,
+        priority_queue,
+        queue_type,
+        confirm_publish,
+        serializer,
     )
     if visibility_timeout is not None:
         app.conf.broker_transport_options = {
@@ -512,6 +532,7 @@ def build_from_env() -> tuple[Celery, Questpie]:
         pooled=bool(os.environ.get("QP_TEST_POOLED")),
         queue_type=os.environ.get("QP_TEST_QUEUE_TYPE", "classic"),
         confirm_publish=bool(os.environ.get("QP_TEST_CONFIRM")),
+        serializer=os.environ.get("QP_TEST_SERIALIZER", "json"),
     )
 
 
@@ -571,3 +592,12 @@ signals.task_prerun.connect(_hold_before_the_claim, weak=False)
 
 # What `celery -A tests.jobapp:celery_app worker` runs; tests build their own with build().
 celery_app, questpie = build_from_env()
+if os.environ.get("QP_TEST_BEAT_TAG"):
+    # A beat entry of an adopted task, unchanged: its call as the project wrote it.
+    celery_app.conf.beat_schedule = {
+        "adopted-rebuild": {
+            "task": "adopted.rebuild_index",
+            "schedule": 1.0,
+            "args": ("beat", os.environ["QP_TEST_BEAT_TAG"]),
+        }
+    }

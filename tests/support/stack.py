@@ -232,6 +232,7 @@ def build_stack(
         pooled=bool(env.get("QP_TEST_POOLED")),
         queue_type=env.get("QP_TEST_QUEUE_TYPE", "classic"),
         confirm_publish=bool(env.get("QP_TEST_CONFIRM")),
+        serializer=env.get("QP_TEST_SERIALIZER", "json"),
     )
     if migrate:
         questpie.migrate()

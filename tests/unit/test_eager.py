@@ -311,3 +311,20 @@ def test_a_handler_that_is_async_without_looking_so_runs_to_its_end(
         assert awaited[-1] == "wrapped n2"
     finally:
         made.close()
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "hint"),
+    [
+        ((), {"sku": "a"}, r"args=\[\{\.\.\.\}\], not keywords \(sku\)"),
+        ((), {}, r"one positional argument, its payload: args=\[\{\.\.\.\}\]"),
+        (({"sku": "a"}, "extra"), {}, r"one positional argument"),
+    ],
+)
+def test_a_plain_call_of_a_jobs_task_without_its_payload_is_refused_when_sent(
+    questpie: Questpie, args: tuple[Any, ...], kwargs: dict[str, Any], hint: str
+) -> None:
+    """Sent as it is, every delivery would fail at the worker: the call is refused at
+    once, saying how a job's task takes its payload."""
+    with pytest.raises(TypeError, match=hint):
+        questpie.tasks["eager.charge"].apply_async(args, kwargs)

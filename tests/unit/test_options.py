@@ -240,3 +240,22 @@ def test_a_job_option_given_as_none_is_not_given() -> None:
     def handler(payload: Work, ctx: JobContext) -> None: ...
 
     assert handler.options == {}
+
+
+@pytest.mark.parametrize(
+    ("headers", "message"),
+    [
+        ({"questpie": {}}, "it is questpie's"),
+        ({1: "x"}, "mapping of str names"),
+        ({"when": datetime.now(UTC)}, "must hold JSON values"),
+        ("trigger=ui", "mapping of str names"),
+    ],
+)
+def test_custom_headers_are_json_and_never_questpies_own(headers: Any, message: str) -> None:
+    with pytest.raises(PublishOptionsError, match=message):
+        resolve_options({}, {"headers": headers})
+
+
+def test_custom_headers_are_kept_for_every_send() -> None:
+    options = resolve_options({}, {"headers": {"trigger_source": "ui"}})
+    assert options.stored().carry == {"headers": {"trigger_source": "ui"}}

@@ -470,3 +470,21 @@ def test_the_schedules_command_lists_every_schedule(idle: IdleApp, tmp_path: Pat
     assert row["last_fire_at"] is None and row["next_fire_at"]
     plain = CliRunner().invoke(main, ["schedules", "--ledger-url", url])
     assert "record" in plain.output and "never fired" in plain.output
+
+
+def test_a_beat_entry_of_a_jobs_task_without_its_payload_is_reported_as_beat_starts(
+    idle: IdleApp, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Told once, when beat starts, not once a tick at the worker; an entry with its
+    payload, and one of a plain task, are not."""
+    app = idle.celery_app
+    app.conf.beat_schedule = {
+        "no payload": {"task": "record", "schedule": 3600.0},
+        "keywords": {"task": "record", "schedule": 3600.0, "kwargs": {"tag": "x"}},
+        "fine": {"task": "record", "schedule": 3600.0, "args": [{"tag": "x"}]},
+        "plain": {"task": "tests.gather", "schedule": 3600.0},
+    }
+    with caplog.at_level(logging.ERROR, logger="questpie_celery.beat"):
+        LedgerScheduler(app, lazy=True).setup_schedule()
+    reported = sorted(r.getMessage().split(":")[0] for r in caplog.records)
+    assert reported == ["beat entry 'keywords'", "beat entry 'no payload'"]
