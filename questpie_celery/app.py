@@ -201,7 +201,9 @@ class Questpie:
         self._tasks[definition.name] = task
         task.questpie_definition = definition
         task.questpie_runner = self._runner
-        task.questpie_adoption = Adoption(definition, self._runner, self._publish_adopted)
+        task.questpie_adoption = Adoption(
+            definition, self._runner, self._publish_adopted, self._sender.eager_result
+        )
 
     def _publish_adopted(
         self,

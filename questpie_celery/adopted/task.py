@@ -23,7 +23,7 @@ import inspect
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, ClassVar, Protocol
 
 from celery import Celery, Task, states
@@ -43,9 +43,17 @@ from .calls import Call, canvas_options, pack, unpack
 from .keys import KEY_OPTIONS, KeyTemplate
 
 #: Celery's options kept with the dispatch for every send of it, with Celery's meaning:
-#: its route, its priority (as the broker reads it), and the retry count of a call
-#: Celery's own `retry()` made (an unfenced run's).
-_KEPT_OPTIONS = ("exchange", "routing_key", "priority", "retries")
+#: its route, its priority (as the broker reads it), its expiry, time limits and result
+#: setting, and the retry count of a call Celery's own `retry()` made (an unfenced run's).
+_KEPT_OPTIONS = (
+    "exchange",
+    "routing_key",
+    "priority",
+    "soft_time_limit",
+    "time_limit",
+    "ignore_result",
+    "retries",
+)
 
 
 class Publish(Protocol):
@@ -71,6 +79,8 @@ class Adoption:
     definition: JobDefinition[Call]
     runner: Runner
     publish: Publish
+    #: In eager mode, the `EagerResult` of the run a call just made inline, if it made one.
+    eager_result: Callable[[str], Any]
 
 
 #: The `Questpie` of each Celery app, as the adopter of its `LedgerTask`s.
@@ -231,6 +241,10 @@ class LedgerTask(Task):  # type: ignore[misc]  # celery ships no type informatio
         call = pack(args, kwargs, canvas, serializer)
         given["headers"] = headers or None
         carry = {k: options[k] for k in _KEPT_OPTIONS if options.get(k) is not None}
+        expires = options.get("expires")
+        if expires is not None:
+            # A moment, not a span: every send of the dispatch expires at the same time.
+            carry["expires"] = self._moment(expires).isoformat()
         dispatch_id = adoption.publish(
             adoption.definition,
             call,
@@ -243,18 +257,26 @@ class LedgerTask(Task):  # type: ignore[misc]  # celery ships no type informatio
         )
         if dispatch_id is None:
             return LedgerRefused(random_dispatch_id(), app=self.app, task_name=self.name)
+        if self.app.conf.task_always_eager:
+            ran = adoption.eager_result(dispatch_id)
+            if ran is not None:
+                return ran
         return self.AsyncResult(dispatch_id)
+
+    def _moment(self, when: float | str | datetime) -> datetime:
+        """A Celery time option (seconds from now, an ISO string, a datetime) in UTC."""
+        if isinstance(when, int | float):
+            return datetime.now(UTC) + timedelta(seconds=when)
+        if isinstance(when, str):
+            when = datetime.fromisoformat(when)
+        aware: datetime = maybe_make_aware(when, self.app.timezone)
+        return aware.astimezone(UTC)
 
     def _start_after(self, options: Mapping[str, Any]) -> float | datetime | None:
         countdown, eta = options.get("countdown"), options.get("eta")
         if countdown:
             return float(countdown)
-        if eta is None:
-            return None
-        if isinstance(eta, str):
-            eta = datetime.fromisoformat(eta)
-        aware: datetime = maybe_make_aware(eta, self.app.timezone)
-        return aware.astimezone(UTC)
+        return None if eta is None else self._moment(eta)
 
     # --- running ------------------------------------------------------------------------
 
@@ -368,7 +390,20 @@ class LedgerTask(Task):  # type: ignore[misc]  # celery ships no type informatio
         definition = JobDefinition(name=self.name, schema=Call, handler=handle, options=options)
         # Celery fails a task for good on any exception it was not told to retry.
         definition.retries_failures = False
+        definition.call_keys = self._slot_keys
         return definition
+
+    def _slot_keys(self, payload: Any) -> dict[str, str | None]:
+        """The `singleton_key` and `group_key` of a plain delivery taken into the ledger
+        (a `send_task` by name), from its arguments: its policy slot and its limits' group
+        are the call's, as for a call through `apply_async`. Its idempotency key is not:
+        the delivery's own id names its row."""
+        arguments = unpack(Call.model_validate(payload), self.app.conf.accept_content)
+        return {
+            template.option: template.render(arguments.args, arguments.kwargs)
+            for template in self._questpie_keys
+            if template.option != "idempotency_key"
+        }
 
 
 def _signature_of(run: Any) -> inspect.Signature:

@@ -133,6 +133,10 @@ class JobDefinition(Generic[P]):
         #: A failed run is retried while retries are left (a job's); False for an adopted
         #: Celery task, which is retried only when it asks (`RetryIn`), as in Celery.
         self.retries_failures = True
+        #: The keys of one call, from its payload, for a plain delivery the worker takes
+        #: into the ledger (an adopted task's `singleton_key` and `group_key` templates);
+        #: a job's keys are its declared options.
+        self.call_keys: Callable[[Any], Mapping[str, str | None]] | None = None
         #: The Celery apps whose `Questpie` made this job's task (see `task`).
         self._apps: weakref.WeakSet[Celery] = weakref.WeakSet()
 

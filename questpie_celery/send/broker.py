@@ -421,7 +421,10 @@ class Sender:
             # Celery's eager mode ignores ETAs as well; what the handler raises propagates
             # exactly as it would from apply_async() when task_eager_propagates is set.
             task = self.app.tasks[job_name]
-            task.apply(args=[payload], task_id=dispatch_id, headers=headers, **carried)
+            ran = task.apply(args=[payload], task_id=dispatch_id, headers=headers, **carried)
+            # What Celery's own eager apply_async answers, for a caller that answers it
+            # in turn (an adopted task's `delay()`): this thread's last eager run.
+            self._local.eager_result = ran
             return
         serializer, own_limits = self._task_settings(job_name)
         options: dict[str, Any] = {
@@ -498,6 +501,12 @@ class Sender:
             )
             self._task_settings_seen[job_name] = settings
         return settings
+
+    def eager_result(self, dispatch_id: str) -> Any:
+        """The `EagerResult` of this thread's last eager run, if it ran `dispatch_id`."""
+        ran = getattr(self._local, "eager_result", None)
+        self._local.eager_result = None
+        return ran if ran is not None and ran.id == dispatch_id else None
 
     def send_back(self, task: Task, header: MessageHeader, countdown: float) -> None:
         """Send the delivery being run again as it came (its id, arguments, route, time

@@ -78,7 +78,8 @@ class Admission:
                 f"dispatch id ({refused}); the call was not run"
             )
         body = definition.to_json(payload)  # a malformed payload fails the message
-        options = resolve_options(definition.options, {})
+        keys = definition.call_keys(payload) if definition.call_keys is not None else {}
+        options = resolve_options(definition.options, keys)
         # Sent back while the ledger was away, the delivery says so (with its token), and
         # keeps its run options: it stays a plain delivery, to be taken in again.
         back = MessageHeader(

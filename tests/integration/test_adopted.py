@@ -129,6 +129,49 @@ def at_most_one_at_a_time(starts: list[dict[str, Any]], ends: list[dict[str, Any
     return True
 
 
+def test_a_plain_send_task_of_a_singleton_waits_for_the_run_that_holds_its_key(
+    adopted_stack: Stack,
+) -> None:
+    """A service without the package sends the task by name while a run of the same
+    index holds its slot: the worker takes the delivery in under the index computed from
+    its arguments, so it waits its turn instead of running beside it."""
+    t = tag()
+    index = f"idx-{t}"
+    gate = adopted_stack.gate()
+    first = task(adopted_stack, "rebuild_index").delay(index, t, str(gate))
+    adopted_stack.wait_runs(t, 1)
+    sent = adopted_stack.celery_app.send_task(
+        "adopted.rebuild_index",
+        args=(index, t),
+        serializer="pickle",
+        queue=adopted_stack.queue_name,
+    )
+    row = adopted_stack.wait_status(sent.id, "parked")  # its slot is busy
+    assert row.singleton_key == index
+    gate.open()
+    for dispatch_id in (first.id, sent.id):
+        adopted_stack.wait_status(dispatch_id, "completed")
+    ends = adopted_stack.wait_ends(t, 2)
+    assert at_most_one_at_a_time(adopted_stack.runs(t), ends)
+
+
+def test_celerys_expiry_and_time_limits_travel_with_the_call(adopted_stack: Stack) -> None:
+    """`expires` (as one moment for every send) and per-call time limits stay Celery's."""
+    idle = idle_queue()
+    result = task(adopted_stack, "process_document").apply_async(
+        (hash(tag()) % 1_000,),
+        {"tag": tag()},
+        queue=idle,
+        expires=600,
+        soft_time_limit=5,
+        time_limit=9,
+    )
+    adopted_stack.wait_status(result.id, "queued")
+    message = capture(adopted_stack, idle)
+    assert message.headers["expires"] is not None
+    assert list(message.headers["timelimit"]) == [9, 5]
+
+
 def test_secret_arguments_reach_the_task_and_nothing_else(adopted_stack: Stack) -> None:
     t = tag()
     idle = idle_queue()

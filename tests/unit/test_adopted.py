@@ -146,6 +146,7 @@ def test_the_same_key_twice_runs_once_and_answers_the_same_id(
     first = ingest.delay(Upload("/x"))
     again = ingest.apply_async((Upload("/x"),), {"force": True})
     assert first.id == again.id
+    assert first.get(timeout=1) == "/x"  # eager: Celery's EagerResult, as without the ledger
     assert ran == [(Upload("/x"), False)]
     status = questpie.queue.get_status(first.id)
     assert status is not None and status.status == "completed"
