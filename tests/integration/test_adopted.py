@@ -77,6 +77,18 @@ def test_a_double_click_runs_once_with_the_apps_serializer(adopted_stack: Stack)
     assert adopted_stack.wait_status(first.id, "completed").attempt == 1
 
 
+def test_a_key_set_on_a_signature_travels_with_it(adopted_stack: Stack) -> None:
+    """`sig.set(idempotency_key=...)`: the key is an option of the signature, as Canvas
+    carries its options; applied twice, one dispatch and one run."""
+    t = tag()
+    signature = task(adopted_stack, "asks_retry").s(t, 0).set(idempotency_key=f"set:{t}")
+    first, again = signature.apply_async(), signature.apply_async()
+    assert first.id == again.id
+    assert first.get(timeout=30) == "done"
+    adopted_stack.wait_status(first.id, "completed")
+    assert len(adopted_stack.runs(t)) == 1
+
+
 def test_a_replayed_message_runs_nothing_twice(adopted_stack: Stack) -> None:
     """The broker delivers an adopted task's message again, byte for byte, after its run
     and while a copy races it: the task ran once."""
