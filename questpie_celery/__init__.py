@@ -9,8 +9,10 @@ is), `ledger/` (the only code that talks SQL), `send/` (after the row, the messa
 
 from .adopted import LedgerRefused, LedgerTask
 from .app import Questpie
+from .chords import chord
 from .errors import (
     BrokerError,
+    CanvasError,
     ConfigurationError,
     HandlerAbortedError,
     InvalidInputError,
@@ -23,6 +25,7 @@ from .errors import (
     PermanentFailure,
     PublishOptionsError,
     QuestpieError,
+    ResultNotStorableError,
     SecretDecryptionError,
     SecretJobError,
     UnknownDispatchError,
@@ -33,10 +36,12 @@ from .jobs.ids import derive_dispatch_id
 from .jobs.keywords import JobOptions
 from .jobs.policies import QueuePolicy, QueuePolicyName
 from .ledger import metadata
-from .ops.receipts import DispatchStatus, Receipt
+from .ops.receipts import CanvasStatus, DispatchStatus, Receipt
 
 __all__ = [
     "BrokerError",
+    "CanvasError",
+    "CanvasStatus",
     "ConfigurationError",
     "DispatchStatus",
     "HandlerAbortedError",
@@ -59,10 +64,12 @@ __all__ = [
     "QueuePolicy",
     "QueuePolicyName",
     "Receipt",
+    "ResultNotStorableError",
     "SecretDecryptionError",
     "SecretJobError",
     "UnknownDispatchError",
     "UnknownJobError",
+    "chord",
     "derive_dispatch_id",
     "job",
     "metadata",

@@ -144,6 +144,8 @@ class Questpie:
         self._registry = parts.registry
         self._schedules = parts.schedules
         self._cancellation = parts.cancellation
+        #: Writes a chord or batch with its members (`questpie_celery.chord`).
+        self.canvas_recorder = parts.recorder
         self._client_for = parts.client_for
         self._tasks: dict[str, Any] = {}
         self.queue = parts.queue
@@ -215,13 +217,21 @@ class Questpie:
         carry: Mapping[str, Any],
         session: Any,
         connection: Any,
+        canvas_id: str | None,
+        chain_link: bool,
     ) -> str | None:
         resolved = resolve_options(definition.options, options)
         if resolved.idempotency_key is not None:
             dispatch_id = None  # a key names its own dispatch
         elif dispatch_id is not None and (why := unstorable_id(dispatch_id)) is not None:
             raise PublishOptionsError(f"task_id cannot be a dispatch id: {why}")
-        resolved = replace(resolved, carry={**resolved.carry, **carry}, dispatch_id=dispatch_id)
+        resolved = replace(
+            resolved,
+            carry={**resolved.carry, **carry},
+            dispatch_id=dispatch_id,
+            canvas_id=canvas_id,
+            chain_link=chain_link,
+        )
         return self._publisher.publish(
             definition, call, resolved, session=session, connection=connection
         )

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Generic, Unpack
 
 from celery import Celery
+from celery.canvas import Signature
+from celery.utils import uuid
 from pydantic import BaseModel
 from sqlalchemy import Connection
 from sqlalchemy.orm import Session
@@ -15,12 +17,13 @@ from sqlalchemy.orm import Session
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
+from .canvas.recording import Recorder, check_ledgered
 from .errors import JobDefinitionError, PublishOptionsError, UnknownJobError
 from .jobs.definition import JobDefinition, P, job_attribute_name
-from .jobs.ids import derive_dispatch_id
+from .jobs.ids import derive_dispatch_id, unstorable_id
 from .jobs.keywords import ManyOptions, PublishOptions, unknown_option_message
 from .jobs.options import DispatchOptions, resolve_many_options, resolve_options
-from .ops.receipts import DispatchStatus, Receipt
+from .ops.receipts import CanvasStatus, DispatchStatus, Receipt
 from .publish.aio import AsyncPublisher
 from .publish.publisher import Publisher
 from .publish.schedules import REFUSED_OPTIONS, Schedules
@@ -59,8 +62,10 @@ class JobClient(Generic[P]):
         schedules: Schedules,
         celery_app: Celery,
         cancellation: Cancellation,
+        recorder: Recorder | None = None,
     ) -> None:
         self.definition = definition
+        self._recorder = recorder
         self._publisher = publisher
         self._apublisher = apublisher
         self._schedules = schedules
@@ -128,6 +133,8 @@ class JobClient(Generic[P]):
         group_keys: Sequence[str | None] | None = None,
         session: Session | None = None,
         connection: Connection | None = None,
+        on_complete: Signature | None = None,
+        batch_id: str | None = None,
         **options: Unpack[ManyOptions],
     ) -> list[str | None]:
         """Enqueue one run per payload, as that many `publish()` calls would; return
@@ -138,13 +145,45 @@ class JobClient(Generic[P]):
         before anything is written, and an error names the item's index. Items go to the
         ledger a chunk at a time, one statement each, and their messages leave in one
         pipelined batch per chunk.
+
+        `on_complete`, a signature of a `LedgerTask`, runs once after every item has
+        ended (completed, failed for good or cancelled), given
+        `{"batch_id", "counts", "ids"}` as its first argument; the batch is recorded
+        with its items in one transaction, under `batch_id` (a fresh id when not
+        given), which `queue.get_status(batch_id)` and `queue.cancel(batch_id)` take.
         """
         items, resolved = self._many_options(
             "publish_many", payloads, options, idempotency_keys, singleton_keys, group_keys
         )
-        return self._publisher.publish_many(
-            self.definition, items, resolved, session=session, connection=connection
-        )
+        if on_complete is None:
+            if batch_id is not None:
+                raise PublishOptionsError("batch_id names a batch with on_complete=")
+            return self._publisher.publish_many(
+                self.definition, items, resolved, session=session, connection=connection
+            )
+        if self._recorder is None:  # pragma: no cover - every Questpie wires one
+            raise PublishOptionsError("on_complete needs a Questpie's ledger")
+        callback = check_ledgered(self._celery_app, on_complete, "on_complete")
+        batch = batch_id if batch_id is not None else uuid()
+        if (why := unstorable_id(batch)) is not None:
+            raise PublishOptionsError(f"batch_id cannot be an id: {why}")
+        with self._recorder.recording(
+            batch,
+            "batch",
+            callback=callback,
+            callback_id=callback.options.get("task_id") or uuid(),
+            session=session,
+            connection=connection,
+        ) as recording:
+            ids = self._publisher.publish_many(
+                self.definition,
+                items,
+                [replace(item, canvas_id=batch) for item in resolved],
+                session=recording.session,
+                connection=recording.connection,
+            )
+            recording.members.extend(ids)
+        return ids
 
     async def apublish_many(
         self,
@@ -336,9 +375,9 @@ class Lookups:
     """How the queue client reads one dispatch, blocking and awaited."""
 
     receipt: Callable[[str], Receipt | None]
-    status: Callable[[str], DispatchStatus | None]
+    status: Callable[[str], DispatchStatus | CanvasStatus | None]
     areceipt: Callable[[str], Awaitable[Receipt | None]]
-    astatus: Callable[[str], Awaitable[DispatchStatus | None]]
+    astatus: Callable[[str], Awaitable[DispatchStatus | CanvasStatus | None]]
 
 
 class QueueClient:
@@ -395,12 +434,14 @@ class QueueClient:
         """`get_receipt()` from an event loop, without blocking it."""
         return await self._lookups.areceipt(dispatch_id)
 
-    def get_status(self, dispatch_id: str) -> DispatchStatus | None:
+    def get_status(self, dispatch_id: str) -> DispatchStatus | CanvasStatus | None:
         """Where a ledgered dispatch stands, or None for an unknown id (and for an
-        unledgered dispatch, which has no row). Holds no payload."""
+        unledgered dispatch, which has no row). Holds no payload. A chord's id (its
+        header's group id) or a batch's answers a `CanvasStatus`, as does the body of
+        a chord still open (it has no dispatch until its members have ended)."""
         return self._lookups.status(dispatch_id)
 
-    async def aget_status(self, dispatch_id: str) -> DispatchStatus | None:
+    async def aget_status(self, dispatch_id: str) -> DispatchStatus | CanvasStatus | None:
         """`get_status()` from an event loop, without blocking it."""
         return await self._lookups.astatus(dispatch_id)
 

@@ -19,7 +19,9 @@
     ├── SecretDecryptionError              a secret payload that could not be opened
     ├── SecretJobError                     a secret run's failure, its class name only
     ├── HandlerAbortedError                a handler raised a BaseException
-    └── ClaimLostError                     a run lost its claim before it ended
+    ├── ClaimLostError                     a run lost its claim before it ended
+    ├── ResultNotStorableError             a return value the ledger cannot hold
+    └── CanvasError (TypeError)            a chord or batch that cannot be made durable
 
 Bad input additionally derives from `ValueError`, and a missing name from `KeyError`,
 so callers that already catch those around argument handling keep working. The class
@@ -136,3 +138,15 @@ class ClaimLostError(QuestpieError):
     out of reach for longer than a lease. Its context is closed with this error (so a
     context that commits on close rolls back instead), and its outcome is left to the
     relay, which retries or fails the dispatch."""
+
+
+class ResultNotStorableError(QuestpieError):
+    """A run's return value could not be kept in the ledger: its serializer refused it,
+    or it is larger than `MAX_RESULT_BYTES`. It is never truncated: a chord's or batch's
+    member fails with this error (its callback needs the value), any other run completes
+    without a stored result."""
+
+
+class CanvasError(QuestpieError, TypeError):
+    """A chord or batch that cannot be made durable as given (a member, body or callback
+    that is not a `LedgerTask`, a nested group); nothing was written or sent."""

@@ -2,25 +2,21 @@
 serialized by the app's own serializer, so that every send of the dispatch (the first,
 the relay's, a retry's) carries the very bytes the application serialized.
 
-The ledger stores JSON, so the serialized call travels inside a small JSON object, a
-`Call`: the serializer's content type and encoding, and its body (base64 for a binary
-serializer such as pickle). The worker turns it back into positional and keyword
-arguments with `kombu.serialization.loads`, refusing a content type the app does not
-accept (`accept_content`), exactly as Celery refuses such a message.
+The serialized call travels inside JSON as a `Call` (`jobs/serialized.py`). The worker
+turns it back into positional and keyword arguments, refusing a content type the app
+does not accept (`accept_content`), exactly as Celery refuses such a message.
 """
 
 from __future__ import annotations
 
-import base64
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kombu.exceptions import ContentDisallowed, DecodeError
-from kombu.serialization import dumps, loads, prepare_accept_content
-from pydantic import BaseModel, ConfigDict
 
 from ..errors import PayloadValidationError, PublishOptionsError
+from ..jobs.serialized import Serialized, deserialize, serialize
 
 #: The Canvas options of a call (Celery's names in a task request), carried inside the
 #: serialized call: they hold signatures, which only the app's serializer can encode.
@@ -29,16 +25,9 @@ CANVAS_OPTIONS = ("callbacks", "errbacks", "chain", "chord", "group", "group_ind
 _SENT_AS = {"link": "callbacks", "link_error": "errbacks", "group_id": "group"}
 
 
-class Call(BaseModel):
-    """The payload of an adopted task's dispatch: one serialized call."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    content_type: str
-    content_encoding: str
-    body: str
-    #: The body is base64 of the serializer's bytes (a binary serializer).
-    base64: bool = False
+class Call(Serialized):
+    """The payload of an adopted task's dispatch: one serialized call,
+    `[args, kwargs, canvas]`."""
 
 
 @dataclass(frozen=True)
@@ -70,32 +59,19 @@ def pack(
     application registered); a value it cannot encode is a `PublishOptionsError`
     before anything is written."""
     try:
-        content_type, encoding, data = dumps(  # type: ignore[no-untyped-call]
-            [list(args), dict(kwargs), dict(canvas)], serializer
-        )
+        return serialize([list(args), dict(kwargs), dict(canvas)], serializer, Call)
     except Exception as exc:  # kombu raises EncodeError, or what the serializer raised
         raise PublishOptionsError(
             f"the task's arguments could not be serialized with {serializer!r}: "
             f"{type(exc).__name__}"
         ) from None
-    if isinstance(data, bytes) and encoding == "binary":
-        body, encoded = base64.b64encode(data).decode("ascii"), True
-    else:
-        body = data.decode(encoding) if isinstance(data, bytes) else data
-        encoded = False
-    return Call(content_type=content_type, content_encoding=encoding, body=body, base64=encoded)
 
 
 def unpack(call: Call, accept: Sequence[str] | None) -> Arguments:
     """The arguments of `call`; `PayloadValidationError` (a failure for good: retrying
     cannot mend it) when its content type is not accepted or it does not decode."""
-    data: bytes | str = base64.b64decode(call.body) if call.base64 else call.body
-    # Names ("pickle") to content types, as Celery's worker reads `accept_content`.
-    allowed = None if accept is None else prepare_accept_content(accept)  # type: ignore[no-untyped-call]
     try:
-        decoded = loads(  # type: ignore[no-untyped-call]
-            data, call.content_type, call.content_encoding, accept=allowed
-        )
+        decoded = deserialize(call, accept)
     except ContentDisallowed:
         raise PayloadValidationError(
             f"the call is serialized as {call.content_type}, which accept_content refuses"

@@ -69,6 +69,8 @@ class Publish(Protocol):
         carry: Mapping[str, Any],
         session: Any,
         connection: Any,
+        canvas_id: str | None,
+        chain_link: bool,
     ) -> str | None: ...
 
 
@@ -118,6 +120,9 @@ class LedgerRefused(AsyncResult):  # type: ignore[misc]  # celery ships no type 
 REFUSED = "REFUSED"
 #: The request attribute naming the id Celery froze for a keyed Canvas member.
 MIRROR = "questpie_mirror"
+#: The call option naming the chord or batch a call is a member of (`questpie_celery.chord`
+#: and `publish_many(..., on_complete=...)` pass it).
+CANVAS_OPTION = "questpie_canvas"
 
 
 def _mirror(sender: Any = None, retval: Any = None, state: str | None = None, **_: Any) -> None:
@@ -224,6 +229,11 @@ class LedgerTask(Task):  # type: ignore[misc]  # celery ships no type informatio
         args, kwargs = tuple(args or ()), dict(kwargs or {})
         given = {name: options.pop(name) for name in ADOPTED_CALL_OPTIONS if name in options}
         session, connection = options.pop("session", None), options.pop("connection", None)
+        canvas_id = options.pop(CANVAS_OPTION, None)
+        # A chain's link (Celery passes the links after it as `chain`, [] for the last):
+        # a row under the id Celery froze for it, so a link delivered twice, or sent on
+        # twice, starts the next one once.
+        chain_link = "chain" in options
         for template in self._questpie_keys:
             if given.get(template.option) is None:
                 given[template.option] = template.render(args, kwargs)
@@ -254,6 +264,8 @@ class LedgerTask(Task):  # type: ignore[misc]  # celery ships no type informatio
             carry=carry,
             session=session,
             connection=connection,
+            canvas_id=canvas_id,
+            chain_link=chain_link,
         )
         if dispatch_id is None:
             return LedgerRefused(random_dispatch_id(), app=self.app, task_name=self.name)
@@ -391,6 +403,8 @@ class LedgerTask(Task):  # type: ignore[misc]  # celery ships no type informatio
         # Celery fails a task for good on any exception it was not told to retry.
         definition.retries_failures = False
         definition.call_keys = self._slot_keys
+        # Its result kept as its calls are sent: pickle in a pickle project.
+        definition.result_serializer = self.serializer or self.app.conf.task_serializer
         return definition
 
     def _slot_keys(self, payload: Any) -> dict[str, str | None]:

@@ -8,12 +8,15 @@ uses.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from celery import Celery
 
+from ..canvas.completion import Completion
+from ..canvas.recording import Recorder
 from ..client import JobClient, JobRegistry, Lookups, QueueClient
 from ..errors import PublishOptionsError
 from ..intake.recorded_policy import PolicyBook
@@ -23,7 +26,7 @@ from ..jobs.definition import JobDefinition
 from ..jobs.limits import Limits
 from ..ledger import DispatchRow, Ledger, is_private_sqlite
 from ..ledger.aio import AsyncLedger
-from ..ops.receipts import DispatchStatus, Receipt
+from ..ops.receipts import CanvasStatus, DispatchStatus, Receipt
 from ..publish.aio import AsyncPublisher
 from ..publish.publisher import Publisher
 from ..publish.schedules import Schedules
@@ -65,6 +68,8 @@ class Parts:
     registry: JobRegistry
     schedules: Schedules
     cancellation: Cancellation
+    completion: Completion
+    recorder: Recorder
     queue: QueueClient
     client_for: Callable[[JobDefinition[Any]], JobClient[Any]]
     """A registered job's client (`questpie.queue.<job>`), made on the parts above."""
@@ -86,8 +91,15 @@ def wire(settings: Settings, discover: Callable[[], None]) -> Parts:
         client = registry.by_name(job_name)
         return client.definition.limits if client is not None else None
 
-    slots = Slots(ledger, outbox, limits_of, lambda: list(registry.definitions()))
-    outcomes = Outcomes(ledger, outbox, slots)
+    completion = Completion(ledger, celery_app, outbox.send_committed)
+    slots = Slots(
+        ledger,
+        outbox,
+        limits_of,
+        lambda: list(registry.definitions()),
+        member_ended=completion.member_ended,
+    )
+    outcomes = Outcomes(ledger, outbox, slots, completion.member_ended)
     waits = DeliveryWait(ledger, sender)
     admission = Admission(ledger, waits, redeliver_after=lambda: outbox.redeliver_after)
     fence = Fence(
@@ -117,7 +129,7 @@ def wire(settings: Settings, discover: Callable[[], None]) -> Parts:
     retention = Retention(
         ledger, settings.retention, redeliver_after=_redelivery_window(celery_app, outbox)
     )
-    relay = Relay(ledger, outbox, outcomes, slots, settings.relay_interval, retention)
+    relay = Relay(ledger, outbox, outcomes, slots, settings.relay_interval, retention, completion)
     # A delivery the worker's main process saw end unrun goes to the relay running there.
     runner = Runner(
         fence, admission, waits, policies, context, relay.hear_unrun, outbox.sent_behind
@@ -131,7 +143,8 @@ def wire(settings: Settings, discover: Callable[[], None]) -> Parts:
         return client.definition if client is not None else None
 
     schedules = Schedules(ledger, publisher, registered_definition, settings.fire_retention)
-    cancellation = Cancellation(ledger, slots)
+    cancellation = Cancellation(ledger, slots, completion)
+    recorder = Recorder(ledger, completion)
     return Parts(
         context=context,
         ledger=ledger,
@@ -147,21 +160,31 @@ def wire(settings: Settings, discover: Callable[[], None]) -> Parts:
         registry=registry,
         schedules=schedules,
         cancellation=cancellation,
+        completion=completion,
+        recorder=recorder,
         queue=QueueClient(registry, _lookups(ledger, aledger), discover, cancellation),
         client_for=lambda definition: JobClient(
-            definition, publisher, apublisher, schedules, celery_app, cancellation
+            definition, publisher, apublisher, schedules, celery_app, cancellation, recorder
         ),
     )
 
 
 def _lookups(ledger: Ledger, aledger: AsyncLedger) -> Lookups:
-    """How the queue client reads one dispatch's receipt or status."""
-    return Lookups(
-        _reader(ledger, Receipt.of),
-        _reader(ledger, DispatchStatus.of),
-        _areader(aledger, Receipt.of),
-        _areader(aledger, DispatchStatus.of),
-    )
+    """How the queue client reads one dispatch's receipt or status (a chord's or a
+    batch's, for an id no dispatch has)."""
+    dispatch_status = _reader(ledger, DispatchStatus.of)
+    adispatch_status = _areader(aledger, DispatchStatus.of)
+
+    def status(dispatch_id: str) -> DispatchStatus | CanvasStatus | None:
+        return dispatch_status(dispatch_id) or CanvasStatus.of(ledger.canvases, dispatch_id)
+
+    async def astatus(dispatch_id: str) -> DispatchStatus | CanvasStatus | None:
+        found = await adispatch_status(dispatch_id)
+        if found is not None:
+            return found
+        return await asyncio.to_thread(CanvasStatus.of, ledger.canvases, dispatch_id)
+
+    return Lookups(_reader(ledger, Receipt.of), status, _areader(aledger, Receipt.of), astatus)
 
 
 def _reader(ledger: Ledger, view: Callable[[DispatchRow | None], V | None]) -> Reader[V]:

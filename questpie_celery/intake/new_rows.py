@@ -60,6 +60,7 @@ def new_dispatch(
         send_in=first.send_in,
         policy=policy if policy.ledgered else None,
         status=status,
+        canvas_id=options.canvas_id,
     )
 
 

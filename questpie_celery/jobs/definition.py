@@ -137,6 +137,9 @@ class JobDefinition(Generic[P]):
         #: into the ledger (an adopted task's `singleton_key` and `group_key` templates);
         #: a job's keys are its declared options.
         self.call_keys: Callable[[Any], Mapping[str, str | None]] | None = None
+        #: How a completed run's return value is kept in the ledger: JSON for a job; an
+        #: adopted task's own serializer (see `canvas/results.py`).
+        self.result_serializer = "json"
         #: The Celery apps whose `Questpie` made this job's task (see `task`).
         self._apps: weakref.WeakSet[Celery] = weakref.WeakSet()
 

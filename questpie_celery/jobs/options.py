@@ -172,6 +172,11 @@ class DispatchOptions:
     #: The id an unkeyed dispatch takes (an adopted task's call whose id Celery's Canvas
     #: froze); a keyed dispatch's id is always its key's.
     dispatch_id: str | None = None
+    #: The chord or batch the dispatch is a member of (it always has a ledger row).
+    canvas_id: str | None = None
+    #: A chain's link, under the id Celery froze for it: it always has a ledger row, so
+    #: a replayed link starts the next one once.
+    chain_link: bool = False
 
     @property
     def flow_controlled(self) -> bool:

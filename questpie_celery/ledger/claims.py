@@ -156,7 +156,11 @@ class ClaimStatements:
             (t.cancel_requested_at.is_not(None), "cancelled"), else_=bindparam("new_status")
         )
         not_cancelled = t.cancel_requested_at.is_(None)
-        self.finish: Update = update(dispatch_table).where(held).values(status=ends_as, **terminal)
+        self.finish: Update = (
+            update(dispatch_table)
+            .where(held)
+            .values(status=ends_as, result=bindparam("result", type_=t.result.type), **terminal)
+        )
         # A claimed run found cancelled before its handler began (the cancel came between
         # the claim and the fence's look at it, or before its rate set-back): ended as
         # `cancelled`, unrun. Its claim is undone in the record: the attempt it took is
@@ -341,13 +345,27 @@ class Claims(Part):
             return None
         return Renewal(cancel_requested=rows[0]["cancel_requested_at"] is not None)
 
-    def finish(self, dispatch_id: str, token: str, status: Status, error: str | None) -> bool:
-        """Record `completed` or `failed` (erasing a secret's key); only the holder can.
-        A run cancelled while it ran is recorded as `cancelled` instead.
+    def finish(
+        self,
+        dispatch_id: str,
+        token: str,
+        status: Status,
+        error: str | None,
+        result: dict[str, Any] | None = None,
+    ) -> bool:
+        """Record `completed` or `failed` (erasing a secret's key) with the run's encoded
+        `result`; only the holder can. A run cancelled while it ran is recorded as
+        `cancelled` instead.
 
         False when the claim was lost (the relay ended the lapsed lease).
         """
-        params = {"dispatch_id": dispatch_id, "token": token, "new_status": status, "error": error}
+        params = {
+            "dispatch_id": dispatch_id,
+            "token": token,
+            "new_status": status,
+            "error": error,
+            "result": result,
+        }
         return self._held_write(self._sql.finish, params, dispatch_id, token, status)
 
     def end_unrun(self, dispatch_id: str, token: str) -> DispatchRow | None:

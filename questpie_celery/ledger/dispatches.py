@@ -83,6 +83,7 @@ class DispatchStatements:
                 secret_key_id=bindparam("secret_key_id"),
                 options=bindparam("options", type_=t.options.type),
                 attempt=bindparam("attempt"),
+                canvas_id=bindparam("canvas_id"),
                 send_count=0,
                 created_at=now,
                 # An absolute start (start_after) or now; the relay's first look: an
@@ -200,6 +201,7 @@ def insert_batch(dialect: str, preamble: ColumnElement[bool] | None = None) -> I
         "policy": bindparam("policy", type_=t.policy.type),
         "secret": bindparam("secret", type_=t.secret.type),
         "options": bindparam("options", type_=t.options.type),
+        "canvas_id": bindparam("canvas_id", type_=Text),
         "attempt": literal(0),
         "send_count": literal(0),
         "created_at": now,

@@ -121,6 +121,7 @@ def row_params(new: NewDispatch) -> dict[str, Any]:
         "run_after": new.run_after,
         "next_send_at": new.next_send_at,
         "send_in": new.send_in,
+        "canvas_id": new.canvas_id,
     }
 
 
@@ -154,10 +155,14 @@ def _shape(new: NewDispatch) -> tuple[Any, ...]:
         new.run_after,
         new.next_send_at,
         new.send_in,
+        new.canvas_id,
     )
 
 
-_SHARED = ("job_name", "status", "secret", "options", "run_after", "next_send_at", "send_in")
+_SHARED = (
+    "job_name", "status", "secret", "options", "run_after", "next_send_at", "send_in",
+    "canvas_id",
+)  # fmt: skip
 _PER_ROW = (
     "id", "idempotency_key", "singleton_key", "group_key", "slot", "payload",
     "secret_ciphertext", "secret_wrapped_key", "secret_key_id",

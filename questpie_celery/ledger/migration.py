@@ -49,6 +49,7 @@ class Migration(Part):
             _add_limit_columns(conn)
             _add_cancel_debounce_columns(conn)
             _add_columns(conn, _CLAIM_GENERATION_COLUMNS)
+            _add_columns(conn, _CANVAS_COLUMNS)
         with translate_errors(self._db.migrate_command), self._db._begin() as conn:
             # create_all adds missing tables only; indexes added by a later version too.
             for table in metadata.sorted_tables:
@@ -160,6 +161,11 @@ _CANCEL_DEBOUNCE_COLUMNS = (
 
 #: The column schema version 8 added: each claim's generation, the fencing token.
 _CLAIM_GENERATION_COLUMNS = ((dispatch_table.name, "claim_generation", "INTEGER"),)
+#: The columns schema version 9 added: a member's chord or batch, and its result.
+_CANVAS_COLUMNS = (
+    (dispatch_table.name, "canvas_id", "TEXT"),
+    (dispatch_table.name, "result", "JSON"),
+)
 
 
 def _add_limit_columns(conn: Connection) -> None:

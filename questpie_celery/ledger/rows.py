@@ -56,6 +56,10 @@ class DispatchRow:
     debounce_key: str | None = None
     #: How many claims it has had: its latest claim's fencing token.
     claim_generation: int | None = None
+    #: The chord or batch it is a member of.
+    canvas_id: str | None = None
+    #: What its completed run returned, encoded (`canvas/results.py`).
+    result: Any = None
     pruned: bool = False
 
     @classmethod
@@ -99,6 +103,8 @@ class NewDispatch:
     secret_ciphertext: bytes | None = None
     secret_wrapped_key: bytes | None = None
     secret_key_id: str | None = None
+    #: The chord or batch it is a member of.
+    canvas_id: str | None = None
 
     @property
     def slot(self) -> str | None:

@@ -50,7 +50,7 @@ from sqlalchemy.types import DateTime, TypeDecorator
 from ..jobs.options import StoredOptions
 from ..jobs.policies import QueuePolicy
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 
 Status = Literal[
     "pending", "queued", "parked", "active", "retry", "completed", "failed", "cancelled"
@@ -176,6 +176,12 @@ dispatch_table = Table(
     # The burst a debounced dispatch gathers (schema version 7): its singleton key, or ""
     # for the job as a whole; cleared by its claim, so a new burst starts after it.
     Column("debounce_key", Text, nullable=True),
+    # The chord or batch the dispatch is a member of (schema version 9): its end may be
+    # the one that completes it (see `canvases.py`).
+    Column("canvas_id", Text, nullable=True),
+    # What a completed run returned, encoded by its serializer (schema version 9;
+    # `canvas/results.py`): None when it returned nothing storable, or it was secret.
+    Column("result", JSON, nullable=True),
     Column("run_after", UTCDateTime, nullable=False),
     # Relay sends of the current attempt, and when the relay may (re)send the row next
     # if nothing else moved it on: a publisher that died before sending, a lost message.
@@ -282,6 +288,52 @@ def _retention_index() -> None:
 
 
 _retention_index()
+
+
+def _canvas_index() -> None:
+    """The members of a chord or batch that have yet to end: "has every member ended?",
+    asked at each member's end, is one look here, not a scan of the members. A member
+    leaves the index as it ends; rows of no canvas are never in it."""
+    t = dispatch_table.c
+    where = and_(t.canvas_id.is_not(None), t.status.in_(WAITING + RUNNING))
+    Index(
+        "questpie_queue_dispatch_canvas_open",
+        t.canvas_id,
+        postgresql_where=where,
+        sqlite_where=where,
+    )
+
+
+_canvas_index()
+
+CanvasKind = Literal["chord", "batch"]
+CanvasStatus = Literal["open", "completed", "failed", "cancelled"]
+OnMemberFailure = Literal["fail", "run"]
+
+#: Chords and batches (schema version 9): what completes when every member has ended.
+#: `members` holds the member dispatch ids in order (None where a queue policy refused
+#: one); `callback` and `errbacks` the signatures to send, encoded by the app's
+#: serializer. `status` leaves `open` exactly once, by a conditional update in the
+#: transaction that inserts the callback's (or the errbacks') dispatch rows.
+canvas_table = Table(
+    "questpie_queue_canvas",
+    metadata,
+    Column("id", Text, primary_key=True),
+    Column("kind", String(8), nullable=False),
+    Column("status", String(16), nullable=False),
+    Column("on_member_failure", String(8), nullable=False),
+    Column("members", JSON, nullable=False),
+    Column("callback", JSON, nullable=True),
+    Column("errbacks", JSON, nullable=True),
+    # The callback's dispatch id, fixed when the canvas is applied (Celery's frozen id).
+    Column("callback_id", Text, nullable=True),
+    # The member whose failure ended it (`failed`).
+    Column("failed_member", Text, nullable=True),
+    Column("created_at", UTCDateTime, nullable=False),
+    Column("finished_at", UTCDateTime, nullable=True),
+    Index("questpie_queue_canvas_open", "status", "created_at"),
+    Index("questpie_queue_canvas_callback", "callback_id"),
+)
 
 policy_table = Table(
     "questpie_queue_policy",

@@ -17,6 +17,7 @@ rerun, reading back) is `executor.py`'s, which `Ledger` is:
 - `schedules`: schedules and beat ticks
 - `retention`: pruning ended dispatches and spent schedule history
 - `views`: the operator's reads and requeue, and the Django admin's reads
+- `canvases`: chords and batches, and the one write that ends each
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 from sqlalchemy import Engine
 
 from .cancels import Cancels
+from .canvases import Canvases
 from .claims import Claims
 from .debounce import Debounce
 from .dispatches import Dispatches
@@ -67,6 +69,7 @@ class Ledger(Executor):
         self.schedules = Schedules(self)
         self.retention = Retention(self)
         self.views = Views(self)
+        self.canvases = Canvases(self)
 
 
 def open_ledger(url: str, *, relaxed: bool = False, pooled: bool = False) -> Ledger:

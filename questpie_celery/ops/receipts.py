@@ -12,7 +12,9 @@ from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any, Literal
 
+from ..canvas.results import decode_json
 from ..ledger import DispatchRow
+from ..ledger.canvases import Canvases
 from ..ledger.schema import RESENDABLE, TERMINAL
 
 ReceiptStatus = Literal["queued", "completed", "failed", "cancelled"]
@@ -73,6 +75,11 @@ class DispatchStatus:
     cancel_requested_at: datetime | None = None
     """When a cancel found it running: it goes on, is not retried, ends as cancelled
     (a cancelled dispatch with a `started_at` was cancelled after it started)."""
+    canvas_id: str | None = None
+    """The chord or batch it is a member of."""
+    result: Any = None
+    """What its completed run returned, when that is kept as JSON (a job's, or an
+    adopted task's with the json serializer); None otherwise, and for a secret one."""
 
     @classmethod
     def of(cls, row: DispatchRow | None) -> DispatchStatus | None:
@@ -94,6 +101,55 @@ class DispatchStatus:
             group_key=row.group_key,
             waiting_for=row.waiting_for,
             cancel_requested_at=row.cancel_requested_at,
+            canvas_id=row.canvas_id,
+            result=decode_json(row.result),
+        )
+
+
+@dataclass(frozen=True)
+class CanvasStatus:
+    """Where a chord or a batch stands (`questpie.queue.get_status(chord_or_batch_id)`):
+    how many of its members are in each status, and its callback's dispatch."""
+
+    canvas_id: str
+    kind: str
+    """chord or batch."""
+    status: str
+    """open (members still to end), completed (its callback sent), failed (a member
+    failed a chord whose policy is `fail`) or cancelled."""
+    on_member_failure: str
+    members: int
+    counts: dict[str, int]
+    """Members by status; `removed` for a member whose row retention deleted."""
+    callback_id: str | None
+    failed_member: str | None
+    created_at: datetime
+    finished_at: datetime | None
+
+    @classmethod
+    def of(cls, canvases: Canvases, canvas_id: str) -> CanvasStatus | None:
+        """The canvas of this id, or whose callback this is (the body of a chord that is
+        still open has no dispatch yet: it answers its chord's status)."""
+        canvas = canvases.get(canvas_id) or canvases.by_callback(canvas_id)
+        if canvas is None:
+            return None
+        ends = canvases.member_ends(canvas.members)
+        counts: dict[str, int] = {}
+        for member in canvas.members:
+            end = ends.get(member) if member is not None else None
+            status = end.status if end is not None else "removed" if member else "refused"
+            counts[status] = counts.get(status, 0) + 1
+        return cls(
+            canvas_id=canvas.id,
+            kind=canvas.kind,
+            status=canvas.status,
+            on_member_failure=canvas.on_member_failure,
+            members=len(canvas.members),
+            counts=counts,
+            callback_id=canvas.callback_id,
+            failed_member=canvas.failed_member,
+            created_at=canvas.created_at,
+            finished_at=canvas.finished_at,
         )
 
 

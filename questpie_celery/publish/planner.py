@@ -224,6 +224,10 @@ class Plan:
             # A burst or a window is a row's.
             and not shared.flow_controlled
             and not shared.secret_payload
+            # A chord's or batch's member is counted by its row's end; a chain's link
+            # is fenced, so that a replay starts the next link once.
+            and shared.canvas_id is None
+            and not shared.chain_link
             and not is_far_off(shared.start_after, self._now)
         )
         # What the rows share, made with the first row: a plain message needs neither.

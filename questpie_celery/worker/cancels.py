@@ -12,8 +12,10 @@ dispatch will run again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
+from ..canvas.completion import Completion
 from ..errors import UnknownDispatchError
 from ..ledger import Ledger
 from ..signals import dispatch_cancelled
@@ -23,21 +25,43 @@ log = logging.getLogger(__name__)
 
 
 class Cancellation:
-    def __init__(self, ledger: Ledger, slots: Slots | None) -> None:
+    def __init__(
+        self, ledger: Ledger, slots: Slots | None, completion: Completion | None = None
+    ) -> None:
         """`slots` hands a freed slot or seat on at once; without (a tool that reaches
-        only the ledger, no broker), the relays' safety net sends the next run soon."""
+        only the ledger, no broker), the relays' safety net sends the next run soon.
+        `completion` ends a chord or batch a cancel completes (without, the relays do)."""
         self._cancels = ledger.cancels
+        self._canvases = ledger.canvases
         self._slots = slots
+        self._completion = completion
 
     def cancel(self, dispatch_id: str) -> bool:
         """Cancel a dispatch: True when it will not run again (ended now if it had not
         started; a running one goes on, is not retried, and its end is `cancelled`);
         False when it had ended already, and nothing changed.
 
+        A chord's or batch's id cancels it: it ends as `cancelled` (its callback never
+        runs), and so does each member that has not started; True when it was open.
+
         Raises `UnknownDispatchError` for an id the ledger holds no row of, and for one
         no row can have (not a str, empty, a NUL, a lone surrogate, too long).
         """
         done = self._cancels.cancel(dispatch_id)
+        if done.outcome == "unknown" and (canvas := self._canvases.get(dispatch_id)) is not None:
+            with self._canvases.closing(canvas.id, "cancelled") as conn:
+                was_open = conn is not None
+            for member in canvas.members:
+                if member is not None:
+                    self._cancel_member(member)
+            log.info(
+                "%s %s cancelled%s",
+                canvas.kind,
+                canvas.id,
+                "" if was_open else " (it had ended already; its members were looked at)",
+                extra={"canvas_id": canvas.id},
+            )
+            return was_open
         if done.outcome == "unknown":
             raise UnknownDispatchError(
                 f"no dispatch {dispatch_id!r} in the ledger: no such id, retention removed "
@@ -75,10 +99,16 @@ class Cancellation:
             )
             if self._slots is not None:
                 self._slots.hand_on_or_leave(row, cancelled=True)
+            if self._completion is not None:
+                self._completion.member_ended(row, "cancelled", None)
         dispatch_cancelled.send(
             sender=row.job_name, job_name=row.job_name, dispatch_id=row.id, started=started
         )
         return True
+
+    def _cancel_member(self, member: str) -> None:
+        with contextlib.suppress(UnknownDispatchError):  # retention removed it: long ended
+            self.cancel(member)
 
     async def acancel(self, dispatch_id: str) -> bool:
         """`cancel()` from an event loop: the ledger's writes run on a worker thread."""

@@ -32,11 +32,13 @@ from celery.exceptions import Ignore, Retry
 from celery.states import STARTED
 
 from .._runtime import telemetry
+from ..canvas import results
 from ..errors import (
     HandlerAbortedError,
     MalformedHeaderError,
     PayloadValidationError,
     PermanentFailure,
+    ResultNotStorableError,
     SecretDecryptionError,
     SecretJobError,
 )
@@ -390,9 +392,10 @@ class Fence:
         """Record how the run ended, then let Celery see it: the result of a recorded
         completion, the failure of a failed run, a `Retry` for a retried one, and
         `Ignore` for an end this delivery did not record (its claim was lost)."""
+        stored, ending = _stored_result(d.definition, row, ending)
         with telemetry.span("questpie.end", attempt=row.attempt) as ending_span:
             if ending.error is None:
-                recorded = self._outcomes.completed(row, d.token)
+                recorded = self._outcomes.completed(row, d.token, stored)
                 result = "completed" if recorded else "lost"
             else:
                 result = self._outcomes.attempt_failed(
@@ -476,6 +479,29 @@ class Fence:
             dispatch_id=row.id,
         )
         return definition.validate(plaintext)
+
+
+def _stored_result(
+    definition: JobDefinition[Any], row: DispatchRow, ending: _Ending
+) -> tuple[dict[str, Any] | None, _Ending]:
+    """The run's return value as the ledger keeps it, and the ending to record. A value
+    the ledger cannot keep whole fails a chord's or batch's member for good (its
+    callback needs it); any other run completes without it, as it would in Celery."""
+    if ending.error is not None or ending.result is None:
+        return None, ending
+    try:
+        return results.encode(ending.result, definition.result_serializer), ending
+    except ResultNotStorableError as exc:
+        if row.canvas_id is not None:
+            return None, _ending_of(row, exc, for_good=True)
+        log.info(
+            "dispatch %s of job %s: its result is not kept in the ledger (%s)",
+            row.id,
+            row.job_name,
+            exc,
+            extra={"dispatch_id": row.id, "job_name": row.job_name},
+        )
+        return None, ending
 
 
 def _ending_of(row: DispatchRow, exc: BaseException, *, for_good: bool) -> _Ending:

@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from celery.exceptions import SoftTimeLimitExceeded
 
-from ..ledger import EXPIRED, REVOKED, DispatchRow, Ledger
+from ..ledger import EXPIRED, LEASE_EXPIRED, RELAY_GAVE_UP, REVOKED, DispatchRow, Ledger
 from ..send.outbox import Outbox
 from .slots import Slots
 from .waiting import LedgerWait
@@ -36,6 +36,9 @@ OUTCOME_PATIENCE_SECONDS = 300.0
 MAX_WRITE_PAUSE_SECONDS = 2.0
 
 Ending = Literal["failed", "retrying", "cancelled", "lost"]
+#: Told of every dispatch that ended for good: its status and error (a chord or batch
+#: it is a member of may be complete now; see `canvas/completion.py`).
+MemberEnded = Callable[[DispatchRow, str, "str | None"], None]
 
 
 @dataclass(frozen=True)
@@ -54,8 +57,15 @@ class Unrun:
 
 
 class Outcomes:
-    def __init__(self, ledger: Ledger, outbox: Outbox, slots: Slots) -> None:
+    def __init__(
+        self,
+        ledger: Ledger,
+        outbox: Outbox,
+        slots: Slots,
+        member_ended: MemberEnded = lambda row, status, error: None,
+    ) -> None:
         self._claims = ledger.claims
+        self._member_ended = member_ended
         self._relay = ledger.relay
         self._outbox = outbox
         self._slots = slots
@@ -68,13 +78,22 @@ class Outcomes:
 
     # --- the claim holder (a worker) ------------------------------------------------------
 
-    def completed(self, row: DispatchRow, token: str) -> bool:
-        """Record completion (erasing a secret's key); False if the claim was lost."""
-        if not self._patiently(lambda: self._claims.finish(row.id, token, "completed", None), row):
+    def completed(self, row: DispatchRow, token: str, result: dict[str, Any] | None = None) -> bool:
+        """Record completion with the run's encoded `result` (erasing a secret's key);
+        False if the claim was lost."""
+        if not self._patiently(
+            lambda: self._claims.finish(row.id, token, "completed", None, result), row
+        ):
             _lost(row, "finished")
             return False
-        self._slots.hand_on_or_leave(row)
+        self._ended(row, "completed", None)
         return True
+
+    def _ended(self, row: DispatchRow, status: str, error: str | None) -> None:
+        """What follows a dispatch's end for good: its slot or seat handed on, its chord
+        or batch looked at."""
+        self._slots.hand_on_or_leave(row)
+        self._member_ended(row, status, error)
 
     def attempt_failed(
         self,
@@ -96,7 +115,7 @@ class Outcomes:
             ):
                 _lost(row, "failed")
                 return "lost"
-            self._slots.hand_on_or_leave(row)
+            self._ended(row, "failed", error)
             return "failed"
         delay = run.delay_before_retry(row.attempt) if retry_in is None else retry_in
         plan = self._outbox.plan_retry(delay)
@@ -120,7 +139,7 @@ class Outcomes:
                 error,
                 extra={"dispatch_id": row.id, "job_name": row.job_name},
             )
-            self._slots.hand_on_or_leave(row)
+            self._ended(row, "cancelled", error)
             return "cancelled"
         if plan.send_now:
             self._outbox.send(row, attempt=row.attempt + 1, countdown=plan.retry_in, carry=carry)
@@ -182,7 +201,7 @@ class Outcomes:
             error,
             extra={"dispatch_id": row.id, "job_name": row.job_name},
         )
-        self._slots.hand_on_or_leave(row)
+        self._ended(row, row.status, row.last_error)
         return True
 
     def lapsed(self, row: DispatchRow) -> bool:
@@ -213,7 +232,8 @@ class Outcomes:
             "failed" if row.cancel_requested_at is None else "cancelled (while it ran)",
             extra={"dispatch_id": row.id, "job_name": row.job_name},
         )
-        self._slots.hand_on_or_leave(row)
+        status = "failed" if row.cancel_requested_at is None else "cancelled"
+        self._ended(row, status, LEASE_EXPIRED)
         return True
 
     def gave_up(self, row: DispatchRow) -> bool:
@@ -227,7 +247,7 @@ class Outcomes:
             row.send_count,
             extra={"dispatch_id": row.id, "job_name": row.job_name},
         )
-        self._slots.hand_on_or_leave(row)
+        self._ended(row, "failed", RELAY_GAVE_UP)
         return True
 
 

@@ -57,6 +57,7 @@ import threading
 import time
 from collections import deque
 
+from ..canvas.completion import Completion
 from ..errors import LedgerBusyError, LedgerSchemaError, LedgerUnavailableError, QuestpieError
 from ..ledger import Ledger, SendWakeups
 from ..send.outbox import Outbox
@@ -112,8 +113,10 @@ class Relay:
         slots: Slots,
         interval: float = DEFAULT_RELAY_INTERVAL_SECONDS,
         retention: Retention | None = None,
+        completion: Completion | None = None,
     ) -> None:
         self._ledger = ledger  # its outage line, `idle` between passes
+        self._completion = completion  # ends the chords and batches a dead process left
         self._claims = ledger.claims
         self._ledger_slots = ledger.slots
         self._ledger_relay = ledger.relay
@@ -204,9 +207,14 @@ class Relay:
         return moved + self._send_parked(), False
 
     def _send_parked(self) -> int:
-        return self._slots.send_all_waiting() + sum(
-            self._slots.send_next(job_name, slot)
-            for job_name, slot in self._ledger_slots.free_parked_slots()
+        ended = self._completion.sweep() if self._completion is not None else 0
+        return (
+            ended
+            + self._slots.send_all_waiting()
+            + sum(
+                self._slots.send_next(job_name, slot)
+                for job_name, slot in self._ledger_slots.free_parked_slots()
+            )
         )
 
     def _sample_backlog(self, *, warn: bool) -> bool:

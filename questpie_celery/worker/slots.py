@@ -38,9 +38,12 @@ class Slots:
         outbox: Outbox,
         limits_of: Callable[[str], Limits | None],
         jobs: Callable[[], Sequence[str]],
+        member_ended: Callable[[DispatchRow, str, str | None], None] = lambda *_: None,
     ) -> None:
         """`limits_of` gives the limits of a job this process runs (None for any other),
-        `jobs` the names of the jobs it runs."""
+        `jobs` the names of the jobs it runs; `member_ended` is told of a run cancelled
+        before it began (its chord or batch may be complete now)."""
+        self._member_ended = member_ended
         self._ledger = ledger  # `get`: the row as it is after a park
         self._slots = ledger.slots
         self._limits = ledger.limits
@@ -175,6 +178,7 @@ class Slots:
             extra={"dispatch_id": claimed.id, "job_name": claimed.job_name},
         )
         self.hand_on(claimed)
+        self._member_ended(ended, "cancelled", None)
         return True
 
     def wait_for_rate(self, claimed: DispatchRow, token: str, rate: Rate) -> float | None:

@@ -107,7 +107,10 @@ def make_celery(
 ) -> Celery:
     # The adopted Celery tasks (`base=LedgerTask`) are shared tasks of that module.
     app = Celery(
-        "questpie_tests", broker=broker, backend=backend, include=["tests.support.adoptedapp"]
+        "questpie_tests",
+        broker=broker,
+        backend=backend,
+        include=["tests.support.adoptedapp", "tests.support.canvasapp"],
     )
     conf: dict[str, Any] = {
         "task_serializer": serializer,

@@ -1,0 +1,120 @@
+"""Recording a chord or batch: its row and its members' rows in one transaction.
+
+The members are published in a Session of the canvas's own (or the caller's, for a
+batch published in the caller's transaction), each naming the canvas; the canvas row
+goes in the same transaction, once the member ids are known. The members' messages
+leave when it commits, as any publish in a session's do. A member whose key names a
+dispatch that already exists is that dispatch: the canvas waits for its end too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from celery import Celery
+from celery.canvas import Signature
+from sqlalchemy import Connection
+from sqlalchemy.orm import Session
+
+from ..errors import CanvasError
+from ..ledger import Ledger
+from ..ledger.canvases import NewCanvas
+from ..ledger.schema import CanvasKind, OnMemberFailure
+from .completion import Completion
+
+ON_MEMBER_FAILURE: tuple[OnMemberFailure, ...] = ("fail", "run")
+
+
+@dataclass
+class Recording:
+    """A canvas being written: where its members are published, and their ids."""
+
+    id: str
+    session: Session | None
+    connection: Connection | None
+    members: list[str | None] = field(default_factory=list)
+
+
+def check_ledgered(app: Celery, sig: Any, what: str) -> Signature:
+    """`sig` as a signature of a task whose calls go through the ledger (a `LedgerTask`);
+    anything else cannot be sent exactly once, and is refused before anything is
+    written."""
+    if not isinstance(sig, Signature) or type(sig) is not Signature:
+        raise CanvasError(
+            f"{what} must be one task's signature (task.s(...) or task.si(...)), not "
+            f"{type(sig).__name__}: nested groups, chains and chords are not made durable"
+        )
+    task = app.tasks.get(sig.task)
+    # Duck-typed: `adopted.LedgerTask` sits above this package.
+    if task is None or not hasattr(task, "questpie_job"):
+        raise CanvasError(
+            f"{what} {sig.task!r} is not a LedgerTask: give it base=LedgerTask "
+            "(@app.task(base=LedgerTask)) so that it is sent through the ledger"
+        )
+    return sig
+
+
+class Recorder:
+    def __init__(self, ledger: Ledger, completion: Completion) -> None:
+        self._canvases = ledger.canvases
+        self._completion = completion
+
+    @contextmanager
+    def recording(
+        self,
+        canvas_id: str,
+        kind: CanvasKind,
+        *,
+        callback: Signature | None,
+        callback_id: str | None = None,
+        errbacks: list[Signature] | None = None,
+        on_member_failure: OnMemberFailure = "fail",
+        session: Session | None = None,
+        connection: Connection | None = None,
+    ) -> Iterator[Recording]:
+        """Write a canvas: the body publishes its members in the yielded `Recording`'s
+        session or connection and appends their ids; the canvas row follows in the same
+        transaction. In a transaction of its own unless the caller passes theirs."""
+        if on_member_failure not in ON_MEMBER_FAILURE:
+            raise CanvasError(
+                f"on_member_failure must be 'fail' or 'run', not {on_member_failure!r}"
+            )
+        stored_callback = (
+            self._completion.encode_signature(callback) if callback is not None else None
+        )
+        stored_errbacks = [self._completion.encode_signature(e) for e in errbacks or ()]
+        own = session is None and connection is None
+        if own:
+            session = self._canvases.session()
+        try:
+            if own:
+                assert session is not None
+                session.begin()
+            recording = Recording(canvas_id, session, connection)
+            yield recording
+            conn = connection if connection is not None else recording.session.connection()  # type: ignore[union-attr]
+            self._canvases.record(
+                NewCanvas(
+                    id=canvas_id,
+                    kind=kind,
+                    members=recording.members,
+                    on_member_failure=on_member_failure,
+                    callback=stored_callback,
+                    errbacks=stored_errbacks or None,
+                    callback_id=callback_id,
+                ),
+                conn,
+            )
+            if own:
+                assert session is not None
+                session.commit()  # the members' messages leave now
+        finally:
+            if own:
+                assert session is not None
+                session.close()
+        if own:
+            # Every member may have ended already (keys seen before), or there are none.
+            self._completion.settle(canvas_id)

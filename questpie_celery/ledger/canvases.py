@@ -1,0 +1,212 @@
+"""Chords and batches: the canvas row, its members, and the one write that ends it.
+
+A canvas (a chord, or a batch published with `on_complete`) is one row of
+`questpie_queue_canvas`, written in the transaction that inserts its members' dispatch
+rows, each of which names it (`canvas_id`). Whoever records a member's end asks whether
+any member is still to end (one look in a partial index of the open members), and the
+one that finds none ends the canvas: a conditional update from `open`, in the
+transaction that inserts the callback's dispatch row. Of two that ask at once both may
+find none, and exactly one update matches; a process that dies between a member's end
+and that transaction leaves the canvas open for the relay's sweep (`open_canvases`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    ColumnElement,
+    Connection,
+    Insert,
+    Select,
+    Update,
+    bindparam,
+    insert,
+    select,
+    update,
+)
+from sqlalchemy.orm import Session
+
+from ..jobs.ids import unstorable_id
+from .errors import translate_errors
+from .executor import Part
+from .schema import (
+    RUNNING,
+    WAITING,
+    CanvasKind,
+    CanvasStatus,
+    OnMemberFailure,
+    canvas_table,
+    dispatch_table,
+)
+from .statements import db_time, seconds
+
+#: Members read per statement (an `IN` list of ids).
+MEMBERS_PER_READ = 1000
+
+
+@dataclass(frozen=True)
+class NewCanvas:
+    """A canvas to record with its members."""
+
+    id: str
+    kind: CanvasKind
+    members: list[str | None]
+    on_member_failure: OnMemberFailure = "fail"
+    callback: dict[str, Any] | None = None
+    errbacks: list[dict[str, Any]] | None = None
+    callback_id: str | None = None
+
+
+@dataclass(frozen=True)
+class CanvasRow:
+    id: str
+    kind: CanvasKind
+    status: CanvasStatus
+    on_member_failure: OnMemberFailure
+    members: list[str | None]
+    callback: dict[str, Any] | None
+    errbacks: list[dict[str, Any]] | None
+    callback_id: str | None
+    failed_member: str | None
+    created_at: datetime
+    finished_at: datetime | None
+
+
+@dataclass(frozen=True)
+class MemberEnd:
+    """What a chord's callback, or a batch's summary, needs of one member."""
+
+    id: str
+    status: str
+    result: Any
+    last_error: str | None
+
+
+class CanvasStatements:
+    def __init__(self, dialect: str, preamble: ColumnElement[bool] | None) -> None:
+        c = canvas_table.c
+        t = dispatch_table.c
+        self.insert: Insert = insert(canvas_table).values(
+            status="open", created_at=db_time(), finished_at=None, failed_member=None
+        )
+        self.get: Select[Any] = select(canvas_table).where(c.id == bindparam("canvas_id"))
+        self.by_callback: Select[Any] = select(canvas_table).where(
+            c.callback_id == bindparam("callback_id")
+        )
+        # One look in the partial index of members that have yet to end.
+        self.open_member: Select[Any] = (
+            select(t.id)
+            .where(t.canvas_id == bindparam("canvas_id"), t.status.in_(WAITING + RUNNING))
+            .limit(1)
+        )
+        self.members: Select[Any] = select(t.id, t.status, t.result, t.last_error).where(
+            t.id.in_(bindparam("dispatch_ids", expanding=True))
+        )
+        self.close: Update = (
+            update(canvas_table)
+            .where(c.id == bindparam("canvas_id"), c.status == "open")
+            .values(
+                status=bindparam("status"),
+                failed_member=bindparam("failed_member"),
+                finished_at=db_time(),
+            )
+            .returning(c.id)
+        )
+        # Open canvases the sweep looks at: opened a while ago, oldest first.
+        self.open_canvases: Select[Any] = (
+            select(c.id)
+            .where(c.status == "open", c.created_at < db_time(-seconds("older_than")))
+            .order_by(c.created_at)
+            .limit(bindparam("limit"))
+        )
+        self.listed: Select[Any] = (
+            select(canvas_table).order_by(c.created_at.desc()).limit(bindparam("limit"))
+        )
+
+
+class Canvases(Part):
+    """Recording chords and batches, and ending each exactly once."""
+
+    def _prepare(self, dialect: str, preamble: ColumnElement[bool] | None) -> None:
+        self._sql = CanvasStatements(dialect, preamble)
+
+    def session(self) -> Session:
+        """A Session on the ledger's database, in which a canvas and its members are
+        written in one transaction (its commit sends the members, as any publish in a
+        session)."""
+        return Session(bind=self._db._transactional)
+
+    def record(self, canvas: NewCanvas, conn: Connection) -> None:
+        """Insert the canvas row in the transaction that inserts its members."""
+        params = {
+            "id": canvas.id,
+            "kind": canvas.kind,
+            "on_member_failure": canvas.on_member_failure,
+            "members": canvas.members,
+            "callback": canvas.callback,
+            "errbacks": canvas.errbacks,
+            "callback_id": canvas.callback_id,
+        }
+        with translate_errors(self._db.migrate_command):
+            conn.execute(self._sql.insert, params)
+
+    def get(self, canvas_id: object) -> CanvasRow | None:
+        if not isinstance(canvas_id, str) or unstorable_id(canvas_id) is not None:
+            return None
+        return _canvas(self._db._first(self._sql.get, {"canvas_id": canvas_id}))
+
+    def by_callback(self, callback_id: object) -> CanvasRow | None:
+        """The canvas whose callback's dispatch id this is (before the callback exists)."""
+        if not isinstance(callback_id, str) or unstorable_id(callback_id) is not None:
+            return None
+        return _canvas(self._db._first(self._sql.by_callback, {"callback_id": callback_id}))
+
+    def has_open_member(self, canvas_id: str) -> bool:
+        """Whether a member that names this canvas has yet to end."""
+        return bool(self._db._execute(self._sql.open_member, {"canvas_id": canvas_id}))
+
+    def member_ends(self, member_ids: Sequence[str | None]) -> dict[str, MemberEnd]:
+        """The members' statuses and results, by id (a member retention removed, or one
+        never inserted, is absent)."""
+        ids = [member for member in member_ids if member is not None]
+        found: dict[str, MemberEnd] = {}
+        for start in range(0, len(ids), MEMBERS_PER_READ):
+            chunk = ids[start : start + MEMBERS_PER_READ]
+            for row in self._db._execute(self._sql.members, {"dispatch_ids": chunk}):
+                found[row["id"]] = MemberEnd(
+                    row["id"], row["status"], row["result"], row["last_error"]
+                )
+        return found
+
+    @contextmanager
+    def closing(
+        self, canvas_id: str, status: CanvasStatus, failed_member: str | None = None
+    ) -> Iterator[Connection | None]:
+        """End an open canvas as `status`: yields the transaction's connection when this
+        caller ended it (what follows from the end, its callback's rows, is written there
+        and commits with it), None when it had ended already."""
+        params = {"canvas_id": canvas_id, "status": status, "failed_member": failed_member}
+        with translate_errors(self._db.migrate_command), self._db._begin() as conn:
+            won = conn.execute(self._sql.close, params).first() is not None
+            yield conn if won else None
+
+    def open_canvases(self, *, older_than: float, limit: int = 100) -> list[str]:
+        """Canvases still open `older_than` seconds after they were recorded."""
+        params = {"older_than": older_than, "limit": limit}
+        return [row["id"] for row in self._db._execute(self._sql.open_canvases, params)]
+
+    def listed(self, limit: int = 50) -> list[CanvasRow]:
+        """The newest canvases, for the operator's views."""
+        rows = self._db._execute(self._sql.listed, {"limit": limit})
+        return [canvas for row in rows if (canvas := _canvas(row)) is not None]
+
+
+def _canvas(row: Any) -> CanvasRow | None:
+    if row is None:
+        return None
+    return CanvasRow(**{name: row[name] for name in CanvasRow.__dataclass_fields__})
