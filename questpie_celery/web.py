@@ -2,7 +2,8 @@
 
 One page (and the same data as JSON at `/overview.json`): dispatches per job and
 status, what is stuck and why, what failed, parked runs per queue-policy slot, the
-groups of jobs with concurrency or rate limits (running, waiting and why), and
+groups of jobs with concurrency or rate limits (running, waiting and why), the newest
+chords and batches (members by status, the callback's dispatch), and
 the relay's backlog over the last hour; and `/metrics`, the figures for Prometheus
 (`ops/metrics.py`). It only reads, so it offers nothing to steer with;
 `questpie-celery dispatches requeue` does that.
@@ -40,7 +41,7 @@ from .ledger import Status
 from .ledger.schema import WAITING
 from .ops.metrics import Figures, LedgerCollector, read_figures
 from .ops.operations import Operator, Overview
-from .ops.receipts import DispatchDetail
+from .ops.receipts import CanvasDetail, DispatchDetail
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -177,6 +178,24 @@ def _dispatch(d: DispatchDetail) -> dict[str, Any]:
     }
 
 
+def _canvas(c: CanvasDetail) -> dict[str, Any]:
+    """What the page tells of a chord or batch: never its callback's or errbacks'
+    signatures (their arguments may name people or orders), nor a member's result."""
+    return {
+        "canvas_id": c.canvas_id,
+        "kind": c.kind,
+        "status": c.status,
+        "on_member_failure": c.on_member_failure,
+        "members": c.members,
+        "counts": c.counts,
+        "callback_id": c.callback_id,
+        "callback_status": c.callback_status,
+        "failed_member": c.failed_member,
+        "created_at": c.created_at.isoformat(),
+        "finished_at": c.finished_at.isoformat() if c.finished_at else None,
+    }
+
+
 def overview_json(overview: Overview) -> dict[str, Any]:
     return {
         "taken_at": overview.taken_at.isoformat(),
@@ -201,6 +220,7 @@ def overview_json(overview: Overview) -> dict[str, Any]:
             for p in overview.parked
         ],
         "groups": [asdict(g) for g in overview.groups],
+        "canvases": [_canvas(c) for c in overview.canvases],
         "schedules": [
             {
                 "job_name": sc.job_name,

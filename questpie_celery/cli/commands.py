@@ -18,8 +18,9 @@ from ..errors import QuestpieError
 from ..intake import recorded_policy
 from ..jobs.policies import QueuePolicy
 from ..ledger import Ledger, Status, open_ledger
+from ..ledger.schema import CanvasKind, CanvasStatus
 from ..ops.operations import Operator
-from ..ops.receipts import DispatchDetail
+from ..ops.receipts import CanvasDetail, DispatchDetail
 from ..publish.schedules import ScheduleInfo
 from ..worker.retention import DEFAULT_RETENTION_SECONDS, Pruned, Retention
 from .locating import load_questpie
@@ -263,7 +264,10 @@ def dispatches_show(
     if as_json:
         click.echo(json.dumps(detail.to_json(), indent=2))
         return
-    for name, value in detail.to_json().items():
+    shown = detail.to_json()
+    # A member of a chord or batch names it: `canvases show` tells where that stands.
+    shown["chord/batch"] = shown.pop("canvas_id") or "-"
+    for name, value in shown.items():
         click.echo(f"{name:>18}: {value}")
 
 
@@ -355,6 +359,82 @@ def dispatches_counts(app: str | None, ledger_url: str | None, as_json: bool) ->
         )
     if not counts:
         click.echo("(the ledger is empty)")
+
+
+def _counts_text(counts: dict[str, int]) -> str:
+    return " ".join(f"{status}={n}" for status, n in sorted(counts.items())) or "-"
+
+
+def _canvas_line(c: CanvasDetail) -> str:
+    callback = f"{c.callback_id} ({c.callback_status or 'not sent'})" if c.callback_id else "-"
+    failed = f" failed_member={c.failed_member}" if c.failed_member else ""
+    return (
+        f"{c.canvas_id}  {c.kind:<5} {c.status:<9} members={c.members} "
+        f"[{_counts_text(c.counts)}] callback={callback}{failed} "
+        f"created={c.created_at:%Y-%m-%d %H:%M:%S}"
+    )
+
+
+@main.group()
+def canvases() -> None:
+    """See the ledger's chords and batches: their members by status and their callback's
+    dispatch (never a callback's contents, nor a result)."""
+
+
+@canvases.command("list")
+@_target
+@click.option("--status", type=click.Choice(list(get_args(CanvasStatus))), help="only this status")
+@click.option(
+    "--kind", type=click.Choice(list(get_args(CanvasKind))), help="only chords or batches"
+)
+@click.option("--limit", type=int, default=50, show_default=True)
+def canvases_list(
+    app: str | None, ledger_url: str | None, as_json: bool, status: str | None,
+    kind: str | None, limit: int,
+) -> None:  # fmt: skip
+    """List chords and batches, newest first, with their members by status."""
+    with _clear_errors():
+        found = _operator(app, ledger_url).canvases(limit=limit, status=status, kind=kind)
+    if as_json:
+        click.echo(json.dumps([c.to_json() for c in found], indent=2))
+        return
+    for c in found:
+        click.echo(_canvas_line(c))
+    if not found:
+        click.echo("(none)")
+
+
+@canvases.command("show")
+@_target
+@click.option("--members", "with_members", is_flag=True, help="also list each member")
+@click.argument("canvas_id")
+def canvases_show(
+    app: str | None, ledger_url: str | None, as_json: bool, with_members: bool, canvas_id: str
+) -> None:
+    """One chord or batch (by its id, or its callback's dispatch id): status, members by
+    status, callback's dispatch, the member that failed it."""
+    with _clear_errors():
+        operator = _operator(app, ledger_url)
+        detail = operator.canvas(canvas_id)
+        members = operator.canvas_members(detail.canvas_id) if detail and with_members else None
+    if detail is None:
+        raise click.ClickException(f"no chord or batch has the id {canvas_id}")
+    if as_json:
+        shown = detail.to_json()
+        if members is not None:
+            shown["member_list"] = [asdict(m) for m in members]
+        click.echo(json.dumps(shown, indent=2))
+        return
+    lines = detail.to_json()
+    lines["counts"] = _counts_text(detail.counts)
+    lines["callback_status"] = detail.callback_status or ("not sent" if detail.callback_id else "-")
+    for name, value in lines.items():
+        click.echo(f"{name:>18}: {value}")
+    for m in members or ():
+        click.echo(
+            f"  #{m.position:<5} {m.dispatch_id or '-'}  {m.job_name or '-':<24} "
+            f"{m.status:<9} error={m.last_error or '-'}"
+        )
 
 
 @main.command()

@@ -25,6 +25,7 @@ from sqlalchemy import (
     Select,
     Update,
     bindparam,
+    func,
     insert,
     select,
     update,
@@ -78,6 +79,16 @@ class CanvasRow:
 
 
 @dataclass(frozen=True)
+class MemberState:
+    """What the operator sees of one member (or a callback's dispatch): never its result."""
+
+    id: str
+    job_name: str
+    status: str
+    last_error: str | None
+
+
+@dataclass(frozen=True)
 class MemberEnd:
     """What a chord's callback, or a batch's summary, needs of one member."""
 
@@ -127,6 +138,27 @@ class CanvasStatements:
         self.listed: Select[Any] = (
             select(canvas_table).order_by(c.created_at.desc()).limit(bindparam("limit"))
         )
+        # The operator's reads: members counted by status, and members without results.
+        self.member_counts: Select[Any] = (
+            select(t.status, func.count().label("count"))
+            .where(t.id.in_(bindparam("dispatch_ids", expanding=True)))
+            .group_by(t.status)
+        )
+        self.member_states: Select[Any] = select(t.id, t.job_name, t.status, t.last_error).where(
+            t.id.in_(bindparam("dispatch_ids", expanding=True))
+        )
+
+
+def filtered_query(*, status: str | None, kind: str | None, limit: int) -> Select[Any]:
+    """The newest canvases, of one status and kind if given (built per call, like the
+    operator's other filtered lists)."""
+    c = canvas_table.c
+    stmt = select(canvas_table)
+    if status is not None:
+        stmt = stmt.where(c.status == status)
+    if kind is not None:
+        stmt = stmt.where(c.kind == kind)
+    return stmt.order_by(c.created_at.desc(), c.id.desc()).limit(limit)
 
 
 class Canvases(Part):
@@ -204,6 +236,38 @@ class Canvases(Part):
         """The newest canvases, for the operator's views."""
         rows = self._db._execute(self._sql.listed, {"limit": limit})
         return [canvas for row in rows if (canvas := _canvas(row)) is not None]
+
+    def filtered(
+        self, *, status: str | None = None, kind: str | None = None, limit: int = 50
+    ) -> list[CanvasRow]:
+        """The newest canvases, of one status and kind if given, for the operator."""
+        rows = self._db._execute(filtered_query(status=status, kind=kind, limit=limit), {})
+        return [canvas for row in rows if (canvas := _canvas(row)) is not None]
+
+    def member_counts(self, member_ids: Sequence[str | None]) -> dict[str, int]:
+        """How many of these dispatches are in each status (one grouped count per
+        `MEMBERS_PER_READ` ids; a member retention removed, or one never inserted, is
+        not counted)."""
+        ids = [member for member in member_ids if member is not None]
+        counts: dict[str, int] = {}
+        for start in range(0, len(ids), MEMBERS_PER_READ):
+            chunk = ids[start : start + MEMBERS_PER_READ]
+            for row in self._db._execute(self._sql.member_counts, {"dispatch_ids": chunk}):
+                counts[row["status"]] = counts.get(row["status"], 0) + int(row["count"])
+        return counts
+
+    def member_states(self, member_ids: Sequence[str | None]) -> dict[str, MemberState]:
+        """These dispatches' jobs, statuses and error classes, by id, without their
+        payloads or results (an absent id has no row)."""
+        ids = [member for member in member_ids if member is not None]
+        found: dict[str, MemberState] = {}
+        for start in range(0, len(ids), MEMBERS_PER_READ):
+            chunk = ids[start : start + MEMBERS_PER_READ]
+            for row in self._db._execute(self._sql.member_states, {"dispatch_ids": chunk}):
+                found[row["id"]] = MemberState(
+                    row["id"], row["job_name"], row["status"], row["last_error"]
+                )
+        return found
 
 
 def _canvas(row: Any) -> CanvasRow | None:

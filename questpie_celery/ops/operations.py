@@ -1,6 +1,7 @@
-"""An operator's view of the ledger: what waits, what is stuck, what failed and why, and
-sending a failed dispatch again. `questpie.operator` in Python, `questpie-celery
-dispatches ...` on the command line; the two have the same reach.
+"""An operator's view of the ledger: what waits, what is stuck, what failed and why, the
+chords and batches, and sending a failed dispatch again. `questpie.operator` in Python,
+`questpie-celery dispatches ...` (and `canvases ...`) on the command line; the two have
+the same reach.
 
 Nothing here returns the payload or the ciphertext of a secret dispatch.
 """
@@ -16,7 +17,7 @@ from ..ledger import GroupCounts, Ledger
 from ..publish.schedules import ScheduleInfo, schedule_infos
 from ..send.outbox import DEFAULT_REDELIVER_AFTER_SECONDS, PENDING_GRACE_SECONDS
 from ..worker.cancels import Cancellation
-from .receipts import DispatchDetail
+from .receipts import CanvasDetail, CanvasMember, DispatchDetail, canvas_members, member_counts
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,8 @@ class Overview:
     missing: list[str] = field(default_factory=list)
     #: The groups of limited jobs that hold seats or have runs waiting for a limit.
     groups: list[GroupCounts] = field(default_factory=list)
+    #: The newest chords and batches, with their members by status.
+    canvases: list[CanvasDetail] = field(default_factory=list)
 
 
 class Operator:
@@ -173,6 +176,46 @@ class Operator:
         it (about twice a minute) over the last `seconds`, oldest first."""
         return self._ledger.relay.backlog_history(seconds)
 
+    def canvases(
+        self, limit: int = 50, *, status: str | None = None, kind: str | None = None
+    ) -> list[CanvasDetail]:
+        """The newest chords and batches (of one status and kind, if given), each with its
+        members counted by status and its callback's dispatch status."""
+        if not 1 <= limit <= MAX_PAGE:
+            raise PublishOptionsError(f"limit must be 1 to {MAX_PAGE}")
+        canvases = self._ledger.canvases
+        rows = canvases.filtered(status=status, kind=kind, limit=limit)
+        callbacks = canvases.member_states([row.callback_id for row in rows])
+        return [
+            CanvasDetail.of(
+                row,
+                member_counts(canvases, row.members),
+                callbacks.get(row.callback_id) if row.callback_id is not None else None,
+            )
+            for row in rows
+        ]
+
+    def canvas(self, canvas_id: str) -> CanvasDetail | None:
+        """One chord or batch, by its id or by its callback's dispatch id; None when the
+        ledger has neither."""
+        canvases = self._ledger.canvases
+        row = canvases.get(canvas_id) or canvases.by_callback(canvas_id)
+        if row is None:
+            return None
+        callback = (
+            canvases.member_states([row.callback_id]).get(row.callback_id)
+            if row.callback_id is not None
+            else None
+        )
+        return CanvasDetail.of(row, member_counts(canvases, row.members), callback)
+
+    def canvas_members(self, canvas_id: str) -> list[CanvasMember] | None:
+        """Each member of a chord or batch in order: its dispatch id, job, status and
+        error class (never its result); None when the ledger has no such canvas."""
+        canvases = self._ledger.canvases
+        row = canvases.get(canvas_id) or canvases.by_callback(canvas_id)
+        return canvas_members(canvases, row) if row is not None else None
+
     def schedules(self) -> list[ScheduleInfo]:
         """Every schedule: job, cron, zone, next and last fire, and the last fire's status."""
         return schedule_infos(self._ledger)
@@ -190,8 +233,8 @@ class Operator:
         return removed
 
     def overview(self, limit: int = 20) -> Overview:
-        """Counts, stuck, failed, parked slots, the relay's backlog and the schedules in
-        one call."""
+        """Counts, stuck, failed, parked slots, the relay's backlog, the schedules and the
+        newest chords and batches in one call."""
         missing: list[str] = []
         try:  # tables a schema older than version 3 lacks: the rest of the view still works
             backlog, schedules = self.backlog(), self.schedules()
@@ -200,6 +243,11 @@ class Operator:
             missing.append(
                 f"the relay's backlog and the schedules (run {self._ledger.migrate_command})"
             )
+        try:  # the canvas table a schema older than version 9 lacks
+            canvases = self.canvases(limit=limit)
+        except LedgerSchemaError:
+            canvases = []
+            missing.append(f"the chords and batches (run {self._ledger.migrate_command})")
         return Overview(
             counts=self.counts(),
             stuck=self.stuck(limit=limit),
@@ -210,6 +258,7 @@ class Operator:
             taken_at=self._ledger.now(),
             missing=missing,
             groups=self.groups(limit=limit),
+            canvases=canvases,
         )
 
     def cancel(self, dispatch_id: str) -> tuple[bool, DispatchDetail]:

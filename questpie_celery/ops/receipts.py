@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from ..canvas.results import decode_json
 from ..ledger import DispatchRow
-from ..ledger.canvases import Canvases
+from ..ledger.canvases import Canvases, CanvasRow, MemberState
 from ..ledger.schema import RESENDABLE, TERMINAL
 
 ReceiptStatus = Literal["queued", "completed", "failed", "cancelled"]
@@ -205,6 +205,8 @@ class DispatchDetail:
     waiting_for: str | None = None
     #: When a cancel found it running (it ends as cancelled, and is not retried).
     cancel_requested_at: datetime | None = None
+    #: The chord or batch it is a member of (`questpie-celery canvases show ID`).
+    canvas_id: str | None = None
 
     @classmethod
     def of(cls, row: DispatchRow) -> DispatchDetail:
@@ -240,10 +242,108 @@ class DispatchDetail:
             group_key=row.group_key,
             waiting_for=row.waiting_for,
             cancel_requested_at=row.cancel_requested_at,
+            canvas_id=row.canvas_id,
         )
 
     def to_json(self) -> dict[str, Any]:
         return {k: v.isoformat() if isinstance(v, datetime) else v for k, v in asdict(self).items()}
+
+
+@dataclass(frozen=True)
+class CanvasMember:
+    """One member of a chord or batch as an operator sees it: never its result."""
+
+    position: int
+    #: None where a queue policy refused the member when the canvas was published.
+    dispatch_id: str | None
+    job_name: str | None
+    #: The dispatch's status; `refused` (no dispatch), or `removed` (retention deleted
+    #: its row).
+    status: str
+    last_error: str | None
+
+
+@dataclass(frozen=True)
+class CanvasDetail:
+    """A chord or a batch as an operator sees it: its members by status and its
+    callback's dispatch; never the callback's or errbacks' signatures, nor a result."""
+
+    canvas_id: str
+    kind: str
+    """chord or batch."""
+    status: str
+    """open, completed, failed or cancelled."""
+    on_member_failure: str
+    members: int
+    #: Members by status, as `CanvasStatus` counts them (`removed`, `refused`).
+    counts: dict[str, int]
+    callback_id: str | None
+    #: The status of the callback's dispatch; None while it has no row (the canvas is
+    #: open, or failed or was cancelled and the callback never ran).
+    callback_status: str | None
+    failed_member: str | None
+    created_at: datetime
+    finished_at: datetime | None
+
+    @classmethod
+    def of(
+        cls, row: CanvasRow, counts: dict[str, int], callback: MemberState | None
+    ) -> CanvasDetail:
+        return cls(
+            canvas_id=row.id,
+            kind=row.kind,
+            status=row.status,
+            on_member_failure=row.on_member_failure,
+            members=len(row.members),
+            counts=counts,
+            callback_id=row.callback_id,
+            callback_status=callback.status if callback is not None else None,
+            failed_member=row.failed_member,
+            created_at=row.created_at,
+            finished_at=row.finished_at,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v.isoformat() if isinstance(v, datetime) else v for k, v in asdict(self).items()}
+
+
+def member_counts(canvases: Canvases, members: list[str | None]) -> dict[str, int]:
+    """Members by status, counted per position as `CanvasStatus` counts them: one
+    grouped count per thousand ids, unless an id appears twice (a key that named a
+    dispatch already a member), when each member's status is read."""
+    present = [member for member in members if member is not None]
+    counts: dict[str, int] = {}
+    if len(set(present)) == len(present):
+        counts = canvases.member_counts(present)
+        removed = len(present) - sum(counts.values())
+    else:
+        states = canvases.member_states(present)
+        for member in present:
+            if member in states:
+                status = states[member].status
+                counts[status] = counts.get(status, 0) + 1
+        removed = sum(member not in states for member in present)
+    if removed:
+        counts["removed"] = removed
+    if refused := len(members) - len(present):
+        counts["refused"] = refused
+    return counts
+
+
+def canvas_members(canvases: Canvases, row: CanvasRow) -> list[CanvasMember]:
+    """Each member of the canvas in order, with its job, status and error class."""
+    states = canvases.member_states(row.members)
+    found: list[CanvasMember] = []
+    for position, member in enumerate(row.members):
+        state = states.get(member) if member is not None else None
+        if state is None:
+            status = "removed" if member is not None else "refused"
+            found.append(CanvasMember(position, member, None, status, None))
+        else:
+            found.append(
+                CanvasMember(position, member, state.job_name, state.status, state.last_error)
+            )
+    return found
 
 
 @dataclass(frozen=True)
