@@ -152,8 +152,19 @@ class chord(_chord):  # type: ignore[misc]  # celery ships no type information
                 )
                 recording.members.append(sent.id)
                 results.append(sent)
+        # `get()` waits for the body: a member's state on the way (a pool process killed
+        # under it, before its retry ran) is not the chord's, as Celery's parent check
+        # would take it. A chord that fails has the body's result say so (ChordError).
+        body_result = _BodyResult(body_result.id, app=app)
         body_result.parent = app.GroupResult(group_id, results)
         return body_result
+
+
+class _BodyResult(AsyncResult):  # type: ignore[misc]  # celery ships no type information
+    """The answer of a durable chord: its body's result, whose state is the chord's."""
+
+    def _maybe_reraise_parent_error(self) -> None:
+        return None
 
 
 def _errbacks(body: Signature) -> list[Any]:

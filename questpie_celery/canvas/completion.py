@@ -26,7 +26,6 @@ and the item ids in order.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
 from typing import Any
 
 from celery import Celery
@@ -51,15 +50,9 @@ SWEEP_AFTER_SECONDS = 10.0
 
 
 class Completion:
-    def __init__(
-        self,
-        ledger: Ledger,
-        celery_app: Celery,
-        send_committed: Callable[[Sequence[str]], None],
-    ) -> None:
+    def __init__(self, ledger: Ledger, celery_app: Celery) -> None:
         self._canvases = ledger.canvases
         self._app = celery_app
-        self._send_committed = send_committed
 
     # --- the values a canvas keeps --------------------------------------------------------
 
@@ -123,27 +116,17 @@ class Completion:
             ended += self.settle(canvas_id)
         return ended
 
-    def cancel(self, canvas_id: str) -> CanvasRow | None:
-        """End an open canvas as `cancelled` (its callback never runs); the canvas, or
-        None when there is none of that id. Its members are the caller's to cancel."""
-        canvas = self._canvases.get(canvas_id)
-        if canvas is None:
-            return None
-        with self._canvases.closing(canvas_id, "cancelled"):
-            pass
-        return canvas
-
     def _complete(self, canvas: CanvasRow, ends: dict[str, MemberEnd]) -> bool:
         if canvas.callback is None:
-            with self._canvases.closing(canvas.id, "completed") as conn:
-                return conn is not None
+            with self._canvases.closing(canvas.id, "completed") as session:
+                return session is not None
         callback = self._signature(canvas.callback)
         value = self._results(canvas, ends) if canvas.kind == "chord" else _summary(canvas, ends)
-        with self._canvases.closing(canvas.id, "completed") as conn:
-            if conn is None:
+        with self._canvases.closing(canvas.id, "completed") as session:
+            if session is None:
                 return False
-            sent = callback.apply_async((value,), task_id=canvas.callback_id, connection=conn)
-        self._send_committed([sent.id])
+            # Sent once the session commits; the relay's if this process dies first.
+            sent = callback.apply_async((value,), task_id=canvas.callback_id, session=session)
         log.info(
             "%s %s completed: its callback %s is sent",
             canvas.kind,
@@ -155,17 +138,13 @@ class Completion:
 
     def _fail(self, canvas: CanvasRow, member: str, error: str | None) -> bool:
         errbacks = [self._signature(stored) for stored in canvas.errbacks or ()]
-        with self._canvases.closing(canvas.id, "failed", member) as conn:
-            if conn is None:
+        with self._canvases.closing(canvas.id, "failed", member) as session:
+            if session is None:
                 return False
-            sent = [
+            for index, errback in enumerate(errbacks):
                 errback.apply_async(
-                    (member,), task_id=f"{canvas.id}.errback.{index}", connection=conn
-                ).id
-                for index, errback in enumerate(errbacks)
-            ]
-        if sent:
-            self._send_committed(sent)
+                    (member,), task_id=f"{canvas.id}.errback.{index}", session=session
+                )
         log.warning(
             "chord %s failed: its member %s ended %s; its body does not run",
             canvas.id,

@@ -91,7 +91,7 @@ def wire(settings: Settings, discover: Callable[[], None]) -> Parts:
         client = registry.by_name(job_name)
         return client.definition.limits if client is not None else None
 
-    completion = Completion(ledger, celery_app, outbox.send_committed)
+    completion = Completion(ledger, celery_app)
     slots = Slots(
         ledger,
         outbox,

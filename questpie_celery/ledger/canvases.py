@@ -218,14 +218,18 @@ class Canvases(Part):
     @contextmanager
     def closing(
         self, canvas_id: str, status: CanvasStatus, failed_member: str | None = None
-    ) -> Iterator[Connection | None]:
-        """End an open canvas as `status`: yields the transaction's connection when this
-        caller ended it (what follows from the end, its callback's rows, is written there
-        and commits with it), None when it had ended already."""
+    ) -> Iterator[Session | None]:
+        """End an open canvas as `status`: yields the transaction's session when this
+        caller ended it (what follows from the end, its callback's rows, is published in
+        it, commits with it and is sent once it commits), None when it had ended."""
         params = {"canvas_id": canvas_id, "status": status, "failed_member": failed_member}
-        with translate_errors(self._db.migrate_command), self._db._begin() as conn:
-            won = conn.execute(self._sql.close, params).first() is not None
-            yield conn if won else None
+        with (
+            translate_errors(self._db.migrate_command),
+            self.session() as session,
+            session.begin(),
+        ):
+            won = session.execute(self._sql.close, params).first() is not None
+            yield session if won else None
 
     def open_canvases(self, *, older_than: float, limit: int = 100) -> list[str]:
         """Canvases still open `older_than` seconds after they were recorded."""

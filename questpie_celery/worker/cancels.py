@@ -49,8 +49,8 @@ class Cancellation:
         """
         done = self._cancels.cancel(dispatch_id)
         if done.outcome == "unknown" and (canvas := self._canvases.get(dispatch_id)) is not None:
-            with self._canvases.closing(canvas.id, "cancelled") as conn:
-                was_open = conn is not None
+            with self._canvases.closing(canvas.id, "cancelled") as session:
+                was_open = session is not None
             for member in canvas.members:
                 if member is not None:
                     self._cancel_member(member)

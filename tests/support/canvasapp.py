@@ -5,6 +5,7 @@ they were given; a chain's step; a batch's completion callback. Each run is reco
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -42,7 +43,7 @@ def member(
 @shared_task(bind=True, base=LedgerTask, name="canvas.body")
 def body(self: Task, results: list[Any], tag: str) -> int:
     """Records the results it was given."""
-    note(self, tag, phase="body", note=json.dumps(results))
+    note(self, tag, phase="body", note=json.dumps(results, separators=(",", ":")))
     return len(results)
 
 
@@ -61,4 +62,8 @@ def step(self: Task, value: int, tag: str, gate: str | None = None) -> int:
 
 @shared_task(bind=True, base=LedgerTask, name="canvas.on_complete")
 def on_complete(self: Task, summary: dict[str, Any], tag: str) -> None:
-    note(self, tag, phase="complete", note=json.dumps(summary))
+    """Records the summary, its ids as a digest (a note holds 200 characters)."""
+    ids = hashlib.sha256(json.dumps(summary["ids"]).encode()).hexdigest()[:16]
+    note(
+        self, tag, phase="complete", note=json.dumps([summary["batch_id"], summary["counts"], ids])
+    )
