@@ -230,10 +230,10 @@ class LedgerTask(Task):  # type: ignore[misc]  # celery ships no type informatio
         given = {name: options.pop(name) for name in ADOPTED_CALL_OPTIONS if name in options}
         session, connection = options.pop("session", None), options.pop("connection", None)
         canvas_id = options.pop(CANVAS_OPTION, None)
-        # A chain's link (Celery passes the links after it as `chain`, [] for the last):
-        # a row under the id Celery froze for it, so a link delivered twice, or sent on
-        # twice, starts the next one once.
-        chain_link = "chain" in options
+        # A chain's link (Celery passes the links after it as `chain`, [] for the last;
+        # a retry Celery makes passes None): a row under the id Celery froze for it, so a
+        # link delivered twice, or sent on twice, starts the next one once.
+        chain_link = options.get("chain") is not None
         for template in self._questpie_keys:
             if given.get(template.option) is None:
                 given[template.option] = template.render(args, kwargs)

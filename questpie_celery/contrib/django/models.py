@@ -40,6 +40,9 @@ class Dispatch(models.Model):
     attempt = models.IntegerField(verbose_name="attempts")
     # Its claims so far (schema version 8): the fencing token of the latest.
     claim_generation = models.IntegerField(null=True, verbose_name="claims")
+    # The chord or batch it is a member of (schema version 9). Its `result` is left out,
+    # as its payload is: what a run returned is the application's data.
+    canvas_id = models.TextField(null=True, verbose_name="chord or batch")
     send_count = models.IntegerField(verbose_name="sends of this attempt")
     last_error = models.CharField(max_length=200, null=True)
     run_after = models.DateTimeField()
