@@ -13,9 +13,8 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import replace
 from datetime import timedelta
 from types import ModuleType
 from typing import Any, Never
@@ -26,7 +25,6 @@ from celery.signals import worker_init
 from sqlalchemy import Engine
 
 from ._runtime.outages import Outage
-from .adopted.calls import Call
 from .adopted.task import Adoption, LedgerTask, serve
 from .client import JobClient
 from .config.settings import DEFAULT_LEASE_SECONDS, Durability, Settings, given_ledger, period
@@ -40,9 +38,7 @@ from .errors import (
 )
 from .jobs.context import ContextFactory
 from .jobs.definition import HandlerContext, JobDefinition, P, declared_jobs, job
-from .jobs.ids import unstorable_id
 from .jobs.keywords import JobOptions
-from .jobs.options import resolve_options
 from .jobs.policies import QueuePolicy
 from .ops.operations import Operator
 from .publish.schedules import DEFAULT_FIRE_RETENTION_SECONDS, Schedules
@@ -204,36 +200,11 @@ class Questpie:
         task.questpie_definition = definition
         task.questpie_runner = self._runner
         task.questpie_adoption = Adoption(
-            definition, self._runner, self._publish_adopted, self._sender.eager_result
-        )
-
-    def _publish_adopted(
-        self,
-        definition: JobDefinition[Call],
-        call: Call,
-        options: Mapping[str, Any],
-        *,
-        dispatch_id: str | None,
-        carry: Mapping[str, Any],
-        session: Any,
-        connection: Any,
-        canvas_id: str | None,
-        chain_link: bool,
-    ) -> str | None:
-        resolved = resolve_options(definition.options, options)
-        if resolved.idempotency_key is not None:
-            dispatch_id = None  # a key names its own dispatch
-        elif dispatch_id is not None and (why := unstorable_id(dispatch_id)) is not None:
-            raise PublishOptionsError(f"task_id cannot be a dispatch id: {why}")
-        resolved = replace(
-            resolved,
-            carry={**resolved.carry, **carry},
-            dispatch_id=dispatch_id,
-            canvas_id=canvas_id,
-            chain_link=chain_link,
-        )
-        return self._publisher.publish(
-            definition, call, resolved, session=session, connection=connection
+            definition,
+            self._runner,
+            self._publisher.publish,
+            self._publisher.publish_many,
+            self._sender.eager_result,
         )
 
     def _on_worker_init(self, sender: Any = None, **_: Any) -> None:

@@ -20,6 +20,7 @@ refused (`CanvasError`), as is a header that nests groups, chains or chords.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from celery import Celery
@@ -27,10 +28,12 @@ from celery.canvas import Signature, _chord, group
 from celery.result import AsyncResult
 from celery.utils import uuid
 
-from .adopted.task import CANVAS_OPTION
+from .adopted.task import CANVAS_OPTION, Dispatch, LedgerRefused, LedgerTask
 from .app import questpie_of
 from .canvas.recording import ON_MEMBER_FAILURE, check_ledgered
 from .errors import CanvasError
+from .jobs.ids import random_dispatch_id
+from .jobs.options import DispatchOptions
 from .ledger.schema import OnMemberFailure
 
 #: Where a chord keeps its failure policy among its options (it travels with it).
@@ -130,7 +133,10 @@ class chord(_chord):  # type: ignore[misc]  # celery ships no type information
         root_id = body.options.get("root_id")
         body_id = task_id or uuid()
         body_result = body.freeze(body_id, group_id=group_id, root_id=root_id)
-        results = []
+        made = [
+            _member_dispatch(app, member, partial_args, kwargs, index, group_id, root_id, options)
+            for index, member in enumerate(members)
+        ]
         with questpie.canvas_recorder.recording(
             group_id,
             "chord",
@@ -139,19 +145,14 @@ class chord(_chord):  # type: ignore[misc]  # celery ships no type information
             errbacks=errbacks,
             on_member_failure=policy,
         ) as recording:
-            for index, member in enumerate(members):
-                sent = member.clone().apply_async(
-                    partial_args,
-                    kwargs or {},
-                    group_id=group_id,
-                    group_index=index,
-                    root_id=root_id,
-                    session=recording.session,
-                    **{CANVAS_OPTION: group_id},
-                    **options,
-                )
-                recording.members.append(sent.id)
-                results.append(sent)
+            for task, run in _runs(made):
+                recording.members.extend(task.questpie_publish_many(run, session=recording.session))
+        results = [
+            AsyncResult(dispatch_id, app=app)
+            if dispatch_id is not None
+            else LedgerRefused(random_dispatch_id(), app=app, task_name=task.name)
+            for dispatch_id, (task, _) in zip(recording.members, made, strict=True)
+        ]
         # `get()` waits for the body: a member's state on the way (a pool process killed
         # under it, before its retry ran) is not the chord's, as Celery's parent check
         # would take it. A chord that fails has the body's result say so (ChordError).
@@ -165,6 +166,53 @@ class _BodyResult(AsyncResult):  # type: ignore[misc]  # celery ships no type in
 
     def _maybe_reraise_parent_error(self) -> None:
         return None
+
+
+def _member_dispatch(
+    app: Celery,
+    member: Signature,
+    partial_args: tuple[Any, ...],
+    kwargs: dict[str, Any] | None,
+    index: int,
+    group_id: str,
+    root_id: str | None,
+    options: dict[str, Any],
+) -> tuple[LedgerTask, Dispatch]:
+    """A member's call as its dispatch, merged with the chord's arguments and options
+    as Celery merges a signature's when it is applied."""
+    args, merged_kwargs, merged = member._merge(
+        partial_args, kwargs or {}, {**options, "group_id": group_id, "group_index": index}
+    )
+    if root_id is not None:
+        merged["root_id"] = root_id
+    merged[CANVAS_OPTION] = group_id
+    task: LedgerTask = app.tasks[member.task]
+    task_id = merged.pop("task_id", None)
+    return task, task.questpie_dispatch(args, merged_kwargs, task_id, merged)
+
+
+def _runs(made: list[tuple[LedgerTask, Dispatch]]) -> list[tuple[LedgerTask, list[Dispatch]]]:
+    """The members in header order, in runs of one task and one set of options: each
+    run is one `publish_many` (one statement per chunk of its rows)."""
+    runs: list[tuple[LedgerTask, list[Dispatch]]] = []
+    for task, dispatch in made:
+        if runs and runs[-1][0] is task and _same_options(runs[-1][1][0], dispatch):
+            runs[-1][1].append(dispatch)
+        else:
+            runs.append((task, [dispatch]))
+    return runs
+
+
+def _same_options(first: Dispatch, other: Dispatch) -> bool:
+    """Whether `other` can share `first`'s `publish_many`: they differ in their keys,
+    their ids and their calls only."""
+    return _shared(first.options) == _shared(other.options)
+
+
+def _shared(options: DispatchOptions) -> DispatchOptions:
+    return replace(
+        options, idempotency_key=None, singleton_key=None, group_key=None, dispatch_id=None
+    )
 
 
 def _errbacks(body: Signature) -> list[Any]:

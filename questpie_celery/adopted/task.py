@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any, ClassVar, Protocol
 
@@ -34,9 +34,15 @@ from celery.utils.time import maybe_make_aware
 from ..errors import ConfigurationError, JobDefinitionError, PublishOptionsError
 from ..jobs.context import RetryIn
 from ..jobs.definition import JobContext, JobDefinition
-from ..jobs.ids import random_dispatch_id
+from ..jobs.ids import random_dispatch_id, unstorable_id
 from ..jobs.keywords import ADOPTED_CALL_OPTIONS, ADOPTED_TASK_OPTIONS, JobOptions
-from ..jobs.options import MAX_EXPIRE_IN_SECONDS, MAX_RETRY_LIMIT, validate_job_options
+from ..jobs.options import (
+    MAX_EXPIRE_IN_SECONDS,
+    MAX_RETRY_LIMIT,
+    DispatchOptions,
+    resolve_options,
+    validate_job_options,
+)
 from ..send.broker import HEADER
 from ..worker.task import DeliveryRequest, Runner
 from .calls import Call, canvas_options, pack, unpack
@@ -61,17 +67,27 @@ class Publish(Protocol):
 
     def __call__(
         self,
-        definition: JobDefinition[Call],
-        call: Call,
-        options: Mapping[str, Any],
+        definition: JobDefinition[Any],
+        payload: Any,
+        options: DispatchOptions,
         *,
-        dispatch_id: str | None,
-        carry: Mapping[str, Any],
-        session: Any,
-        connection: Any,
-        canvas_id: str | None,
-        chain_link: bool,
+        session: Any = None,
+        connection: Any = None,
     ) -> str | None: ...
+
+
+class PublishMany(Protocol):
+    """How calls that share their options become dispatches in one statement per chunk."""
+
+    def __call__(
+        self,
+        definition: JobDefinition[Any],
+        payloads: Sequence[Any],
+        options: Sequence[DispatchOptions],
+        *,
+        session: Any = None,
+        connection: Any = None,
+    ) -> list[str | None]: ...
 
 
 @dataclass(frozen=True)
@@ -81,8 +97,18 @@ class Adoption:
     definition: JobDefinition[Call]
     runner: Runner
     publish: Publish
+    publish_many: PublishMany
     #: In eager mode, the `EagerResult` of the run a call just made inline, if it made one.
     eager_result: Callable[[str], Any]
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """One call of an adopted task, ready to publish: its serialized call and its
+    options (a chord publishes many at once, `questpie_celery.chord`)."""
+
+    call: Call
+    options: DispatchOptions
 
 
 #: The `Questpie` of each Celery app, as the adopter of its `LedgerTask`s.
@@ -226,9 +252,34 @@ class LedgerTask(Task):  # type: ignore[misc]  # celery ships no type informatio
             # Celery's own `retry()` of a run with no ledger row: the same call again.
             headers = {name: value for name, value in headers.items() if name != HEADER}
         adoption = self._adopted()
+        session, connection = options.pop("session", None), options.pop("connection", None)
+        made = self.questpie_dispatch(
+            args, kwargs, task_id, {**options, "link": link, "link_error": link_error}, headers
+        )
+        dispatch_id = adoption.publish(
+            adoption.definition, made.call, made.options, session=session, connection=connection
+        )
+        if dispatch_id is None:
+            return LedgerRefused(random_dispatch_id(), app=self.app, task_name=self.name)
+        if self.app.conf.task_always_eager:
+            ran = adoption.eager_result(dispatch_id)
+            if ran is not None:
+                return ran
+        return self.AsyncResult(dispatch_id)
+
+    def questpie_dispatch(
+        self,
+        args: Any,
+        kwargs: Any,
+        task_id: str | None,
+        options: dict[str, Any],
+        headers: Mapping[str, Any] | None = None,
+    ) -> Dispatch:
+        """One call as a dispatch: its keys rendered, its arguments and Canvas options
+        serialized, Celery's options it keeps for every send, all validated. `options`
+        are `apply_async`'s (Celery's and the ledger's; `link`, `link_error` among them)."""
         args, kwargs = tuple(args or ()), dict(kwargs or {})
         given = {name: options.pop(name) for name in ADOPTED_CALL_OPTIONS if name in options}
-        session, connection = options.pop("session", None), options.pop("connection", None)
         canvas_id = options.pop(CANVAS_OPTION, None)
         # A chain's link (Celery passes the links after it as `chain`, [] for the last;
         # a retry Celery makes passes None): a row under the id Celery froze for it, so a
@@ -243,37 +294,46 @@ class LedgerTask(Task):  # type: ignore[misc]  # celery ships no type informatio
         queue = options.get("queue")
         given["queue"] = getattr(queue, "name", queue)
         serializer = options.get("serializer") or self.serializer or self.app.conf.task_serializer
-        canvas = canvas_options({**options, "link": link, "link_error": link_error})
+        canvas = canvas_options(options)
         if task_id is not None and given.get("idempotency_key") is not None:
             # Celery froze this id (a group's or chord's member) and will read the result
             # there; the key names the dispatch. The run's result is stored under both.
             canvas[MIRROR] = task_id
         call = pack(args, kwargs, canvas, serializer)
-        given["headers"] = headers or None
+        given["headers"] = (headers if headers is not None else options.get("headers")) or None
         carry = {k: options[k] for k in _KEPT_OPTIONS if options.get(k) is not None}
         expires = options.get("expires")
         if expires is not None:
             # A moment, not a span: every send of the dispatch expires at the same time.
             carry["expires"] = self._moment(expires).isoformat()
-        dispatch_id = adoption.publish(
-            adoption.definition,
-            call,
-            given,
+        resolved = resolve_options(self._adopted().definition.options, given)
+        dispatch_id = task_id
+        if resolved.idempotency_key is not None:
+            dispatch_id = None  # a key names its own dispatch
+        elif dispatch_id is not None and (why := unstorable_id(dispatch_id)) is not None:
+            raise PublishOptionsError(f"task_id cannot be a dispatch id: {why}")
+        resolved = replace(
+            resolved,
+            carry={**resolved.carry, **carry},
             # A frozen id (Canvas) names an unkeyed call's dispatch; a key names its own.
-            dispatch_id=task_id,
-            carry=carry,
-            session=session,
-            connection=connection,
+            dispatch_id=dispatch_id,
             canvas_id=canvas_id,
             chain_link=chain_link,
         )
-        if dispatch_id is None:
-            return LedgerRefused(random_dispatch_id(), app=self.app, task_name=self.name)
-        if self.app.conf.task_always_eager:
-            ran = adoption.eager_result(dispatch_id)
-            if ran is not None:
-                return ran
-        return self.AsyncResult(dispatch_id)
+        return Dispatch(call, resolved)
+
+    def questpie_publish_many(
+        self, dispatches: Sequence[Dispatch], *, session: Any
+    ) -> list[str | None]:
+        """Publish calls that share their options (a chord's members), in `session`:
+        one statement per chunk of rows, as `publish_many`."""
+        adoption = self._adopted()
+        return adoption.publish_many(
+            adoption.definition,
+            [dispatch.call for dispatch in dispatches],
+            [dispatch.options for dispatch in dispatches],
+            session=session,
+        )
 
     def _moment(self, when: float | str | datetime) -> datetime:
         """A Celery time option (seconds from now, an ISO string, a datetime) in UTC."""
