@@ -21,10 +21,12 @@ from typing import Any
 from sqlalchemy import (
     ColumnElement,
     Connection,
+    Delete,
     Insert,
     Select,
     Update,
     bindparam,
+    delete,
     func,
     insert,
     select,
@@ -135,6 +137,16 @@ class CanvasStatements:
             .order_by(c.created_at)
             .limit(bindparam("limit"))
         )
+        # Retention: chords and batches that ended long ago, oldest first.
+        self.prune_ended: Delete = delete(canvas_table).where(
+            c.id.in_(
+                select(c.id)
+                .where(c.status != "open", c.finished_at < db_time(-seconds("older_than")))
+                .order_by(c.finished_at)
+                .limit(bindparam("limit"))
+                .scalar_subquery()
+            )
+        )
         self.listed: Select[Any] = (
             select(canvas_table).order_by(c.created_at.desc()).limit(bindparam("limit"))
         )
@@ -235,6 +247,12 @@ class Canvases(Part):
         """Canvases still open `older_than` seconds after they were recorded."""
         params = {"older_than": older_than, "limit": limit}
         return [row["id"] for row in self._db._execute(self._sql.open_canvases, params)]
+
+    def prune_ended(self, *, older_than: float, limit: int) -> int:
+        """Delete up to `limit` canvases that ended over `older_than` seconds ago (their
+        members are retention's as any dispatch is); how many."""
+        params = {"older_than": older_than, "limit": limit}
+        return int(self._db._execute(self._sql.prune_ended, params))
 
     def listed(self, limit: int = 50) -> list[CanvasRow]:
         """The newest canvases, for the operator's views."""

@@ -101,7 +101,7 @@ def ended_batch(
 ) -> Any:
     """One batch of retention: up to `limit` dispatches that ended over `older_than`
     seconds ago, oldest first. Unkeyed ones are deleted. Keyed ones keep what answers their
-    key (id, job, key, status, times) and lose their payload and options; those whose key
+    key (id, job, key, status, times) and lose their payload, options and result; those whose key
     starts with `spare_key_prefix` are left alone.
 
     The rows are chosen through the partial index on `finished_at` (`options IS NOT NULL`
@@ -140,8 +140,9 @@ def ended_batch(
     )
     if not keyed:
         return delete(dispatch_table).where(batch)
-    # null(), not None: SQL NULL; None would be stored as the JSON value null.
-    return update(dispatch_table).where(batch).values(payload=null(), options=null())
+    # null(), not None: SQL NULL; None would be stored as the JSON value null. What the
+    # run returned goes with its payload: the application's data.
+    return update(dispatch_table).where(batch).values(payload=null(), options=null(), result=null())
 
 
 def old_beat_ticks(*, older_than: float) -> Any:

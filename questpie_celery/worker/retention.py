@@ -71,6 +71,7 @@ class Retention:
         self._ledger_retention = ledger.retention
         self._limits = ledger.limits  # spent rate permits
         self._throttle = ledger.throttle  # long-open throttle windows
+        self._canvases = ledger.canvases  # chords and batches long ended
         self.period = period
         #: How long after its end a message of an unkeyed dispatch may still come again.
         self._redeliver_after = redeliver_after
@@ -112,7 +113,14 @@ class Retention:
                     return Pruned(deleted, pruned, done=not any(left.values()))
                 if any(left.values()):
                     time.sleep(took)  # leave the database to others as long again
+        self._prune_canvases(older_than, batch)
         return Pruned(deleted, pruned, done=True)
+
+    def _prune_canvases(self, older_than: float, batch: int) -> None:
+        try:
+            self._canvases.prune_ended(older_than=older_than, limit=batch)
+        except QuestpieError as exc:  # a schema before version 9 included
+            log.debug("chords and batches not pruned (%s); trying again later", exc)
 
     def _prune_permits(self) -> None:
         try:

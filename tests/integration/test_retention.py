@@ -26,7 +26,8 @@ from questpie_celery.cli.commands import main
 from questpie_celery.jobs.ids import derive_dispatch_id, random_dispatch_id
 from questpie_celery.jobs.options import FIRE_KEY_PREFIX, RunOptions, StoredOptions
 from questpie_celery.ledger import DispatchRow, Ledger, NewDispatch, dispatch_table
-from questpie_celery.ledger.schema import SCHEMA_VERSION, schema_version_table
+from questpie_celery.ledger.canvases import NewCanvas
+from questpie_celery.ledger.schema import SCHEMA_VERSION, canvas_table, schema_version_table
 from questpie_celery.ledger.statements import db_time
 from questpie_celery.ops.operations import Operator
 from questpie_celery.worker.retention import Retention
@@ -520,3 +521,38 @@ def test_a_row_under_a_keys_id_that_does_not_know_its_key_is_kept(ledger: Ledger
     assert _prune(ledger) == (0, 1)  # pruned like a keyed row, not deleted
     row = _row(ledger, derived)
     assert row.pruned and row.status == "completed"
+
+
+def test_a_pruned_rows_result_goes_with_its_payload_and_an_old_canvas_is_deleted(
+    ledger: Ledger,
+) -> None:
+    """What a run returned is the application's data, as its payload: pruned with it. A
+    chord or batch that ended over the period ago is deleted (its members are pruned
+    as any dispatch); an open one, and one that ended within it, stay."""
+    dispatch_id = _insert(ledger, "order-result")
+    claim = ledger.claims.claim(dispatch_id, JOB, 1, 60)
+    assert claim.token is not None
+    kept = {"content_type": "application/json", "content_encoding": "utf-8", "body": "42"}
+    assert ledger.claims.finish(dispatch_id, claim.token, "completed", None, kept)
+    assert _row(ledger, dispatch_id).result == kept
+    _age(ledger, dispatch_id, 8 * DAY)
+    with ledger.canvases.session() as session, session.begin():
+        for name in ("old", "recent", "open"):
+            ledger.canvases.record(
+                NewCanvas(id=f"canvas-{name}", kind="batch", members=[]), session.connection()
+            )
+    for name, days in (("old", 8), ("recent", 1)):
+        with ledger.canvases.closing(f"canvas-{name}", "completed") as ended:
+            assert ended is not None
+        t = canvas_table.c
+        with ledger.engine.begin() as conn:
+            conn.execute(
+                update(canvas_table)
+                .where(t.id == f"canvas-{name}")
+                .values(finished_at=db_time(-days * DAY))
+            )
+    assert _prune(ledger) == (0, 1)
+    assert _row(ledger, dispatch_id).result is None
+    assert ledger.canvases.get("canvas-old") is None
+    assert ledger.canvases.get("canvas-recent") is not None
+    assert ledger.canvases.get("canvas-open") is not None
