@@ -17,6 +17,11 @@ from celery.exceptions import ChordError
 
 import tests.support.canvasapp  # noqa: F401  (its shared tasks, on every app)
 from questpie_celery import CanvasStatus, chord
+from questpie_celery.canvas.completion import Completion
+from questpie_celery.canvas.results import encode
+from questpie_celery.jobs.options import StoredOptions
+from questpie_celery.ledger import NewDispatch
+from questpie_celery.ledger.canvases import NewCanvas
 from tests.integration.conftest import new_stack
 from tests.support.brokers import capture, deliver, idle_queue
 from tests.support.services import RedisServer
@@ -256,3 +261,45 @@ def test_a_completed_runs_result_is_kept_and_an_unknown_id_is_not_a_queued_one(
     waiting = queue.get_status(later)
     assert waiting is not None and waiting.status in ("pending", "queued")
     assert queue.get_status(f"{t}-no-such-id") is None
+
+
+def test_a_chord_whose_last_end_was_not_followed_up_is_ended_by_the_relay(
+    canvas_stack: Stack,
+) -> None:
+    """A worker that died between recording the last member's end and ending the chord
+    leaves it open with every member ended: the relay's sweep sends the body, once."""
+    t = tag()
+    ledger = canvas_stack.ledger
+    canvas_id, body_id = f"chord-{t}", f"body-{t}"
+    members = []
+    for index in range(3):
+        new = NewDispatch(
+            id=f"member-{t}-{index}",
+            job_name="canvas.member",
+            payload=None,
+            options=StoredOptions(),
+            canvas_id=canvas_id,
+        )
+        assert ledger.dispatches.insert(new)
+        claim = ledger.claims.claim(new.id, new.job_name, 1, 60)
+        assert claim.token is not None
+        kept = encode(index * 10, "json")
+        assert ledger.claims.finish(new.id, claim.token, "completed", None, kept)
+        members.append(new.id)
+    body = task(canvas_stack, "body").s(tag=t)
+    completion = Completion(ledger, canvas_stack.celery_app)  # the app's own encoding
+    with ledger.canvases.session() as session, session.begin():
+        ledger.canvases.record(
+            NewCanvas(
+                id=canvas_id,
+                kind="chord",
+                members=members,
+                callback=completion.encode_signature(body),
+                callback_id=body_id,
+            ),
+            session.connection(),
+        )
+    assert body_calls(canvas_stack, t, phase="body") == [[0, 10, 20]]
+    canvas_stack.wait_status(body_id, "completed")
+    status = canvas_stack.questpie.queue.get_status(canvas_id)
+    assert isinstance(status, CanvasStatus) and status.status == "completed"
