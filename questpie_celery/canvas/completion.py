@@ -89,14 +89,17 @@ class Completion:
         failed_now = ended is not None and ended.status != "completed"
         if not failed_now and self._canvases.has_open_member(canvas_id):
             return False  # the common case: one look, and nothing more
-        canvas = self._canvases.get(canvas_id)
-        if canvas is None or canvas.status != "open":
+        state = self._canvases.state(canvas_id)
+        if state is None or state.status != "open":
             return False
-        fails_fast = canvas.kind == "chord" and canvas.on_member_failure == "fail"
+        fails_fast = state.kind == "chord" and state.on_member_failure == "fail"
         if failed_now and fails_fast:
             assert ended is not None
-            return self._fail(canvas, ended.id, ended.last_error)
+            return self._fail(canvas_id, ended.id, ended.last_error)
         if failed_now and self._canvases.has_open_member(canvas_id):
+            return False
+        canvas = self._canvases.get(canvas_id)
+        if canvas is None or canvas.status != "open":
             return False
         ends = self._canvases.member_ends(canvas.members)
         if any(_still_open(member, ends) for member in canvas.members):
@@ -105,7 +108,7 @@ class Completion:
             for member in canvas.members:
                 end = _end_of(member, ends)
                 if end.status != "completed":
-                    return self._fail(canvas, end.id, end.last_error)
+                    return self._fail(canvas.id, end.id, end.last_error)
         return self._complete(canvas, ends)
 
     def sweep(self, limit: int = 100) -> int:
@@ -136,9 +139,12 @@ class Completion:
         )
         return True
 
-    def _fail(self, canvas: CanvasRow, member: str, error: str | None) -> bool:
+    def _fail(self, canvas_id: str, member: str, error: str | None) -> bool:
+        canvas = self._canvases.get(canvas_id)
+        if canvas is None or canvas.status != "open":
+            return False
         errbacks = [self._signature(stored) for stored in canvas.errbacks or ()]
-        with self._canvases.closing(canvas.id, "failed", member) as session:
+        with self._canvases.closing(canvas_id, "failed", member) as session:
             if session is None:
                 return False
             for index, errback in enumerate(errbacks):

@@ -91,6 +91,13 @@ class MemberState:
 
 
 @dataclass(frozen=True)
+class CanvasState:
+    status: CanvasStatus
+    kind: CanvasKind
+    on_member_failure: OnMemberFailure
+
+
+@dataclass(frozen=True)
 class MemberEnd:
     """What a chord's callback, or a batch's summary, needs of one member."""
 
@@ -131,11 +138,25 @@ class CanvasStatements:
             .returning(c.id)
         )
         # Open canvases the sweep looks at: opened a while ago, oldest first.
+        # Open canvases the sweep looks at: opened a while ago, and no member that names
+        # them is still to end (one look each in the open members' index), oldest first.
+        # A canvas that waits for its members is never among them, however many wait.
+        member_open = (
+            select(t.id).where(t.canvas_id == c.id, t.status.in_(WAITING + RUNNING)).exists()
+        )
         self.open_canvases: Select[Any] = (
             select(c.id)
-            .where(c.status == "open", c.created_at < db_time(-seconds("older_than")))
+            .where(
+                c.status == "open",
+                c.created_at < db_time(-seconds("older_than")),
+                ~member_open,
+            )
             .order_by(c.created_at)
             .limit(bindparam("limit"))
+        )
+        # What a member's end needs to know of its canvas, without its members' ids.
+        self.state: Select[Any] = select(c.status, c.kind, c.on_member_failure).where(
+            c.id == bindparam("canvas_id")
         )
         # Retention: chords and batches that ended long ago, oldest first.
         self.prune_ended: Delete = delete(canvas_table).where(
@@ -199,6 +220,14 @@ class Canvases(Part):
         with translate_errors(self._db.migrate_command):
             conn.execute(self._sql.insert, params)
 
+    def state(self, canvas_id: str) -> CanvasState | None:
+        """A canvas's status and policy, read without its members' ids (a chord of
+        10,000 members holds 10,000 of them)."""
+        row = self._db._first(self._sql.state, {"canvas_id": canvas_id})
+        if row is None:
+            return None
+        return CanvasState(row["status"], row["kind"], row["on_member_failure"])
+
     def get(self, canvas_id: object) -> CanvasRow | None:
         if not isinstance(canvas_id, str) or unstorable_id(canvas_id) is not None:
             return None
@@ -244,7 +273,8 @@ class Canvases(Part):
             yield session if won else None
 
     def open_canvases(self, *, older_than: float, limit: int = 100) -> list[str]:
-        """Canvases still open `older_than` seconds after they were recorded."""
+        """Canvases still open `older_than` seconds after they were recorded whose
+        members that name them have all ended: a look whose process died is owed."""
         params = {"older_than": older_than, "limit": limit}
         return [row["id"] for row in self._db._execute(self._sql.open_canvases, params)]
 
