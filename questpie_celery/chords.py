@@ -69,6 +69,19 @@ class chord(_chord):  # type: ignore[misc]  # celery ships no type information
         super().__init__(header, body, task, args, kwargs, app=app, **options)
         self.options[_POLICY_OPTION] = policy
 
+    def apply_async(self, *args: Any, **options: Any) -> Any:
+        """Celery's `apply_async`; `session=` or `connection=` records a durable chord in
+        the caller's transaction (its members are sent once it commits), as an adopted
+        task's call takes them."""
+        caller = options.pop("session", None), options.pop("connection", None)
+        # Celery copies the options it is given, which a Session refuses: kept aside
+        # for `run`, which it calls on this very signature.
+        self._questpie_caller = caller
+        try:
+            return super().apply_async(*args, **options)
+        finally:
+            self._questpie_caller = (None, None)
+
     @property
     def on_member_failure(self) -> OnMemberFailure:
         policy: OnMemberFailure = self.options.get(_POLICY_OPTION, "fail")
@@ -116,10 +129,10 @@ class chord(_chord):  # type: ignore[misc]  # celery ships no type information
             raise CanvasError("a durable chord needs a Questpie made for its Celery app")
         for index, member in enumerate(members):
             check_ledgered(app, member, f"chord member {index}")
-        check_ledgered(app, body, "the chord's body")
+        check_ledgered(app, body, "the chord's body", callback=True)
         if options.get("link") or options.get("link_error"):
             body = self._add_body_callbacks(body, options)  # the chord's own, as Celery's
-        errbacks = [check_ledgered(app, e, "an errback") for e in _errbacks(body)]
+        errbacks = [check_ledgered(app, e, "an errback", callback=True) for e in _errbacks(body)]
         # The header's own time options delay its members, as Celery's chord does.
         for key, value in (header_delay or {}).items():
             options[key] = value
@@ -137,6 +150,7 @@ class chord(_chord):  # type: ignore[misc]  # celery ships no type information
             _member_dispatch(app, member, partial_args, kwargs, index, group_id, root_id, options)
             for index, member in enumerate(members)
         ]
+        session, connection = getattr(self, "_questpie_caller", (None, None))
         with questpie.canvas_recorder.recording(
             group_id,
             "chord",
@@ -144,9 +158,15 @@ class chord(_chord):  # type: ignore[misc]  # celery ships no type information
             callback_id=body_result.id,
             errbacks=errbacks,
             on_member_failure=policy,
+            session=session,
+            connection=connection,
         ) as recording:
             for task, run in _runs(made):
-                recording.members.extend(task.questpie_publish_many(run, session=recording.session))
+                recording.members.extend(
+                    task.questpie_publish_many(
+                        run, session=recording.session, connection=recording.connection
+                    )
+                )
         results = [
             AsyncResult(dispatch_id, app=app)
             if dispatch_id is not None

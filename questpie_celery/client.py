@@ -163,7 +163,7 @@ class JobClient(Generic[P]):
             )
         if self._recorder is None:  # pragma: no cover - every Questpie wires one
             raise PublishOptionsError("on_complete needs a Questpie's ledger")
-        callback = check_ledgered(self._celery_app, on_complete, "on_complete")
+        callback = check_ledgered(self._celery_app, on_complete, "on_complete", callback=True)
         batch = batch_id if batch_id is not None else uuid()
         if (why := unstorable_id(batch)) is not None:
             raise PublishOptionsError(f"batch_id cannot be an id: {why}")

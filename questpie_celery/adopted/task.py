@@ -193,6 +193,11 @@ class LedgerTask(Task):  # type: ignore[misc]  # celery ships no type informatio
     _questpie_job_options: ClassVar[JobOptions] = {}
     _questpie_secret: ClassVar[bool] = False
 
+    @property
+    def questpie_secret(self) -> bool:
+        """Whether its calls are secret (`secret_payload` in its ledger options)."""
+        return self._questpie_secret
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         # Celery makes each task's class from its function: check its ledger options now,
@@ -323,16 +328,17 @@ class LedgerTask(Task):  # type: ignore[misc]  # celery ships no type informatio
         return Dispatch(call, resolved)
 
     def questpie_publish_many(
-        self, dispatches: Sequence[Dispatch], *, session: Any
+        self, dispatches: Sequence[Dispatch], *, session: Any, connection: Any = None
     ) -> list[str | None]:
-        """Publish calls that share their options (a chord's members), in `session`:
-        one statement per chunk of rows, as `publish_many`."""
+        """Publish calls that share their options (a chord's members), in `session` (or
+        `connection`): one statement per chunk of rows, as `publish_many`."""
         adoption = self._adopted()
         return adoption.publish_many(
             adoption.definition,
             [dispatch.call for dispatch in dispatches],
             [dispatch.options for dispatch in dispatches],
             session=session,
+            connection=connection,
         )
 
     def _moment(self, when: float | str | datetime) -> datetime:

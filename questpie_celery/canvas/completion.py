@@ -26,6 +26,7 @@ and the item ids in order.
 from __future__ import annotations
 
 import logging
+from datetime import datetime
 from typing import Any
 
 from celery import Celery
@@ -53,6 +54,7 @@ class Completion:
     def __init__(self, ledger: Ledger, celery_app: Celery) -> None:
         self._canvases = ledger.canvases
         self._app = celery_app
+        self._swept_to: tuple[datetime, str] | None = None  # where the next sweep goes on
 
     # --- the values a canvas keeps --------------------------------------------------------
 
@@ -113,11 +115,14 @@ class Completion:
 
     def sweep(self, limit: int = 100) -> int:
         """End the open canvases whose last member's end was not followed by the look
-        that ends them (its process died); how many were ended."""
-        ended = 0
-        for canvas_id in self._canvases.open_canvases(older_than=SWEEP_AFTER_SECONDS, limit=limit):
-            ended += self.settle(canvas_id)
-        return ended
+        that ends them (its process died); how many were ended. Each sweep goes on after
+        the last canvas the previous one looked at, and starts over once it found fewer
+        than `limit`."""
+        found = self._canvases.open_canvases(
+            older_than=SWEEP_AFTER_SECONDS, after=self._swept_to, limit=limit
+        )
+        self._swept_to = found[-1] if len(found) == limit else None
+        return sum(self.settle(canvas_id) for _, canvas_id in found)
 
     def _complete(self, canvas: CanvasRow, ends: dict[str, MemberEnd]) -> bool:
         if canvas.callback is None:
@@ -151,6 +156,10 @@ class Completion:
                 errback.apply_async(
                     (member,), task_id=f"{canvas.id}.errback.{index}", session=session
                 )
+            # Before the commit: a process that dies after it leaves no body result
+            # waiting for ever; one that dies before it leaves the chord open, and the
+            # end that ends it again stores the same.
+            self._store_chord_error(canvas, member, error)
         log.warning(
             "chord %s failed: its member %s ended %s; its body does not run",
             canvas.id,
@@ -158,15 +167,18 @@ class Completion:
             error or "cancelled",
             extra={"canvas_id": canvas.id, "dispatch_id": member},
         )
-        if canvas.callback_id is not None and not isinstance(self._app.backend, DisabledBackend):
-            # Where Celery's chord would: the body's result says why it never ran.
-            try:
-                self._app.backend.mark_as_failure(
-                    canvas.callback_id, ChordError(f"Dependency {member} raised {error}")
-                )
-            except Exception as exc:  # the chord has ended; its backend is a courtesy
-                log.warning("chord %s: could not store its ChordError (%s)", canvas.id, exc)
         return True
+
+    def _store_chord_error(self, canvas: CanvasRow, member: str, error: str | None) -> None:
+        """Where Celery's chord would: the body's result says why it never ran."""
+        if canvas.callback_id is None or isinstance(self._app.backend, DisabledBackend):
+            return
+        try:
+            self._app.backend.mark_as_failure(
+                canvas.callback_id, ChordError(f"Dependency {member} raised {error}")
+            )
+        except Exception as exc:  # the chord ends regardless; its backend is a courtesy
+            log.warning("chord %s: could not store its ChordError (%s)", canvas.id, exc)
 
     def _results(self, canvas: CanvasRow, ends: dict[str, MemberEnd]) -> list[Any]:
         """The members' results in header order; a failed member's error in its place."""
@@ -194,9 +206,10 @@ def _still_open(member: str | None, ends: dict[str, MemberEnd]) -> bool:
 
 
 def _end_of(member: str | None, ends: dict[str, MemberEnd]) -> MemberEnd:
-    """A member's end; one a queue policy refused, or whose row is gone, as failed."""
+    """A member's end: a batch's item a queue policy refused is `refused` (a chord with
+    one is never applied); a member whose row retention removed, failed."""
     if member is None:
-        return MemberEnd("", "failed", None, "Refused")
+        return MemberEnd("", "refused", None, None)
     return ends.get(member) or MemberEnd(member, "failed", None, "Removed")
 
 

@@ -10,7 +10,7 @@ dispatch that already exists is that dispatch: the canvas waits for its end too.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,10 +38,11 @@ class Recording:
     members: list[str | None] = field(default_factory=list)
 
 
-def check_ledgered(app: Celery, sig: Any, what: str) -> Signature:
+def check_ledgered(app: Celery, sig: Any, what: str, *, callback: bool = False) -> Signature:
     """`sig` as a signature of a task whose calls go through the ledger (a `LedgerTask`);
     anything else cannot be sent exactly once, and is refused before anything is
-    written."""
+    written. A `callback` (a body, an errback, `on_complete`) is kept in the canvas row
+    until the canvas ends, arguments included: one of a secret task is refused."""
     if not isinstance(sig, Signature) or type(sig) is not Signature:
         raise CanvasError(
             f"{what} must be one task's signature (task.s(...) or task.si(...)), not "
@@ -53,6 +54,12 @@ def check_ledgered(app: Celery, sig: Any, what: str) -> Signature:
         raise CanvasError(
             f"{what} {sig.task!r} is not a LedgerTask: give it base=LedgerTask "
             "(@app.task(base=LedgerTask)) so that it is sent through the ledger"
+        )
+    if callback and (sig.options.get("secret_payload") or getattr(task, "questpie_secret", False)):
+        raise CanvasError(
+            f"{what} {sig.task!r} has a secret payload: a callback is kept with its "
+            "arguments until its chord or batch ends, where a secret may not be; give it "
+            "the secret's reference (an id) instead"
         )
     return sig
 
@@ -87,16 +94,26 @@ class Recorder:
         )
         stored_errbacks = [self._completion.encode_signature(e) for e in errbacks or ()]
         own = session is None and connection is None
-        if own:
-            session = self._canvases.session()
-        try:
+        with ExitStack() as stack:
             if own:
-                assert session is not None
-                session.begin()
+                session = stack.enter_context(self._canvases.session())
+                stack.enter_context(session.begin())
+            else:
+                # In the caller's transaction, a savepoint: a chord refused half-way
+                # leaves nothing of itself there.
+                nested = session if session is not None else connection
+                assert nested is not None
+                stack.enter_context(nested.begin_nested())
             recording = Recording(canvas_id, session, connection)
             yield recording
-            conn = connection if connection is not None else recording.session.connection()  # type: ignore[union-attr]
-            self._canvases.record(
+            refused = [i for i, member in enumerate(recording.members) if member is None]
+            if kind == "chord" and refused:
+                raise CanvasError(
+                    f"chord member {refused[0]} was refused by its queue policy (its slot "
+                    "is taken): nothing of the chord was applied"
+                )
+            conn = connection if connection is not None else session.connection()  # type: ignore[union-attr]
+            recorded = self._canvases.record(
                 NewCanvas(
                     id=canvas_id,
                     kind=kind,
@@ -108,13 +125,12 @@ class Recorder:
                 ),
                 conn,
             )
-            if own:
-                assert session is not None
-                session.commit()  # the members' messages leave now
-        finally:
-            if own:
-                assert session is not None
-                session.close()
+            if not recorded:
+                raise CanvasError(
+                    f"a {kind} of id {canvas_id!r} was applied already (a frozen signature "
+                    "applied twice): nothing of it was applied again"
+                )
         if own:
-            # Every member may have ended already (keys seen before), or there are none.
+            # The members' messages left with the commit. Every member may have ended
+            # already (keys seen before), or there are none.
             self._completion.settle(canvas_id)

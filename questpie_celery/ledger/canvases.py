@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import (
@@ -28,8 +28,8 @@ from sqlalchemy import (
     bindparam,
     delete,
     func,
-    insert,
     select,
+    tuple_,
     update,
 )
 from sqlalchemy.orm import Session
@@ -43,11 +43,14 @@ from .schema import (
     CanvasKind,
     CanvasStatus,
     OnMemberFailure,
+    UTCDateTime,
     canvas_table,
     dispatch_table,
 )
-from .statements import db_time, seconds
+from .statements import db_time, insert_or_nothing, seconds
 
+#: Before any canvas: where a sweep starts.
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 #: Members read per statement (an `IN` list of ids).
 MEMBERS_PER_READ = 1000
 
@@ -111,7 +114,8 @@ class CanvasStatements:
     def __init__(self, dialect: str, preamble: ColumnElement[bool] | None) -> None:
         c = canvas_table.c
         t = dispatch_table.c
-        self.insert: Insert = insert(canvas_table).values(
+        # An id applied twice (a frozen chord applied again) inserts nothing.
+        self.insert: Insert = insert_or_nothing(dialect, canvas_table).values(
             status="open", created_at=db_time(), finished_at=None, failed_member=None
         )
         self.get: Select[Any] = select(canvas_table).where(c.id == bindparam("canvas_id"))
@@ -144,14 +148,19 @@ class CanvasStatements:
         member_open = (
             select(t.id).where(t.canvas_id == c.id, t.status.in_(WAITING + RUNNING)).exists()
         )
+        # Keyset order: a sweep goes on after the last canvas the previous one looked at,
+        # so canvases that wait on a member of no chord (a key seen before) cannot keep
+        # it from the ones behind them.
         self.open_canvases: Select[Any] = (
-            select(c.id)
+            select(c.id, c.created_at)
             .where(
                 c.status == "open",
                 c.created_at < db_time(-seconds("older_than")),
+                tuple_(c.created_at, c.id)
+                > tuple_(bindparam("after_at", type_=UTCDateTime), bindparam("after_id")),
                 ~member_open,
             )
-            .order_by(c.created_at)
+            .order_by(c.created_at, c.id)
             .limit(bindparam("limit"))
         )
         # What a member's end needs to know of its canvas, without its members' ids.
@@ -206,8 +215,9 @@ class Canvases(Part):
         session)."""
         return Session(bind=self._db._transactional)
 
-    def record(self, canvas: NewCanvas, conn: Connection) -> None:
-        """Insert the canvas row in the transaction that inserts its members."""
+    def record(self, canvas: NewCanvas, conn: Connection) -> bool:
+        """Insert the canvas row in the transaction that inserts its members; False when
+        a canvas of its id exists (nothing is inserted)."""
         params = {
             "id": canvas.id,
             "kind": canvas.kind,
@@ -218,7 +228,7 @@ class Canvases(Part):
             "callback_id": canvas.callback_id,
         }
         with translate_errors(self._db.migrate_command):
-            conn.execute(self._sql.insert, params)
+            return bool(conn.execute(self._sql.insert, params).rowcount)
 
     def state(self, canvas_id: str) -> CanvasState | None:
         """A canvas's status and policy, read without its members' ids (a chord of
@@ -272,11 +282,25 @@ class Canvases(Part):
             won = session.execute(self._sql.close, params).first() is not None
             yield session if won else None
 
-    def open_canvases(self, *, older_than: float, limit: int = 100) -> list[str]:
+    def open_canvases(
+        self,
+        *,
+        older_than: float,
+        after: tuple[datetime, str] | None = None,
+        limit: int = 100,
+    ) -> list[tuple[datetime, str]]:
         """Canvases still open `older_than` seconds after they were recorded whose
-        members that name them have all ended: a look whose process died is owed."""
-        params = {"older_than": older_than, "limit": limit}
-        return [row["id"] for row in self._db._execute(self._sql.open_canvases, params)]
+        members that name them have all ended (a look whose process died is owed), as
+        (created_at, id) in that order, after `after`."""
+        after_at, after_id = after or (_EPOCH, "")
+        params = {
+            "older_than": older_than,
+            "limit": limit,
+            "after_at": after_at,
+            "after_id": after_id,
+        }
+        rows = self._db._execute(self._sql.open_canvases, params)
+        return [(row["created_at"], row["id"]) for row in rows]
 
     def prune_ended(self, *, older_than: float, limit: int) -> int:
         """Delete up to `limit` canvases that ended over `older_than` seconds ago (their

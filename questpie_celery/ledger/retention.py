@@ -26,7 +26,14 @@ from sqlalchemy.dialects import postgresql, sqlite
 
 from ..errors import LedgerSchemaError
 from .executor import Part
-from .schema import PRUNED_BEFORE_KEY, TERMINAL, beat_tick_table, dispatch_table, info_table
+from .schema import (
+    PRUNED_BEFORE_KEY,
+    TERMINAL,
+    beat_tick_table,
+    canvas_table,
+    dispatch_table,
+    info_table,
+)
 from .statements import db_time
 
 #: The schema retention needs: `options` nullable, and its index on `finished_at`.
@@ -114,10 +121,18 @@ def ended_batch(
     # know the key: one a relaxed ledger's fence wrote again from its message. Deleting
     # it would let the key run again.
     derived = func.substr(t.id, 15, 1) == "5"
+    # A member of a chord or batch still open keeps its row and its result: the
+    # callback is given them when the last member ends.
+    open_canvas = (
+        select(canvas_table.c.id)
+        .where(canvas_table.c.id == t.canvas_id, canvas_table.c.status == "open")
+        .exists()
+    )
     ended = and_(
         _ended_status(),
         t.finished_at < db_time(-older_than),
         t.options.is_not(None),
+        or_(t.canvas_id.is_(None), ~open_canvas),
         (
             or_(
                 and_(

@@ -31,6 +31,7 @@ class Cancellation:
         """`slots` hands a freed slot or seat on at once; without (a tool that reaches
         only the ledger, no broker), the relays' safety net sends the next run soon.
         `completion` ends a chord or batch a cancel completes (without, the relays do)."""
+        self._ledger = ledger  # a canvas member's row, before it is cancelled
         self._cancels = ledger.cancels
         self._canvases = ledger.canvases
         self._slots = slots
@@ -53,7 +54,7 @@ class Cancellation:
                 was_open = session is not None
             for member in canvas.members:
                 if member is not None:
-                    self._cancel_member(member)
+                    self._cancel_member(member, canvas.id)
             log.info(
                 "%s %s cancelled%s",
                 canvas.kind,
@@ -106,8 +107,13 @@ class Cancellation:
         )
         return True
 
-    def _cancel_member(self, member: str) -> None:
-        with contextlib.suppress(UnknownDispatchError):  # retention removed it: long ended
+    def _cancel_member(self, member: str, canvas_id: str) -> None:
+        """Cancel a member of the canvas, unless it is a dispatch the canvas only shares
+        (its key named one that existed before: others may wait for it)."""
+        row = self._ledger.get(member)
+        if row is None or row.canvas_id != canvas_id:
+            return
+        with contextlib.suppress(UnknownDispatchError):  # retention removed it meanwhile
             self.cancel(member)
 
     async def acancel(self, dispatch_id: str) -> bool:

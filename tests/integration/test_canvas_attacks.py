@@ -10,8 +10,8 @@ Moments are made with row locks rather than timing: the test holds the canvas ro
 update (seen in `pg_stat_activity`), then kills or releases. The ledger's lock_timeout
 is 5 s, so what follows a lock happens well within that.
 
-Tests whose docstring starts with "BUG" found a defect and fail until it is fixed; the
-one marked "LIMIT" (xfail, strict) shows a loss the docs do not promise against.
+Tests whose docstring says "Found by this file" found a defect, since fixed; the one
+marked "LIMIT" (xfail, strict) shows a loss the docs say they do not promise against.
 The rest held, and guard.
 """
 
@@ -37,7 +37,7 @@ from sqlalchemy import inspect, text
 from sqlalchemy.orm import Session
 
 import tests.support.canvasapp  # noqa: F401  (its shared tasks, on every app)
-from questpie_celery import CanvasStatus, LedgerTask, chord
+from questpie_celery import CanvasError, CanvasStatus, LedgerTask, chord
 from questpie_celery.adopted.calls import Call, unpack
 from questpie_celery.canvas.completion import Completion
 from questpie_celery.worker.retention import Retention
@@ -400,50 +400,47 @@ def charged(stack: Stack, t: str) -> list[str]:
     return found
 
 
-def test_a_secret_body_keeps_its_arguments_out_of_the_canvas_row(attack_stack: Stack) -> None:
-    """BUG: a chord's body of a secret task (`secret_payload`) is kept in the canvas
-    row's `callback` column as its plain signature, arguments included, for as long as
-    the row lives. The secret promise is that plaintext reaches the handler and no table
-    of the ledger (docs/secrets.md). Cause: canvas/recording.py Recorder.recording
-    stores `Completion.encode_signature(callback)` (canvas/completion.py) unsealed."""
+def test_a_secret_body_is_refused_before_anything_is_written(attack_stack: Stack) -> None:
+    """A chord's body is kept in the canvas row until the chord ends, arguments
+    included: one of a secret task (`secret_payload`) would put its plaintext in a
+    ledger table, so the chord is refused (`CanvasError`) and nothing of it is written.
+    (Found by this file: the body's arguments were kept in plain text.)"""
     t, card = tag(), canary()
-    order = uuid.uuid4().int % 10**9
     charge = task(attack_stack, "adopted.charge")
-    result = chord([task(attack_stack, "member").s(order, t)])(charge.s(card=card, tag=t))
-    assert charged(attack_stack, t) == [f"card-length={len(card)}"]
-    wait_canvas(attack_stack, result.parent.id, "completed")
+    with pytest.raises(CanvasError, match="secret payload"):
+        chord([task(attack_stack, "member").s(1, t)])(charge.s(card=card, tag=t))
+    attack_stack.wait_taken()
+    assert attack_stack.runs(t) == []
     assert_not_in_ledger(card, attack_stack)
 
 
-def test_a_secret_errback_keeps_its_arguments_out_of_the_canvas_row(attack_stack: Stack) -> None:
-    """BUG: as the body, an errback of a secret task is kept in the canvas row's
-    `errbacks` column with its arguments in plaintext (canvas/recording.py
-    Recorder.recording, `stored_errbacks`)."""
+def test_a_secret_errback_is_refused_before_anything_is_written(attack_stack: Stack) -> None:
+    """As the body: an errback of a secret task. (Found by this file.)"""
     t, card = tag(), canary()
     charge = task(attack_stack, "adopted.charge")
     body = task(attack_stack, "body").s(tag=t).on_error(charge.s(card=card, tag=t))
-    result = chord([task(attack_stack, "member").s(1, t, fail=True)])(body)
-    assert charged(attack_stack, t) == [f"card-length={len(card)}"]
-    with pytest.raises(ChordError):
-        result.get(timeout=10)
+    with pytest.raises(CanvasError, match="secret payload"):
+        chord([task(attack_stack, "member").s(1, t, fail=True)])(body)
+    attack_stack.wait_taken()
+    assert attack_stack.runs(t) == []
     assert_not_in_ledger(card, attack_stack)
 
 
-def test_a_secret_on_complete_keeps_its_arguments_out_of_the_canvas_row(
-    attack_stack: Stack,
-) -> None:
-    """BUG: a batch's `on_complete` of a secret task: the same plaintext `callback`
-    column (client.py publish_many -> canvas/recording.py Recorder.recording)."""
+def test_a_secret_on_complete_is_refused_before_anything_is_written(attack_stack: Stack) -> None:
+    """As the body: a batch's `on_complete` of a secret task. (Found by this file.)"""
     t, card = tag(), canary()
     charge = task(attack_stack, "adopted.charge")
     batch = f"batch-{t}"
-    attack_stack.questpie.queue["record"].publish_many(
-        [{"tag": t}],
-        idempotency_keys=[f"{t}-0"],
-        on_complete=charge.s(card=card, tag=t),
-        batch_id=batch,
-    )
-    assert charged(attack_stack, t) == [f"card-length={len(card)}"]
+    with pytest.raises(CanvasError, match="secret payload"):
+        attack_stack.questpie.queue["record"].publish_many(
+            [{"tag": t}],
+            idempotency_keys=[f"{t}-0"],
+            on_complete=charge.s(card=card, tag=t),
+            batch_id=batch,
+        )
+    attack_stack.wait_taken()
+    assert attack_stack.runs(t) == []
+    assert attack_stack.questpie.queue.get_status(batch) is None
     assert_not_in_ledger(card, attack_stack)
 
 
@@ -563,13 +560,11 @@ def test_the_sweep_reaches_a_chord_behind_a_hundred_waiting_ones(attack_stack: S
 def test_the_sweep_reaches_a_chord_behind_a_hundred_waiting_on_a_keyed_member(
     attack_stack: Stack,
 ) -> None:
-    """BUG: the sweep takes the 100 oldest open canvases none of whose *own* members is
-    open (ledger/canvases.py CanvasStatements.open_canvases, `limit` 100 from
-    canvas/completion.py Completion.sweep). A chord whose member is keyed to a dispatch
-    of no chord (or of another chord) has no open member of its own while that
-    dispatch waits, so 100 such chords fill every sweep (settle finds them still
-    waiting) and a younger chord that only the sweep can end (the same case, or one
-    whose closer died) is never ended: its body never runs."""
+    """A chord whose member is keyed to a dispatch of no chord has no open member of its
+    own while that dispatch waits: the sweep looks at it on every pass. 100 such chords
+    must not keep a younger one that only the sweep can end from being ended: each sweep
+    goes on after the last canvas the previous one looked at. (Found by this file: the
+    sweep took the 100 oldest every time.)"""
     t = tag()
     shared_doc = uuid.uuid4().int % 10**9
     process = task(attack_stack, "adopted.process_document")
@@ -887,12 +882,10 @@ def test_a_batch_in_a_transaction_that_rolls_back_runs_nothing(attack_stack: Sta
 
 
 def test_a_batch_whose_items_a_queue_policy_refuses_completes_once(attack_stack: Stack) -> None:
-    """BUG (minor): two items of one exclusive slot (the second refused) and one of
-    another. The callback runs once, after the items that run, with None in the refused
-    item's place, but its `counts` call the refused item `failed` ({"completed": 2,
-    "failed": 1}) where `get_status(batch).counts` and the operator's views say
-    `refused`; it never ran, so it did not fail. Cause: canvas/completion.py `_end_of`
-    (a None member is `MemberEnd("", "failed", ...)`), counted so by `_summary`."""
+    """Two items of one exclusive slot (the second refused) and one of another. The
+    callback runs once, after the items that run, with None in the refused item's
+    place, and its `counts` call the refused item `refused`, as `get_status(batch)` and
+    the operator's views do. (Found by this file: it was counted `failed`.)"""
     t = tag()
     gate = attack_stack.gate()
     batch = f"batch-{t}"
@@ -938,32 +931,24 @@ def exclusive_task(stack: Stack) -> Any:
     return app.tasks[name]
 
 
-def test_a_chord_member_a_queue_policy_refuses_fails_the_chord_naming_its_id(
+def test_a_chord_whose_member_a_queue_policy_refuses_is_refused_whole(
     attack_stack: Stack,
 ) -> None:
-    """BUG (minor): a member its queue policy refuses when the chord is applied (its
-    slot held by a dispatch of no chord) never runs: the chord fails under `fail`, its
-    errback runs once, but is given "" as the failed member's id and `get()` raises
-    `ChordError("Dependency  raised Refused")`, naming no member; the caller's
-    `result.parent.results[0]` is a `LedgerRefused` with an id of its own. Cause:
-    canvas/completion.py `_end_of` makes a refused member `MemberEnd("", ...)`, which
-    `Completion.settle` passes to `_fail` as the member."""
+    """A member its queue policy refuses when the chord is applied (its slot held by a
+    dispatch of no chord) would never run: the chord is refused (`CanvasError`), and
+    nothing of it is written or sent, its other members included. (Found by this file:
+    the chord failed later, naming no member.)"""
     t = tag()
     exclusive = exclusive_task(attack_stack)
     holder = exclusive.apply_async((t,), countdown=3600)
     try:
+        before = attack_stack.dispatch_count()
         body = task(attack_stack, "body").s(tag=t).on_error(task(attack_stack, "errback").s(tag=t))
-        result = chord([exclusive.s(t)])(body)
-        assert getattr(result.parent.results[0], "refused", False)
-        (given,) = calls(attack_stack, t, phase="errback")
-        status = canvas_status(attack_stack, result.parent.id)
-        assert (status.status, status.counts) == ("failed", {"refused": 1})
-        with pytest.raises(ChordError) as raised:
-            result.get(timeout=30)
-        assert attack_stack.runs(t, "body") == []
-        assert given, "the errback was given an empty member id"
-        assert status.failed_member, "the chord names no failed member"
-        assert "Dependency  raised" not in str(raised.value)
+        with pytest.raises(CanvasError, match="member 1 was refused by its queue policy"):
+            chord([task(attack_stack, "member").s(0, t), exclusive.s(t)])(body)
+        assert attack_stack.dispatch_count() == before
+        attack_stack.wait_taken()
+        assert attack_stack.runs(t) == [] and attack_stack.runs(t, "errback") == []
     finally:
         attack_stack.questpie.queue.cancel(holder.id)
 
@@ -1054,15 +1039,11 @@ def _type(conn: SAConnection, column: str) -> str:
 
 
 def test_retention_keeps_what_an_open_chords_body_will_be_given(attack_stack: Stack) -> None:
-    """BUG: a chord still open when retention runs (its last member far off, retrying,
-    or long) loses its ended members: retention erases a keyed member's `result` and
-    deletes an unkeyed member's row, so the body is later given None for a member that
-    returned a value, and the unkeyed one counts as failed ("Removed"): under `fail`
-    the chord would fail although every member completed. Cause: ledger/retention.py
-    `ended_batch` (and worker/retention.py Retention.prune) spare no member of an open
-    canvas; canvas/completion.py `_results`/`_end_of` then read what is left. Retention
+    """A chord still open when retention runs (its last member far off, retrying, or
+    long) keeps its ended members' rows and results: the body is given them. Retention
     is run here with a period of 0 s (and `redeliver_after` 0 s) to stand for a chord
-    that outlived the configured period."""
+    that outlived the configured period. (Found by this file: retention erased a keyed
+    member's result and deleted an unkeyed member's row.)"""
     t = tag()
     gate = attack_stack.gate()
     square = task(attack_stack, "adopted.square")
