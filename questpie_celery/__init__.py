@@ -2,9 +2,9 @@
 
 The package in parts, from the bottom (docs/design.md draws them): `jobs/` (what a job
 is), `ledger/` (the only code that talks SQL), `send/` (after the row, the message),
-`intake/` (how a dispatch enters the ledger),
+`canvas/` (chords and batches ended once), `intake/` (how a dispatch enters the ledger),
 `publish/`, `worker/`, `ops/`, `config/`; `app.py`'s `Questpie` holds them, and `cli/`,
-`beat.py`, `web.py` and `testing/` are the entry points above it.
+`beat.py`, `chords.py`, `web.py` and `testing/` are the entry points above it.
 """
 
 from .adopted import LedgerRefused, LedgerTask
