@@ -255,7 +255,10 @@ class Limits(Part):
             if len(rows) >= count:
                 now = rows[0]["now"]
                 soonest = min((r["started_at"] - now).total_seconds() for r in rows)
-                return max(0.0, float(soonest) + window)
+                # A permit taken by a transaction that began a moment after this read's
+                # (its start, `now`, comes before its snapshot) looks taken in the future:
+                # no permit frees later than a window from now.
+                return min(window, max(0.0, float(soonest) + window))
             # The group's first start (or a raised limit): its permits are made once.
             self._db._execute(
                 self._sql.add_permits,

@@ -383,6 +383,7 @@ def test_manage_py_migrate_makes_the_ledger_questpie_celery_migrate_makes(
             "0002_admin_models",
             "0003_dispatch_ids",
             "0004_claim_generation",
+            "0005_canvas",
         ]
 
 
