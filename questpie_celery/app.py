@@ -203,7 +203,6 @@ class Questpie:
             definition,
             self._runner,
             self._publisher.publish,
-            self._publisher.publish_many,
             self._sender.eager_result,
         )
 

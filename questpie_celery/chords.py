@@ -20,7 +20,7 @@ refused (`CanvasError`), as is a header that nests groups, chains or chords.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from celery import Celery
@@ -28,13 +28,13 @@ from celery.canvas import Signature, _chord, group
 from celery.result import AsyncResult
 from celery.utils import uuid
 
-from .adopted.task import CANVAS_OPTION, Dispatch, LedgerRefused, LedgerTask
 from .app import questpie_of
 from .canvas.recording import ON_MEMBER_FAILURE, check_ledgered
 from .errors import CanvasError
-from .jobs.ids import random_dispatch_id
-from .jobs.options import DispatchOptions
+from .jobs.definition import JobDefinition
+from .jobs.options import DispatchOptions, resolve_options
 from .ledger.schema import OnMemberFailure
+from .worker.task import JobTask
 
 #: Where a chord keeps its failure policy among its options (it travels with it).
 _POLICY_OPTION = "questpie_on_member_failure"
@@ -128,7 +128,7 @@ class chord(_chord):  # type: ignore[misc]  # celery ships no type information
         if questpie is None:
             raise CanvasError("a durable chord needs a Questpie made for its Celery app")
         for index, member in enumerate(members):
-            check_ledgered(app, member, f"chord member {index}")
+            check_ledgered(app, member, f"chord member {index}", jobs=True)
         check_ledgered(app, body, "the chord's body", callback=True)
         if options.get("link") or options.get("link_error"):
             body = self._add_body_callbacks(body, options)  # the chord's own, as Celery's
@@ -161,18 +161,13 @@ class chord(_chord):  # type: ignore[misc]  # celery ships no type information
             session=session,
             connection=connection,
         ) as recording:
-            for task, run in _runs(made):
-                recording.members.extend(
-                    task.questpie_publish_many(
-                        run, session=recording.session, connection=recording.connection
-                    )
+            for definition, run in _runs(made):
+                recording.publish(
+                    definition,
+                    [member.payload for member in run],
+                    [member.options for member in run],
                 )
-        results = [
-            AsyncResult(dispatch_id, app=app)
-            if dispatch_id is not None
-            else LedgerRefused(random_dispatch_id(), app=app, task_name=task.name)
-            for dispatch_id, (task, _) in zip(recording.members, made, strict=True)
-        ]
+        results = [AsyncResult(dispatch_id, app=app) for dispatch_id in recording.members]
         # `get()` waits for the body: a member's state on the way (a pool process killed
         # under it, before its retry ran) is not the chord's, as Celery's parent check
         # would take it. A chord that fails has the body's result say so (ChordError).
@@ -188,6 +183,15 @@ class _BodyResult(AsyncResult):  # type: ignore[misc]  # celery ships no type in
         return None
 
 
+@dataclass(frozen=True)
+class _Member:
+    """A member's call as the dispatch it becomes: its job, payload and options."""
+
+    definition: JobDefinition[Any]
+    payload: Any
+    options: DispatchOptions
+
+
 def _member_dispatch(
     app: Celery,
     member: Signature,
@@ -197,39 +201,50 @@ def _member_dispatch(
     group_id: str,
     root_id: str | None,
     options: dict[str, Any],
-) -> tuple[LedgerTask, Dispatch]:
+) -> _Member:
     """A member's call as its dispatch, merged with the chord's arguments and options
-    as Celery merges a signature's when it is applied."""
+    as Celery merges a signature's when it is applied: an adopted task's call, or a
+    job's payload (its keys given by the signature's options, `.set(idempotency_key=..)`)."""
     args, merged_kwargs, merged = member._merge(
         partial_args, kwargs or {}, {**options, "group_id": group_id, "group_index": index}
     )
+    task = app.tasks[member.task]
+    if isinstance(task, JobTask):
+        why = task.payload_mistake(args, merged_kwargs)
+        if why is not None:
+            raise CanvasError(f"chord member {index} {member.task!r}: {why}")
+        definition = task.questpie_definition
+        keys = {name: merged[name] for name in _JOB_MEMBER_OPTIONS if merged.get(name) is not None}
+        return _Member(definition, args[0], resolve_options(definition.options, keys))
     if root_id is not None:
         merged["root_id"] = root_id
-    merged[CANVAS_OPTION] = group_id
-    task: LedgerTask = app.tasks[member.task]
     task_id = merged.pop("task_id", None)
-    return task, task.questpie_dispatch(args, merged_kwargs, task_id, merged)
+    made = task.questpie_dispatch(args, merged_kwargs, task_id, merged)
+    return _Member(task.questpie_definition, made.call, made.options)
 
 
-def _runs(made: list[tuple[LedgerTask, Dispatch]]) -> list[tuple[LedgerTask, list[Dispatch]]]:
-    """The members in header order, in runs of one task and one set of options: each
-    run is one `publish_many` (one statement per chunk of its rows)."""
-    runs: list[tuple[LedgerTask, list[Dispatch]]] = []
-    for task, dispatch in made:
-        if runs and runs[-1][0] is task and _same_options(runs[-1][1][0], dispatch):
-            runs[-1][1].append(dispatch)
+#: What a job's task takes of a member signature's options: its keys.
+_JOB_MEMBER_OPTIONS = ("idempotency_key", "singleton_key", "group_key")
+
+
+def _runs(made: list[_Member]) -> list[tuple[JobDefinition[Any], list[_Member]]]:
+    """The members in header order, in runs of one job and one set of options: each run
+    is one `publish_many` (one statement per chunk of its rows)."""
+    runs: list[tuple[JobDefinition[Any], list[_Member]]] = []
+    for member in made:
+        if (
+            runs
+            and runs[-1][0] is member.definition
+            and _shared(runs[-1][1][0].options) == _shared(member.options)
+        ):
+            runs[-1][1].append(member)
         else:
-            runs.append((task, [dispatch]))
+            runs.append((member.definition, [member]))
     return runs
 
 
-def _same_options(first: Dispatch, other: Dispatch) -> bool:
-    """Whether `other` can share `first`'s `publish_many`: they differ in their keys,
-    their ids and their calls only."""
-    return _shared(first.options) == _shared(other.options)
-
-
 def _shared(options: DispatchOptions) -> DispatchOptions:
+    """What members must share to be inserted by one statement: all but keys and ids."""
     return replace(
         options, idempotency_key=None, singleton_key=None, group_key=None, dispatch_id=None
     )

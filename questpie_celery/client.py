@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Unpack
 
 from celery import Celery
@@ -175,15 +175,7 @@ class JobClient(Generic[P]):
             session=session,
             connection=connection,
         ) as recording:
-            ids = self._publisher.publish_many(
-                self.definition,
-                items,
-                [replace(item, canvas_id=batch) for item in resolved],
-                session=recording.session,
-                connection=recording.connection,
-            )
-            recording.members.extend(ids)
-        return ids
+            return recording.publish(self.definition, items, resolved)
 
     async def apublish_many(
         self,

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any, ClassVar, Protocol
@@ -76,20 +76,6 @@ class Publish(Protocol):
     ) -> str | None: ...
 
 
-class PublishMany(Protocol):
-    """How calls that share their options become dispatches in one statement per chunk."""
-
-    def __call__(
-        self,
-        definition: JobDefinition[Any],
-        payloads: Sequence[Any],
-        options: Sequence[DispatchOptions],
-        *,
-        session: Any = None,
-        connection: Any = None,
-    ) -> list[str | None]: ...
-
-
 @dataclass(frozen=True)
 class Adoption:
     """What a `Questpie` gave one adopted task: its job, its runner, its publisher."""
@@ -97,7 +83,6 @@ class Adoption:
     definition: JobDefinition[Call]
     runner: Runner
     publish: Publish
-    publish_many: PublishMany
     #: In eager mode, the `EagerResult` of the run a call just made inline, if it made one.
     eager_result: Callable[[str], Any]
 
@@ -146,9 +131,6 @@ class LedgerRefused(AsyncResult):  # type: ignore[misc]  # celery ships no type 
 REFUSED = "REFUSED"
 #: The request attribute naming the id Celery froze for a keyed Canvas member.
 MIRROR = "questpie_mirror"
-#: The call option naming the chord or batch a call is a member of (`questpie_celery.chord`
-#: and `publish_many(..., on_complete=...)` pass it).
-CANVAS_OPTION = "questpie_canvas"
 
 
 def _mirror(sender: Any = None, retval: Any = None, state: str | None = None, **_: Any) -> None:
@@ -285,7 +267,6 @@ class LedgerTask(Task):  # type: ignore[misc]  # celery ships no type informatio
         are `apply_async`'s (Celery's and the ledger's; `link`, `link_error` among them)."""
         args, kwargs = tuple(args or ()), dict(kwargs or {})
         given = {name: options.pop(name) for name in ADOPTED_CALL_OPTIONS if name in options}
-        canvas_id = options.pop(CANVAS_OPTION, None)
         # A chain's link (Celery passes the links after it as `chain`, [] for the last;
         # a retry Celery makes passes None): a row under the id Celery froze for it, so a
         # link delivered twice, or sent on twice, starts the next one once.
@@ -322,24 +303,9 @@ class LedgerTask(Task):  # type: ignore[misc]  # celery ships no type informatio
             carry={**resolved.carry, **carry},
             # A frozen id (Canvas) names an unkeyed call's dispatch; a key names its own.
             dispatch_id=dispatch_id,
-            canvas_id=canvas_id,
             chain_link=chain_link,
         )
         return Dispatch(call, resolved)
-
-    def questpie_publish_many(
-        self, dispatches: Sequence[Dispatch], *, session: Any, connection: Any = None
-    ) -> list[str | None]:
-        """Publish calls that share their options (a chord's members), in `session` (or
-        `connection`): one statement per chunk of rows, as `publish_many`."""
-        adoption = self._adopted()
-        return adoption.publish_many(
-            adoption.definition,
-            [dispatch.call for dispatch in dispatches],
-            [dispatch.options for dispatch in dispatches],
-            session=session,
-            connection=connection,
-        )
 
     def _moment(self, when: float | str | datetime) -> datetime:
         """A Celery time option (seconds from now, an ISO string, a datetime) in UTC."""

@@ -9,10 +9,10 @@ dispatch that already exists is that dispatch: the canvas waits for its end too.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
 
 from celery import Celery
 from celery.canvas import Signature
@@ -20,12 +20,29 @@ from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
 from ..errors import CanvasError
+from ..jobs.definition import JobDefinition
+from ..jobs.options import DispatchOptions
 from ..ledger import Ledger
 from ..ledger.canvases import NewCanvas
 from ..ledger.schema import CanvasKind, OnMemberFailure
 from .completion import Completion
 
 ON_MEMBER_FAILURE: tuple[OnMemberFailure, ...] = ("fail", "run")
+
+
+class PublishMany(Protocol):
+    """The publisher's `publish_many`: validated payloads of one job, one statement per
+    chunk of rows that share their options."""
+
+    def __call__(
+        self,
+        definition: JobDefinition[Any],
+        payloads: Sequence[Any],
+        options: Sequence[DispatchOptions],
+        *,
+        session: Session | None = None,
+        connection: Connection | None = None,
+    ) -> list[str | None]: ...
 
 
 @dataclass
@@ -35,22 +52,46 @@ class Recording:
     id: str
     session: Session | None
     connection: Connection | None
+    publish_many: PublishMany
     members: list[str | None] = field(default_factory=list)
 
+    def publish(
+        self,
+        definition: JobDefinition[Any],
+        payloads: Sequence[Any],
+        options: Sequence[DispatchOptions],
+    ) -> list[str | None]:
+        """Publish members of one job that share their options (apart from their keys
+        and ids), in the canvas's transaction, each naming the canvas; their ids, in
+        order, are the canvas's next members."""
+        ids = self.publish_many(
+            definition,
+            payloads,
+            [replace(item, canvas_id=self.id) for item in options],
+            session=self.session,
+            connection=self.connection,
+        )
+        self.members.extend(ids)
+        return ids
 
-def check_ledgered(app: Celery, sig: Any, what: str, *, callback: bool = False) -> Signature:
-    """`sig` as a signature of a task whose calls go through the ledger (a `LedgerTask`);
-    anything else cannot be sent exactly once, and is refused before anything is
-    written. A `callback` (a body, an errback, `on_complete`) is kept in the canvas row
-    until the canvas ends, arguments included: one of a secret task is refused."""
+
+def check_ledgered(
+    app: Celery, sig: Any, what: str, *, callback: bool = False, jobs: bool = False
+) -> Signature:
+    """`sig` as a signature of a task whose calls go through the ledger (a `LedgerTask`,
+    or with `jobs`, a job's own task); anything else cannot be sent exactly once, and is
+    refused before anything is written. A `callback` (a body, an errback, `on_complete`)
+    is kept in the canvas row until the canvas ends, arguments included: one of a secret
+    task is refused."""
     if not isinstance(sig, Signature) or type(sig) is not Signature:
         raise CanvasError(
             f"{what} must be one task's signature (task.s(...) or task.si(...)), not "
             f"{type(sig).__name__}: nested groups, chains and chords are not made durable"
         )
     task = app.tasks.get(sig.task)
-    # Duck-typed: `adopted.LedgerTask` sits above this package.
-    if task is None or not hasattr(task, "questpie_job"):
+    # Duck-typed: `adopted.LedgerTask` and a job's task sit above this package.
+    job = jobs and isinstance(getattr(task, "questpie_definition", None), JobDefinition)
+    if task is None or not (hasattr(task, "questpie_job") or job):
         raise CanvasError(
             f"{what} {sig.task!r} is not a LedgerTask: give it base=LedgerTask "
             "(@app.task(base=LedgerTask)) so that it is sent through the ledger"
@@ -65,9 +106,10 @@ def check_ledgered(app: Celery, sig: Any, what: str, *, callback: bool = False) 
 
 
 class Recorder:
-    def __init__(self, ledger: Ledger, completion: Completion) -> None:
+    def __init__(self, ledger: Ledger, completion: Completion, publish_many: PublishMany) -> None:
         self._canvases = ledger.canvases
         self._completion = completion
+        self._publish_many = publish_many
 
     @contextmanager
     def recording(
@@ -104,7 +146,7 @@ class Recorder:
                 nested = session if session is not None else connection
                 assert nested is not None
                 stack.enter_context(nested.begin_nested())
-            recording = Recording(canvas_id, session, connection)
+            recording = Recording(canvas_id, session, connection, self._publish_many)
             yield recording
             refused = [i for i, member in enumerate(recording.members) if member is None]
             if kind == "chord" and refused:

@@ -144,7 +144,7 @@ def wire(settings: Settings, discover: Callable[[], None]) -> Parts:
 
     schedules = Schedules(ledger, publisher, registered_definition, settings.fire_retention)
     cancellation = Cancellation(ledger, slots, completion)
-    recorder = Recorder(ledger, completion)
+    recorder = Recorder(ledger, completion, publisher.publish_many)
     return Parts(
         context=context,
         ledger=ledger,

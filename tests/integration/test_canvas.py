@@ -303,3 +303,24 @@ def test_a_chord_whose_last_end_was_not_followed_up_is_ended_by_the_relay(
     canvas_stack.wait_status(body_id, "completed")
     status = canvas_stack.questpie.queue.get_status(canvas_id)
     assert isinstance(status, CanvasStatus) and status.status == "completed"
+
+
+def test_a_jobs_own_task_is_a_chord_member_its_keys_set_on_its_signature(
+    canvas_stack: Stack,
+) -> None:
+    """A job's task (`queue.<job>.task.s(payload)`) in a durable chord's header: its
+    payload validated, its key given by the signature (`.set(idempotency_key=...)`), its
+    result in its place; the same key twice is one dispatch, run once."""
+    t = tag()
+    record = canvas_stack.questpie.queue["record"].task
+    header = [
+        record.s({"tag": t}).set(idempotency_key=f"{t}-job"),
+        task(canvas_stack, "member").s(1, t),
+        record.s({"tag": t}).set(idempotency_key=f"{t}-job"),
+    ]
+    result = chord(header)(task(canvas_stack, "body").s(tag=t))
+    assert result.get(timeout=60) == 3
+    assert body_calls(canvas_stack, t) == [[t, 10, t]]
+    assert result.parent.results[0].id == result.parent.results[2].id
+    canvas_stack.wait_settled(result.parent.results[0].id)
+    assert len([r for r in canvas_stack.runs(t) if r["job_name"] == "record"]) == 1

@@ -126,3 +126,24 @@ def test_an_eager_chord_runs_inline_as_celerys(app: tuple[Celery, Questpie]) -> 
     celery_app.conf.task_always_eager = True
     ledgered, gather = celery_app.tasks["ledgered"], celery_app.tasks["gather"]
     assert chord([ledgered.s(1), ledgered.s(2)])(gather.s()).get() == 3
+
+
+def test_a_jobs_task_member_with_a_mistaken_call_is_refused_before_anything_is_written(
+    app: tuple[Celery, Questpie], tmp_path: Path
+) -> None:
+    celery_app, questpie = app
+
+    class Item(BaseModel):
+        n: int
+
+    from questpie_celery import job  # noqa: PLC0415  (a job of this test's own)
+
+    @job(name="member-item", schema=Item)
+    def item(payload: Item, ctx: Any) -> int:
+        return payload.n
+
+    questpie.register(item)
+    member = questpie.queue["member-item"].task
+    with pytest.raises(CanvasError, match="chord member 0 'member-item': a job's task takes"):
+        chord([member.s({"n": 1}, 2)])(celery_app.tasks["gather"].s())
+    assert _written(tmp_path) == (0, 0)
