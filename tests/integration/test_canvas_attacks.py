@@ -1,9 +1,9 @@
 """Attacks on durable Canvas with real processes (PostgreSQL ledger, real celery workers,
-Redis broker and result backend): a chord's body run twice, never, early or with wrong
-results; members lost; canvases held open; secrets leaked into the canvas row, the
-results, logs or the body's call; forged and replayed messages; processes killed at bad
-moments; closers racing; keys naming existing dispatches; refused batch items; cancels
-while members run.
+Redis and RabbitMQ brokers, a Redis result backend): a chord's body run twice, never,
+early or with wrong results; members lost; canvases held open; secrets leaked into the
+canvas row, the results, logs or the body's call; forged and replayed messages;
+processes killed at bad moments; closers racing; keys naming existing dispatches;
+refused batch items; cancels while members run.
 
 Moments are made with row locks rather than timing: the test holds the canvas row
 (`SELECT ... FOR UPDATE`) so that whoever ends the chord waits in its conditional
@@ -44,19 +44,26 @@ from questpie_celery.worker.retention import Retention
 from tests.integration.conftest import new_stack
 from tests.integration.test_secrets import redis_dump
 from tests.support.brokers import _queue, capture, deliver, idle_queue
+from tests.support.services import RedisServer
 from tests.support.stack import Stack, tag
 from tests.support.waiting import wait_until
 
 SECRET = "a" * 16 + "-attack-secret-0123456789abcdef"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=["redis", "rabbitmq"])
 def attack_stack(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Stack]:
     """Two pool processes, a short lease, a fast relay, a Redis result backend, a secret."""
-    env = {"QP_TEST_LEASE": "4", "QP_TEST_RELAY": "0.5", "QP_TEST_SECRET": SECRET}
-    made = new_stack(request, tmp_path_factory.mktemp("canvas-attacks"), "redis", env=env)
+    redis_server: RedisServer = request.getfixturevalue("redis_server")
+    env = {
+        "QP_TEST_LEASE": "4",
+        "QP_TEST_RELAY": "0.5",
+        "QP_TEST_SECRET": SECRET,
+        "QP_TEST_BACKEND": redis_server.url(redis_server.new_db()),
+    }
+    made = new_stack(request, tmp_path_factory.mktemp("canvas-attacks"), request.param, env=env)
     yield made
     made.close()
 
