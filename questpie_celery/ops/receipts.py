@@ -133,12 +133,8 @@ class CanvasStatus:
         canvas = canvases.get(canvas_id) or canvases.by_callback(canvas_id)
         if canvas is None:
             return None
-        ends = canvases.member_ends(canvas.members)
-        counts: dict[str, int] = {}
-        for member in canvas.members:
-            end = ends.get(member) if member is not None else None
-            status = end.status if end is not None else "removed" if member else "refused"
-            counts[status] = counts.get(status, 0) + 1
+        # Counted by the ledger, without reading the members' results.
+        counts = member_counts(canvases, canvas.members)
         return cls(
             canvas_id=canvas.id,
             kind=canvas.kind,
