@@ -16,6 +16,7 @@
 - `errors`: SQLAlchemy's errors turned into the package's own
 """
 
+from .claims import CarriedEnd
 from .engine import (
     Ambient,
     AmbientTransaction,
@@ -51,6 +52,7 @@ __all__ = [
     "Ambient",
     "AmbientTransaction",
     "Borrowed",
+    "CarriedEnd",
     "Claim",
     "DispatchRow",
     "GroupCounts",

@@ -5,10 +5,15 @@ the next attempt of a due, claimable row of its job, and hands the claimer a fen
 token. Only the holder of that token may renew the lease or end the attempt; the
 relay ends a lapsed lease. A delivery that ended without a run touches only a row
 still waiting for that very claim.
+
+On PostgreSQL a claim can carry another run's completion (`CarriedEnd`): the two
+writes go in one statement and one commit, so a busy process pays one commit per run
+where it paid two. The completion is the same conditional write as `finish`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass
@@ -23,8 +28,10 @@ from sqlalchemy import (
     bindparam,
     case,
     func,
+    literal,
     or_,
     select,
+    true,
     update,
 )
 from sqlalchemy.sql import Executable
@@ -50,6 +57,16 @@ from .statements import (
 
 #: How often one claim picks a seat again after another run took the one it picked.
 SEAT_TRIES = 5
+
+
+@dataclass(frozen=True)
+class CarriedEnd:
+    """A run's completion, recorded with the next claim its process makes (see the
+    module's text): the claim holder's token and the run's encoded result."""
+
+    dispatch_id: str
+    token: str
+    result: dict[str, Any] | None
 
 
 @dataclass(frozen=True)
@@ -220,7 +237,48 @@ class ClaimStatements:
             .returning(*dispatch_table.c)
         )
         add_preamble(self, preamble, _CARRY_PREAMBLE)
+        self.claim_carrying = (
+            _claim_carrying(self.claim, ends_as, terminal, preamble)
+            if dialect == "postgresql"
+            else None
+        )
 
+
+def _claim_carrying(
+    claim: Update,
+    ends_as: ColumnElement[Any],
+    terminal: dict[str, Any],
+    preamble: ColumnElement[bool] | None,
+) -> Select[Any]:
+    """`claim` and another run's `finish` in one statement: both updates as data-modifying
+    CTEs of one snapshot (they address different rows: `Claims.claim` sees to it), and
+    one row out whatever matched: the claimed row's columns (all NULL when nothing was
+    claimed) and how many rows the completion moved (0 or 1)."""
+    t = dispatch_table.c
+    held = and_(
+        t.id == bindparam("carried_id"),
+        t.claim_token == bindparam("token"),
+        t.status == "active",
+    )
+    if preamble is not None:
+        held = and_(held, preamble)
+    ended = (
+        update(dispatch_table)
+        .where(held)
+        .values(status=ends_as, result=bindparam("result", type_=t.result.type), **terminal)
+        .returning(t.id)
+        .cte("carried")
+    )
+    claimed = claim.cte("claimed")
+    one = select(literal(1).label("one")).subquery("one")
+    landed = select(func.count()).select_from(ended).scalar_subquery()
+    return select(*claimed.c, landed.label(CARRIED_LANDED)).select_from(
+        one.outerjoin(claimed, true())
+    )
+
+
+#: The combined statement's column that counts the carried completion's row.
+CARRIED_LANDED = "questpie_carried"
 
 #: The writes that carry a pooled ledger's settings (see `statements.add_preamble`).
 _CARRY_PREAMBLE = (
@@ -243,6 +301,13 @@ class Claims(Part):
             self._sql.retry,
             self._sql.renew,
         )
+        if self._sql.claim_carrying is not None:
+            self._db._run_on_driver(self._sql.claim_carrying)
+
+    @property
+    def carries(self) -> bool:
+        """Whether a claim here can carry another run's completion (PostgreSQL)."""
+        return self._sql.claim_carrying is not None
 
     def claim(
         self,
@@ -254,6 +319,7 @@ class Claims(Part):
         *,
         any_time: bool = False,
         concurrency: int | None = None,
+        carried: CarriedEnd | None = None,
     ) -> Claim:
         """Take the execution claim for delivery `attempt` of a dispatch of `job_name`.
 
@@ -265,7 +331,14 @@ class Claims(Part):
         taken `blocked`, and one before the row is due `early` (with how early).
         `token` is the delivery's fencing token (a fresh one when None); pass the same
         on every try of one delivery, so a try whose reply was lost is ours.
+
+        `carried`, another dispatch's completion, is recorded in the same statement
+        (only where the ledger `carries`, and by an unlimited claim); the answer's
+        `carried` says whether it landed.
         """
+        assert carried is None or (
+            self.carries and carried.dispatch_id != dispatch_id and concurrency is None
+        )
         token = token or str(uuid.uuid4())
         params: dict[str, Any] = {
             "dispatch_id": dispatch_id,
@@ -278,40 +351,73 @@ class Claims(Part):
         stmt = self._sql.claim
         if concurrency is not None:
             stmt, params["limit"] = self._sql.claim_seated, concurrency
+        landed: bool | None = None
         found: DispatchRow | None = None
         for look in range(2):
             began = time.monotonic()
-            taken = self._take(stmt, params)
+            taken: DispatchRow | Claim | None
+            if carried is not None:
+                taken, landed = self._take_carrying(params, carried)
+                carried = None  # recorded, or never to be by this claim: it looks alone next
+            else:
+                taken = self._take(stmt, params)
             if isinstance(taken, Claim):
-                return taken
+                return dataclasses.replace(taken, carried=landed)
             if taken is not None:
-                return Claim("claimed", taken, token)
+                return Claim("claimed", taken, token, carried=landed)
             # Not claimed: read the row to say why (the answer may be a moment old).
             read = self._db._first(self._sql.get_and_now, {"dispatch_id": dispatch_id})
             found = DispatchRow.from_mapping(read) if read is not None else None
+            why: Claim | None = None
             if read is None or found is None or found.job_name != job_name:
-                return Claim("unknown")
-            if found.claim_token == token and found.status == "active":
-                return Claim("claimed", found, token)  # our first try landed; its reply was lost
-            if found.status in TERMINAL:
-                return Claim("done", found)
-            if found.status == "active" and found.attempt == attempt:
-                return Claim("busy", found)
-            if found.status not in CLAIMABLE or found.attempt != attempt - 1:
-                return Claim("stale", found)
-            due_in = (found.run_after - read["now"]).total_seconds()
-            if due_in > 0 and not any_time:
-                return Claim("early", found, due_in=due_in)
-            if look == 0 and due_in > began - time.monotonic():
-                # Due by the read, but maybe not yet by the claim a moment before it (it
-                # came due within the time the two took): a delivery a hair early, as a
-                # debounced burst's is (its countdown is the publisher's, its start the
-                # database's). Claim again, now that it is.
-                continue
-            if concurrency is not None:
-                # Due, and this very attempt's: every seat of its group is held.
-                return Claim("blocked", found, blocked_by="concurrency")
-        return Claim("stale", found)
+                why = Claim("unknown")
+            elif found.claim_token == token and found.status == "active":
+                why = Claim("claimed", found, token)  # our first try landed; its reply was lost
+            elif found.status in TERMINAL:
+                why = Claim("done", found)
+            elif found.status == "active" and found.attempt == attempt:
+                why = Claim("busy", found)
+            elif found.status not in CLAIMABLE or found.attempt != attempt - 1:
+                why = Claim("stale", found)
+            else:
+                due_in = (found.run_after - read["now"]).total_seconds()
+                if due_in > 0 and not any_time:
+                    why = Claim("early", found, due_in=due_in)
+                elif look == 0 and due_in > began - time.monotonic():
+                    # Due by the read, but maybe not yet by the claim a moment before it
+                    # (it came due within the time the two took): a delivery a hair
+                    # early, as a debounced burst's is (its countdown is the publisher's,
+                    # its start the database's). Claim again, now that it is.
+                    continue
+                elif concurrency is not None:
+                    # Due, and this very attempt's: every seat of its group is held.
+                    why = Claim("blocked", found, blocked_by="concurrency")
+            if why is not None:
+                return dataclasses.replace(why, carried=landed)
+        return Claim("stale", found, carried=landed)
+
+    def _take_carrying(
+        self, params: dict[str, Any], carried: CarriedEnd
+    ) -> tuple[DispatchRow | None, bool]:
+        """The claim statement carrying `carried`: the row claimed (or None) and whether
+        the completion landed."""
+        assert self._sql.claim_carrying is not None  # only where the ledger carries
+        both = {
+            **params,
+            "carried_id": carried.dispatch_id,
+            "token": carried.token,
+            "new_status": "completed",
+            "error": None,
+            "result": carried.result,
+        }
+        rows, reran = self._db._run(self._sql.claim_carrying, both)
+        first = rows[0]
+        taken = DispatchRow.from_mapping(first) if first["id"] is not None else None
+        landed = bool(first[CARRIED_LANDED])
+        if not landed and reran:
+            # Run twice over a dropped connection: the first may have landed unseen.
+            landed = self._landed(carried.dispatch_id, carried.token, "completed")
+        return taken, landed
 
     def _take(self, stmt: Update, params: dict[str, Any]) -> DispatchRow | Claim | None:
         """One claim statement: the row claimed, None when nothing was, or a `blocked`
@@ -407,7 +513,12 @@ class Claims(Part):
         if self._db._execute(stmt, params):
             return True
         # Nothing matched. If a dropped connection made us run it twice, the first run
-        # may have landed: then the row carries our token in the state we wrote.
+        # may have landed.
+        return self._landed(dispatch_id, token, to)
+
+    def _landed(self, dispatch_id: str, token: str, to: Status) -> bool:
+        """Whether the holder's write moving the row to `to` is in the row: then it
+        carries our token in the state we wrote."""
         row = self._db.get(dispatch_id)
         if row is None or row.claim_token != token:
             return False

@@ -135,6 +135,8 @@ class Claim:
     due_in: float = 0.0
     #: For `blocked`: what it waits for.
     blocked_by: BlockedBy = "slot"
+    #: Whether the completion the claim carried landed (None: it carried none).
+    carried: bool | None = None
 
 
 @dataclass(frozen=True)

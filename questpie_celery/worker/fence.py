@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from celery import Task
+from celery.backends.base import DisabledBackend
 from celery.exceptions import Ignore, Retry
 from celery.states import STARTED
 
@@ -263,17 +264,32 @@ class Fence:
             claiming.set(outcome=d.claim.outcome)
 
     def _claim_once(self, d: Delivery) -> Claim:
-        """One claim statement, noting when it was sent."""
-        d.claimed_at = time.monotonic()
-        return self._claims.claim(
-            d.dispatch_id,
-            d.definition.name,
-            d.attempt,
-            self._leases.lease_seconds,
-            d.token,
-            any_time=d.eager,
-            concurrency=d.limits.concurrency,
+        """One claim statement, noting when it was sent; it carries a completion this
+        process holds (`worker/carried.py`) when it can."""
+        carried = (
+            self._outcomes.take_carried(d.dispatch_id)
+            if d.limits.concurrency is None and not d.eager
+            else None
         )
+        d.claimed_at = time.monotonic()
+        try:
+            claim = self._claims.claim(
+                d.dispatch_id,
+                d.definition.name,
+                d.attempt,
+                self._leases.lease_seconds,
+                d.token,
+                any_time=d.eager,
+                concurrency=d.limits.concurrency,
+                carried=carried[1] if carried is not None else None,
+            )
+        except BaseException:
+            if carried is not None:
+                self._outcomes.carried_back(carried)
+            raise
+        if carried is not None:
+            self._outcomes.carried_ended(carried[0], bool(claim.carried))
+        return claim
 
     def _when_due(self, d: Delivery, claim: Claim) -> Claim:
         """Claim again once the row is due, for a delivery a little early: a retry's
@@ -395,7 +411,9 @@ class Fence:
         stored, ending = _stored_result(d.definition, row, ending)
         with telemetry.span("questpie.end", attempt=row.attempt) as ending_span:
             if ending.error is None:
-                recorded = self._outcomes.completed(row, d.token, stored)
+                recorded = self._outcomes.completed(
+                    row, d.token, stored, hold_for=self._hold_for(d)
+                )
                 result = "completed" if recorded else "lost"
             else:
                 result = self._outcomes.attempt_failed(
@@ -422,6 +440,14 @@ class Fence:
                 when = row.options.run.delay_before_retry(row.attempt)
             raise Retry(exc=ending.visible, when=when)
         raise Ignore()
+
+    def _hold_for(self, d: Delivery) -> float:
+        """How long the run's completion may wait for the next claim to carry it: 0 when
+        something outside the ledger sees the end at once, else a sixth of the lease
+        (renewed every third, so at least two thirds of it are left)."""
+        if d.eager or not _result_unseen(d.task):
+            return 0.0
+        return self._leases.lease_seconds / 6
 
     def _call(
         self,
@@ -502,6 +528,16 @@ def _stored_result(
             extra={"dispatch_id": row.id, "job_name": row.job_name},
         )
         return None, ending
+
+
+def _result_unseen(task: Task) -> bool:
+    """Celery keeps nothing of the run's end: the task (or this call) ignores its result,
+    or the app has no result backend. Then only the ledger tells that it ended."""
+    return bool(
+        task.ignore_result
+        or getattr(task.request, "ignore_result", False)
+        or isinstance(task.backend, DisabledBackend)
+    )
 
 
 def _ending_of(row: DispatchRow, exc: BaseException, *, for_good: bool) -> _Ending:

@@ -23,8 +23,17 @@ from typing import Any, Literal
 
 from celery.exceptions import SoftTimeLimitExceeded
 
-from ..ledger import EXPIRED, LEASE_EXPIRED, RELAY_GAVE_UP, REVOKED, DispatchRow, Ledger
+from ..ledger import (
+    EXPIRED,
+    LEASE_EXPIRED,
+    RELAY_GAVE_UP,
+    REVOKED,
+    CarriedEnd,
+    DispatchRow,
+    Ledger,
+)
 from ..send.outbox import Outbox
+from .carried import Carried
 from .slots import Slots
 from .waiting import LedgerWait
 
@@ -75,12 +84,28 @@ class Outcomes:
             first_pause=0.1,
             max_pause=MAX_WRITE_PAUSE_SECONDS,
         )
+        self._carried = Carried(self._record_carried) if self._claims.carries else None
 
     # --- the claim holder (a worker) ------------------------------------------------------
 
-    def completed(self, row: DispatchRow, token: str, result: dict[str, Any] | None = None) -> bool:
+    def completed(
+        self,
+        row: DispatchRow,
+        token: str,
+        result: dict[str, Any] | None = None,
+        *,
+        hold_for: float = 0.0,
+    ) -> bool:
         """Record completion with the run's encoded `result` (erasing a secret's key);
-        False if the claim was lost."""
+        False if the claim was lost.
+
+        `hold_for` > 0: nothing outside the ledger waits for this end (see
+        `worker/carried.py`). Then a dispatch whose end hands nothing on is held for
+        the next claim of this process to record (`hold_for` seconds at most), and
+        this returns True at once."""
+        if hold_for > 0 and self._carried is not None and _hands_nothing_on(row):
+            self._carried.put(row, CarriedEnd(row.id, token, result), hold_for)
+            return True
         if not self._patiently(
             lambda: self._claims.finish(row.id, token, "completed", None, result), row
         ):
@@ -88,6 +113,32 @@ class Outcomes:
             return False
         self._ended(row, "completed", None)
         return True
+
+    def take_carried(self, not_for: str) -> tuple[DispatchRow, CarriedEnd] | None:
+        """A held completion for a claim of another dispatch to carry, if one waits."""
+        return self._carried.take(not_for) if self._carried is not None else None
+
+    def carried_back(self, held: tuple[DispatchRow, CarriedEnd]) -> None:
+        """The claim that carried `held` failed before it committed: recorded alone."""
+        assert self._carried is not None  # only what it handed out comes back
+        self._carried.give_back(held)
+
+    def carried_ended(self, row: DispatchRow, landed: bool) -> None:
+        """What follows a carried completion's statement."""
+        if not landed:
+            _lost(row, "finished")
+            return
+        self._ended(row, "completed", None)
+
+    def _record_carried(self, row: DispatchRow, end: CarriedEnd) -> None:
+        """A held completion no claim carried in time, recorded alone."""
+        self.carried_ended(
+            row,
+            self._patiently(
+                lambda: self._claims.finish(row.id, end.token, "completed", None, end.result),
+                row,
+            ),
+        )
 
     def _ended(self, row: DispatchRow, status: str, error: str | None) -> None:
         """What follows a dispatch's end for good: its slot or seat handed on, its chord
@@ -249,6 +300,12 @@ class Outcomes:
         )
         self._ended(row, "failed", RELAY_GAVE_UP)
         return True
+
+
+def _hands_nothing_on(row: DispatchRow) -> bool:
+    """Its end frees no policy slot or seat and ends no chord or batch member: nothing
+    else waits for it to be recorded."""
+    return row.limited_slot is None and row.seat is None and row.canvas_id is None
 
 
 def _lost(row: DispatchRow, what: str) -> None:

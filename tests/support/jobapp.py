@@ -30,6 +30,10 @@ build the same app:
   tasks of `adoptedapp.py`, as a project that sends dataclasses has it)
 - QP_TEST_QUEUE_TYPE: `quorum` declares every queue Celery creates as a RabbitMQ quorum
   queue; QP_TEST_CONFIRM: turn on publisher confirms (`confirm_publish`)
+- QP_TEST_KILL_AFTER_RUN: a folder; a pool process SIGKILLs itself once its task
+  returned, the first time for each task id
+- QP_TEST_CARRY: how long a completion waits for the next claim of its process to carry
+  it (`worker/carried.py`), in seconds
 
 Handlers record each run in `test_runs`, so tests observe what really ran. A
 handler given a `gate` (a file path) records its start and then waits until the
@@ -42,6 +46,7 @@ import asyncio
 import hashlib
 import json
 import os
+import signal
 import time
 from typing import Any
 
@@ -66,7 +71,7 @@ from sqlalchemy import (
 )
 
 from questpie_celery import JobContext, PermanentFailure, Questpie, job
-from questpie_celery.worker import hub_timer
+from questpie_celery.worker import carried, hub_timer
 from tests.support.waiting import wait_until
 
 runs_metadata = MetaData()
@@ -579,6 +584,19 @@ def _hold_before_the_claim(task_id: str | None = None, **_: Any) -> None:
     wait_at(marker + ".go")
 
 
+def _die_after_the_run(task_id: str | None = None, **_: Any) -> None:
+    """In a pool process, once its task returned (the fence is done with the delivery):
+    SIGKILL the process, the first time for each task id. See QP_TEST_KILL_AFTER_RUN."""
+    folder = os.environ.get("QP_TEST_KILL_AFTER_RUN")
+    if not folder or task_id is None:
+        return
+    try:
+        open(os.path.join(folder, task_id + ".killed"), "x").close()
+    except FileExistsError:
+        return
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _note_delivery(task_id: str | None = None, **_: Any) -> None:
     folder = os.environ.get("QP_TEST_DELIVERIES")
     if folder and task_id:
@@ -590,8 +608,11 @@ signals.task_prerun.connect(_note_delivery, weak=False)
 
 if os.environ.get("QP_TEST_PURGE"):
     hub_timer.PURGE_EVERY_SECONDS = float(os.environ["QP_TEST_PURGE"])
+if os.environ.get("QP_TEST_CARRY"):
+    carried.CARRY_SECONDS = float(os.environ["QP_TEST_CARRY"])
 signals.worker_ready.connect(_report_cancelled_timers, weak=False)
 signals.task_prerun.connect(_hold_before_the_claim, weak=False)
+signals.task_postrun.connect(_die_after_the_run, weak=False)
 
 # What `celery -A tests.jobapp:celery_app worker` runs; tests build their own with build().
 celery_app, questpie = build_from_env()
