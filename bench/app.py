@@ -167,7 +167,13 @@ class LeanFence:
             singleton_key=row.singleton_key,
         )
         self._definition.handler(model, ctx)
-        params = {"dispatch_id": row.id, "token": token, "new_status": "completed", "error": None}
+        params = {
+            "dispatch_id": row.id,
+            "token": token,
+            "new_status": "completed",
+            "error": None,
+            "result": None,
+        }
         assert self._finish.run(self._bare, params)  # type: ignore[arg-type]
 
 
