@@ -28,7 +28,7 @@ from sqlalchemy import (
     bindparam,
     case,
     func,
-    literal,
+    literal_column,
     or_,
     select,
     true,
@@ -265,12 +265,27 @@ def _claim_carrying(
     ended = (
         update(dispatch_table)
         .where(held)
-        .values(status=ends_as, result=bindparam("result", type_=t.result.type), **terminal)
+        # Its result under a name no column has: a parameter named as a column would
+        # also be written to that column of the claimed row where SQLAlchemy compiles the
+        # statement (a rerun, an engine whose statements are watched), and failed there.
+        .values(status=ends_as, result=bindparam("carried_result", type_=t.result.type), **terminal)
         .returning(t.id)
         .cte("carried")
     )
-    claimed = claim.cte("claimed")
-    one = select(literal(1).label("one")).subquery("one")
+    # The claimed row is taken only if no other transaction holds it: the completion
+    # must not wait with it (an uncommitted publish or cancel of that row could hold it
+    # past the completed run's lease, which would lapse, and the run would run again).
+    # A held row is claimed nothing here; `Claims.claim` then claims it alone, waiting
+    # for it as any claim does.
+    free = dispatch_table.alias("free")
+    unheld = (
+        select(free.c.id)
+        .where(free.c.id == bindparam("dispatch_id"))
+        .with_for_update(skip_locked=True)
+        .scalar_subquery()
+    )
+    claimed = claim.where(t.id == unheld).cte("claimed")
+    one = select(literal_column("1").label("one")).subquery("one")
     landed = select(func.count()).select_from(ended).scalar_subquery()
     return select(*claimed.c, landed.label(CARRIED_LANDED)).select_from(
         one.outerjoin(claimed, true())
@@ -408,7 +423,7 @@ class Claims(Part):
             "token": carried.token,
             "new_status": "completed",
             "error": None,
-            "result": carried.result,
+            "carried_result": carried.result,
         }
         rows, reran = self._db._run(self._sql.claim_carrying, both)
         first = rows[0]
