@@ -126,7 +126,9 @@ class Carried:
                     self._changed.wait()
                 first = self._waiting[0]
                 # Give a claim of this process the time to carry it.
-                left = self._until[first[1].dispatch_id] - time.monotonic()
+                # (A deadline missing, which only two ends of one dispatch could make:
+                # recorded at once.)
+                left = self._until.get(first[1].dispatch_id, 0.0) - time.monotonic()
                 if left > 0:
                     self._changed.wait_for(functools.partial(self._moved_on, first), left)
                 if self._moved_on(first):
