@@ -351,7 +351,8 @@ class Publisher:
         relay (woken by the commit where the database can say so)."""
         rows = settled.send
         if rows and caller is None:
-            # The rows are durable: the broker's part goes on after this call returns.
+            # The rows are durable: the broker's part goes on after this call returns (a
+            # bulk publish's batch, when nothing else waits, is sent before: see behind.py).
             self._outbox.send_behind(rows)
         elif rows:
             assert caller is not None and caller.after_commit is not None  # it has a hook

@@ -126,8 +126,9 @@ class Outbox:
         return self._behind.flush(timeout)
 
     def send_behind(self, rows: Sequence[Sendable]) -> None:
-        """Send the first attempts of new rows after the caller goes on (see
-        `send/behind.py`); in eager mode, at once, as Celery's eager mode does."""
+        """Send the first attempts of new rows after the caller goes on, or, for a batch
+        of several while nothing else waits, before it returns, as one pipelined batch
+        (see `send/behind.py`); in eager mode, at once, as Celery's eager mode does."""
         if self._sender.eager:
             self.send_many(rows)
         else:

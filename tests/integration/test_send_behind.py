@@ -15,6 +15,8 @@ import sys
 import textwrap
 import threading
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -59,6 +61,78 @@ def test_messages_reach_the_broker_in_publish_order(make_stack: StackFactory, br
     assert message_ids(stack, queue, len(published)) == published
     # The broker's acceptance of each is in the ledger once flushed.
     assert {stack.row(str(i)).status for i in published} == {"queued"}
+
+
+@pytest.mark.parametrize("broker", BROKERS)
+def test_a_publish_many_reaches_the_broker_as_one_pipelined_batch_in_order(
+    make_stack: StackFactory, broker: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stack = make_stack(broker, start_worker=False)
+    queue = idle_queue()
+    client = stack.questpie.queue.record
+    sender = stack.questpie._outbox._sender
+    batches: list[list[str]] = []  # the dispatch ids each pipelined batch sent
+    real_batch, real_send = sender.batch, sender.send
+
+    @contextmanager
+    def batch(size: int) -> Iterator[None]:
+        batches.append([])
+        with real_batch(size):
+            yield
+
+    def send(**message: Any) -> None:
+        batches[-1].append(message["dispatch_id"])  # one batch at a time, never two
+        real_send(**message)
+
+    monkeypatch.setattr(sender, "batch", batch)
+    monkeypatch.setattr(sender, "send", send)
+    # Single publishes from another thread, so the send thread may be busy when the bulk
+    # publish hands its rows over: either way they go as one batch, after those.
+    singles: list[str | None] = []
+
+    def publish_singles() -> None:
+        for _ in range(40):
+            singles.append(
+                client.publish({"tag": tag()}, idempotency_key=uuid.uuid4().hex, queue=queue)
+            )
+
+    publisher = threading.Thread(target=publish_singles)
+    publisher.start()
+    publisher.join()
+    many = client.publish_many(
+        [{"tag": tag()} for _ in range(1000)],
+        idempotency_keys=[uuid.uuid4().hex for _ in range(1000)],
+        queue=queue,
+    )
+    assert stack.questpie.flush(30)
+    assert message_ids(stack, queue, 1040) == singles + many
+    # Never split, whoever sent it: its 1,000 in one batch, in order (after the singles
+    # that waited with them, if any did).
+    together = next(sent for sent in batches if many[0] in sent)
+    assert together[together.index(many[0]) :] == many
+    assert [i for sent in batches for i in sent] == singles + many
+    assert {stack.row(str(i)).status for i in many} == {"queued"}
+
+
+@pytest.mark.parametrize("broker", BROKERS)
+def test_flush_after_a_publish_many_returns_once_the_broker_has_every_message(
+    make_stack: StackFactory, broker: str
+) -> None:
+    stack = make_stack(broker, start_worker=False)
+    queue = idle_queue()
+    client = stack.questpie.queue.record
+    for _ in range(3):  # a single publish ahead keeps the send thread busy, or not
+        client.publish({"tag": tag()}, idempotency_key=uuid.uuid4().hex, queue=queue)
+        client.publish_many(
+            [{"tag": tag()} for _ in range(250)],
+            idempotency_keys=[uuid.uuid4().hex for _ in range(250)],
+            queue=queue,
+        )
+    assert stack.questpie.flush(30)
+    with Connection(stack.env["QP_TEST_BROKER"]) as conn:
+        declared = Queue(queue, Exchange(queue), routing_key=queue)(conn.default_channel)
+        _, count, _ = declared.queue_declare(passive=True)
+    assert count == 3 * 251
 
 
 @pytest.mark.parametrize("broker", BROKERS)

@@ -1,4 +1,5 @@
-"""The send thread's own rules: order, its bound, flush, close, fork and a failing send.
+"""The send thread's own rules: order, its bound, flush, close, fork and a failing send;
+a call's rows kept in one batch, and sent by the caller itself when nothing else waits.
 
 Its sends are a recording function here: what the outbox sends through it, on a real
 broker, is tested in tests/integration/test_send_behind.py.
@@ -184,6 +185,104 @@ def test_a_flush_made_inside_a_send_answers_at_once_instead_of_waiting_for_itsel
     assert recorder.sent == ["flusher", "next"]
 
 
+def in_background(call: Callable[[], object]) -> threading.Event:
+    """Run `call` on a thread of its own; the event is set once it returned."""
+    returned = threading.Event()
+
+    def run() -> None:
+        call()
+        returned.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    return returned
+
+
+def test_the_rows_of_one_call_go_in_one_batch_in_order_after_what_waited() -> None:
+    recorder = Recorder()
+    recorder.hold.clear()
+    behind = SendBehind(recorder)
+    behind.submit(rows("first"))  # the thread takes it and is held inside the send
+    assert recorder.entered.wait(5)
+    behind.submit(rows("single"))
+    many = [f"m{n}" for n in range(1500)]  # more than a batch and more than the bound
+    returned = in_background(lambda: behind.submit(rows(*many)))
+    recorder.hold.set()
+    assert returned.wait(5)
+    assert behind.flush(10)
+    assert recorder.batches == [["first"], ["single"], many]
+
+
+def test_a_call_larger_than_the_room_waits_for_it_once_then_goes_whole() -> None:
+    recorder = Recorder()
+    recorder.hold.clear()
+    behind = SendBehind(recorder, limit=3)
+    behind.submit(rows("taken"))
+    assert recorder.entered.wait(5)
+    behind.submit(rows("w1", "w2"))  # waits: the thread is busy
+    returned = in_background(lambda: behind.submit(rows("a", "b", "c", "d", "e")))
+    assert not returned.wait(0.3), "a call went past the bound"
+    assert behind.flush(0.05) is False
+    recorder.hold.set()  # the broker answers: room is made
+    assert returned.wait(5)
+    assert behind.flush(10)
+    assert recorder.batches == [["taken"], ["w1", "w2"], ["a", "b", "c", "d", "e"]]
+
+
+def test_a_call_of_many_while_nothing_waits_is_sent_before_it_returns() -> None:
+    recorder = Recorder()
+    behind = SendBehind(recorder, limit=2)
+    behind.submit(rows("a", "b", "c"))
+    # Sent by the caller's own thread, as one batch, past the bound: nothing else waited.
+    assert recorder.batches == [["a", "b", "c"]]
+    assert recorder.threads == [threading.current_thread().name]
+    assert behind.flush(0)
+
+
+def test_rows_handed_over_during_a_callers_send_wait_for_it_and_flush_too() -> None:
+    recorder = Recorder()
+    recorder.hold.clear()
+    behind = SendBehind(recorder)
+    returned = in_background(lambda: behind.submit(rows("a", "b")))  # sends it itself
+    assert recorder.entered.wait(5)
+    behind.submit(rows("later"))  # handed over after: goes after
+    behind.submit(rows("x", "y"))  # a call of many too, while another sends
+    assert behind.flush(0.1) is False  # the caller's batch is not sent yet
+    assert recorder.batches == []
+    recorder.hold.set()
+    assert returned.wait(5)
+    assert behind.flush(10)
+    assert recorder.sent == ["a", "b", "later", "x", "y"]
+    assert recorder.batches[0] == ["a", "b"]
+
+
+def test_a_callers_own_send_may_publish_and_flush_inside_it() -> None:
+    recorder = Recorder()
+    behind = SendBehind(recorder, limit=1)
+    recorder.nested = behind
+    behind.submit(rows("outer", "x"))  # publishes "inner" while it sends
+    behind.submit(rows("flusher", "y"))  # flushes while it sends: answers at once
+    assert behind.flush(10)
+    assert recorder.sent == ["outer", "x", "inner", "flusher", "y"]
+    assert recorder.nested_flush == [False]
+
+
+def test_a_callers_own_send_that_fails_is_logged_and_the_call_returns(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    recorder = Recorder()
+    recorder.fail_with = RuntimeError("the payload says canary-7f3a")
+    behind = SendBehind(recorder)
+    with caplog.at_level(logging.ERROR, logger="questpie_celery"):
+        behind.submit(rows("doomed", "too"))
+    assert behind.flush(0)
+    recorder.fail_with = None
+    behind.submit(rows("next", "ones"))
+    assert recorder.sent == ["next", "ones"]
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "RuntimeError" in text and "doomed" in text and "relay" in text
+    assert "canary" not in text
+
+
 class Killed(BaseException):
     """What ends a thread rather than fails a call: a greenlet killed, a SystemExit."""
 
@@ -206,6 +305,19 @@ def test_a_send_that_ends_its_thread_leaves_neither_flush_nor_publish_waiting_fo
     text = "\n".join(r.getMessage() for r in caplog.records)
     assert "Killed" in text and "doomed" in text and "relay" in text
     assert "canary" not in text
+
+
+def test_what_ends_a_callers_own_send_passes_on_and_leaves_nothing_waiting() -> None:
+    recorder = Recorder()
+    recorder.fail_with = Killed("interrupted")
+    behind = SendBehind(recorder)
+    with pytest.raises(Killed):
+        behind.submit(rows("doomed", "too"))
+    recorder.fail_with = None
+    behind.submit(rows("next"))  # the thread's
+    behind.submit(rows("and", "more"))
+    assert behind.flush(10)
+    assert recorder.sent == ["next", "and", "more"]
 
 
 def in_a_child(
