@@ -6,6 +6,10 @@ child is handed its next prefetched message as soon as it reports the last one d
 and its claim can carry the previous run's completion in the same statement and
 commit (`Claims.claim(carried=...)`): a run then costs the ledger one commit, not two.
 
+A process holds completions only while it is busy: once an end waited for nothing, its
+ends are recorded at once until a claim follows an end within `CARRY_SECONDS` again, so
+a worker that is mostly idle keeps the window below as short as it always was.
+
 Only a completion nothing else is waiting for is carried: a run that returned, of a
 dispatch with no policy slot, no seat and no chord or batch (whose ends hand something
 on at once), not eager, and whose Celery result goes nowhere (the task ignores its
@@ -65,23 +69,37 @@ class Carried:
         self._until: dict[str, float] = {}  # when each waiting one is recorded alone
         self._changed = threading.Condition()
         self._thread = None
+        # Busy: the last claim came within `CARRY_SECONDS` of the end before it, so the
+        # next end is held. An end no claim took in time makes the process idle: its
+        # ends are recorded at once (nothing would carry them, and a kill in the wait
+        # would run the dispatch again), until a claim follows an end that closely again.
+        self._busy = True
+        self._last_end = 0.0  # when the last completion ended (monotonic)
 
-    def put(self, row: DispatchRow, end: CarriedEnd, longest: float) -> None:
+    def hold(self, row: DispatchRow, end: CarriedEnd, longest: float) -> bool:
         """Hold a completion for the next claim of this process, for `CARRY_SECONDS`
         and at most `longest` (well inside what is left of its lease); then the thread
-        records it alone."""
+        records it alone. False, holding nothing, while the process is idle: the caller
+        records it."""
         with self._changed:
-            self._until[end.dispatch_id] = time.monotonic() + min(CARRY_SECONDS, longest)
+            now = self._last_end = time.monotonic()
+            if not self._busy:
+                return False
+            self._until[end.dispatch_id] = now + min(CARRY_SECONDS, longest)
             self._waiting.append((row, end))
             if self._thread is None:
                 thread = threading.Thread(target=self._loop, name="questpie-carried", daemon=True)
                 thread.start()
                 self._thread = thread
             self._changed.notify_all()
+            return True
 
     def take(self, not_for: str) -> tuple[DispatchRow, CarriedEnd] | None:
-        """The oldest completion waiting, for a claim of another dispatch to carry."""
+        """The oldest completion waiting, for a claim of another dispatch to carry. Every
+        claim of the process asks (that is how it learns it is busy again)."""
         with self._changed:
+            if not self._busy and time.monotonic() - self._last_end <= CARRY_SECONDS:
+                self._busy = True
             if not self._waiting or self._waiting[0][0].id == not_for:
                 return None
             return self._popped()
@@ -134,6 +152,7 @@ class Carried:
                 if self._moved_on(first):
                     continue
                 held = self._popped()
+                self._busy = False
             self._record(held)
 
     def _moved_on(self, first: tuple[DispatchRow, CarriedEnd]) -> bool:

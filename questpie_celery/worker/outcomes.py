@@ -101,10 +101,14 @@ class Outcomes:
 
         `hold_for` > 0: nothing outside the ledger waits for this end (see
         `worker/carried.py`). Then a dispatch whose end hands nothing on is held for
-        the next claim of this process to record (`hold_for` seconds at most), and
-        this returns True at once."""
-        if hold_for > 0 and self._carried is not None and _hands_nothing_on(row):
-            self._carried.put(row, CarriedEnd(row.id, token, result), hold_for)
+        the next claim of this process to record (`hold_for` seconds at most) while the
+        process is busy, and this returns True at once."""
+        if (
+            hold_for > 0
+            and self._carried is not None
+            and _hands_nothing_on(row)
+            and self._carried.hold(row, CarriedEnd(row.id, token, result), hold_for)
+        ):
             return True
         if not self._patiently(
             lambda: self._claims.finish(row.id, token, "completed", None, result), row

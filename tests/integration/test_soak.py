@@ -18,8 +18,10 @@ died after its handler returned and before the completion was recorded, so the l
 lapsed and the dispatch ran again. The handler records its end as its last act; a
 second end is accepted only where the process that recorded the first was SIGKILLed by
 this test after that end, before it started anything else and before the dispatch
-started again, and where Celery logged the dispatch as succeeded only once (see
-`judge`). Anything else is a double.
+started again, and where Celery logged the dispatch as succeeded no more often than it
+ended (see `judge`). Anything else is a double. The stack keeps no results, so
+completions ride in the next claim of their process (`worker/carried.py`): the soak runs
+with that on.
 """
 
 from __future__ import annotations
@@ -572,12 +574,16 @@ def judge(
     lapsed and the relay retried it. That is so when
 
     - the process that recorded the earlier end was SIGKILLed by the test after that end,
-      before it started anything else (a pool child takes its next delivery only once
-      the completion of the last is written, or found lost) and before the dispatch
-      started again;
-    - and Celery reported the dispatch succeeded once only (`succeeded`, from the
-      workers' logs): the fence returns the handler's result only once the completion
-      is recorded, so the cut-off attempt never reached that point.
+      before it started anything else (its next run's claim records a held completion in
+      the same statement, so a start after the end means the end was recorded) and
+      before the dispatch started again.
+
+    Celery may have reported both runs succeeded: the stack keeps no results, so a
+    completion is held for the next claim (`worker/carried.py`) and the fence returns
+    before it is recorded. A second run after a recorded completion cannot happen: its
+    claim needs the lapse of the first's lease, which a recorded completion ended.
+    `succeeded` (from the workers' logs) is still counted: more reports of success than
+    ends is a double.
     """
     lost = {i for i in ids if not any(r["phase"] == "end" for r in runs.get(i, []))}
     activity: dict[int, list[datetime]] = defaultdict(list)
@@ -614,8 +620,8 @@ def judge(
                 doubles[dispatch_id] = rows
                 break
         else:
-            if explained and succeeded[dispatch_id] > 1:
-                doubles[dispatch_id] = rows  # a completion reported, yet it ran again
+            if succeeded[dispatch_id] > len(ends):
+                doubles[dispatch_id] = rows  # reported succeeded more often than it ended
             elif explained:
                 in_window[dispatch_id] = explained
     return Verdict(lost, in_window, doubles, cut_off)
