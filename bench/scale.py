@@ -6,8 +6,9 @@ one dispatch costs the ledger end to end; and the floor of one PostgreSQL here.
     BENCH_ROUNDS=1 BENCH_DISPATCHES=400 BENCH_FLOOR=400 .venv/bin/python bench/scale.py  # smoke
 
 PostgreSQL runs with its default durability (fsync and synchronous_commit on). Two
-prefork `celery worker` processes (two children each) consume one queue for the whole
-run. Round after round, for 1, 4 and 8 publisher processes (BENCH_PUBLISHERS), it times
+prefork `celery worker` processes (two children each; BENCH_WORKERS=1x4 for one of four)
+consume one queue for the whole run. Round after round, for 1, 4 and 8 publisher
+processes (BENCH_PUBLISHERS), it times
 BENCH_DISPATCHES no-op dispatches published and run to completion, raw and ledgered,
 alternating which goes first:
 
@@ -66,6 +67,8 @@ ROUNDS = int(os.environ.get("BENCH_ROUNDS", "3"))
 DISPATCHES = int(os.environ.get("BENCH_DISPATCHES", "4000"))
 FLOOR_INSERTS = int(os.environ.get("BENCH_FLOOR", "4000"))
 PUBLISHERS = tuple(int(n) for n in os.environ.get("BENCH_PUBLISHERS", "1,4,8").split(","))
+#: The fleet: PROCESSESxCHILDREN prefork workers (`1x4`: one worker of four slots).
+WORKERS, SLOTS = (int(n) for n in os.environ.get("BENCH_WORKERS", "2x2").split("x"))
 QUEUE = "bench-scale"
 KINDS = ("questpie", "raw")
 COUNTER = {"questpie": "bench:noop", "raw": "bench:raw"}
@@ -267,8 +270,8 @@ def main() -> None:
         with psycopg.connect(driver_url(ledger_url), autocommit=True) as conn:
             conn.execute(f"CREATE TABLE {FLOOR_TABLE} (LIKE questpie_queue_dispatch INCLUDING ALL)")
         env = {"BENCH_BROKER": broker, "BENCH_LEDGER": ledger_url}
-        for _ in range(2):
-            worker = Worker(env, concurrency=2, queues=QUEUE, app="bench.app:celery_app")
+        for _ in range(WORKERS):
+            worker = Worker(env, concurrency=SLOTS, queues=QUEUE, app="bench.app:celery_app")
             workers.append(worker.start())
         counters = Counters(driver_url(postgres.url()), database)
         counter = redis.Redis.from_url(broker)
