@@ -56,8 +56,9 @@ class Carried:
     _changed: threading.Condition
     _thread: threading.Thread | None
 
-    def __init__(self, record_alone: RecordAlone) -> None:
+    def __init__(self, record_alone: RecordAlone, idle: Callable[[], None]) -> None:
         self._record_alone = record_alone
+        self._idle = idle  # the thread's unit of work ended (Django's connection rules)
         self._forked()
         reset_in_child(self._forked)
         finish_at_exit(self.flush)
@@ -154,6 +155,7 @@ class Carried:
                 held = self._popped()
                 self._busy = False
             self._record(held)
+            self._idle()
 
     def _moved_on(self, first: tuple[DispatchRow, CarriedEnd]) -> bool:
         """`first` is no longer the oldest waiting: a claim took it (holding `_changed`)."""

@@ -84,7 +84,7 @@ class Outcomes:
             first_pause=0.1,
             max_pause=MAX_WRITE_PAUSE_SECONDS,
         )
-        self._carried = Carried(self._record_carried) if self._claims.carries else None
+        self._carried = Carried(self._record_carried, ledger.idle) if self._claims.carries else None
 
     # --- the claim holder (a worker) ------------------------------------------------------
 

@@ -32,8 +32,10 @@ def test_a_soft_time_limit_while_recording_the_outcome_does_not_run_the_handler_
     soft time limit falls while the write waits. The write goes on and lands once the
     ledger is back. Before the fix SoftTimeLimitExceeded escaped the wait, nobody
     recorded the outcome, and the relay ran the handler a second time. (The limit may
-    fall anywhere in the wait: in a try, or in the pause between two tries.)"""
-    stack = via_proxy(broker)
+    fall anywhere in the wait: in a try, or in the pause between two tries.) The run's
+    result is kept (Redis; RabbitMQ's `rpc://`), so its completion is recorded in the
+    run's own thread, where the limit falls, not held for a later claim."""
+    stack = via_proxy(broker, env=KEEPS_RESULTS[broker])
     t = tag()
     gate = stack.gate()
     dispatch_id = stack.questpie.queue.record.publish(
@@ -62,6 +64,38 @@ def test_a_soft_time_limit_while_recording_the_outcome_does_not_run_the_handler_
     assert (row.status, row.attempt) == ("completed", 1)
     assert len(stack.runs(t)) == 1
     assert len(stack.runs(t, "end")) == 1
+
+
+def test_a_held_completion_that_meets_the_ledger_down_lands_once_it_is_back(
+    proxy: FaultProxy, via_proxy: StackFactory
+) -> None:
+    """No result backend: the run's completion is held for the next claim, then recorded
+    by the process's own thread, which meets the ledger down. The run has returned (Celery
+    logs its success) and its row stays `active` while the ledger is away; once it is
+    back the completion lands, on the first attempt, and the handler ran once."""
+    stack = via_proxy("rabbitmq")
+    t = tag()
+    gate = stack.gate()
+    dispatch_id = stack.questpie.queue.record.publish(
+        {"tag": t, "gate": str(gate), "gate_attempts": 1}, idempotency_key=t, retry_limit=2
+    )
+    assert dispatch_id is not None
+    stack.wait_status(dispatch_id, "active")
+    proxy.cut()
+    try:
+        gate.open()
+        wait_logged(stack, dispatch_id, "] succeeded in ")  # returned, its end not recorded
+        assert stack.row(dispatch_id).status == "active"
+    finally:
+        proxy.heal()
+    row = wait_ended(stack, dispatch_id, timeout=60)
+    assert (row.status, row.attempt) == ("completed", 1)
+    assert len(stack.runs(t)) == 1
+
+
+#: Result backends that keep a run's result, per broker: the run's completion is then
+#: recorded in its own thread, before the task returns.
+KEEPS_RESULTS = {"redis": {}, "rabbitmq": {"QP_TEST_BACKEND": "rpc://"}}
 
 
 #: How a run reaches the worker: given the stack, a tag and a soft time limit, and while

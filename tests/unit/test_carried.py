@@ -29,7 +29,7 @@ def recorded() -> list[str]:
 
 @pytest.fixture
 def holder(recorded: list[str]) -> carried.Carried:
-    return carried.Carried(lambda row, end: recorded.append(row.id))
+    return carried.Carried(lambda row, end: recorded.append(row.id), idle=lambda: None)
 
 
 def test_a_held_completion_is_taken_by_the_next_claim_of_another_dispatch(
