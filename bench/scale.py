@@ -314,8 +314,8 @@ def report(
     floors: dict[int, list[tuple[float, Usage]]],
 ) -> None:
     print(
-        f"\n{ROUNDS} rounds of {DISPATCHES:,} no-op dispatches published and run, two prefork "
-        "workers (2 children each); PostgreSQL (default durability), Redis"
+        f"\n{ROUNDS} rounds of {DISPATCHES:,} no-op dispatches published and run, {WORKERS} "
+        f"prefork worker(s) of {SLOTS} children; PostgreSQL (default durability), Redis"
     )
     print("| publishers | questpie, dispatches/s | raw Celery, dispatches/s | questpie / raw |")
     print("|---|---|---|---|")
