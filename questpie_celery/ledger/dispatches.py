@@ -108,7 +108,11 @@ class DispatchStatements:
         self.exists: Select[Any] = select(t.id).where(by_id())
         # A fast worker may already have claimed the row: keep its status then, and only a
         # row still waiting for its first claim gets a redelivery time.
-        still_pending = t.status == "pending"
+        # Only a row still waiting for its first claim (acceptance is recorded for first
+        # sends alone): a late mark of a first send must not take a row an operator
+        # requeued meanwhile (pending again, attempt 1 or more) for sent, putting its
+        # relay's send off by `redeliver_after`.
+        still_pending = and_(t.status == "pending", t.attempt == 0)
         # When the broker took the message: the mark is batched, so it comes a moment
         # later (`accepted_ago`, measured by the publisher), never before the row was
         # written, and never after a run started (on a row a release before this one

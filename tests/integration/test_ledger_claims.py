@@ -56,6 +56,23 @@ def test_mark_queued_records_broker_acceptance(ledger: Ledger) -> None:
     assert row_of(ledger, other).queued_at is not None
 
 
+def test_a_late_acceptance_mark_leaves_a_requeued_dispatch_due(ledger: Ledger) -> None:
+    """The first send's mark is batched (a quarter of a second in a publisher); the run
+    failed and an operator requeued it before the mark landed. The mark must not take the
+    requeued row (pending again) for sent: that put its relay's send off by
+    `redeliver_after`, an hour by default. (Found as a CI flake of the requeue test.)"""
+    new = new_row()
+    assert ledger.dispatches.insert(new)
+    claim = ledger.claims.claim(new.id, JOB, 1, 60)
+    assert claim.token is not None
+    assert ledger.claims.finish(new.id, claim.token, "failed", "RuntimeError")
+    assert ledger.views.requeue(new.id)
+    due = row_of(ledger, new.id).next_send_at
+    ledger.dispatches.mark_queued([new.id], 3600, accepted_ago=0.3)
+    row = row_of(ledger, new.id)
+    assert (row.status, row.next_send_at) == ("pending", due)
+
+
 def test_an_acceptance_mark_that_lands_after_the_run_keeps_the_times_in_order(
     ledger: Ledger,
 ) -> None:
