@@ -76,6 +76,7 @@ class Carried:
         # would run the dispatch again), until a claim follows an end that closely again.
         self._busy = True
         self._last_end = 0.0  # when the last completion ended (monotonic)
+        self._recording = 0  # completions the thread is recording now
 
     def hold(self, row: DispatchRow, end: CarriedEnd, longest: float) -> bool:
         """Hold a completion for the next claim of this process, for `CARRY_SECONDS`
@@ -118,6 +119,17 @@ class Carried:
         self._until.pop(held[1].dispatch_id, None)
         return held
 
+    def settle(self) -> None:
+        """Before a claimed run starts: record in the caller's thread what still waits,
+        and wait for what the thread is recording (through an outage its write is
+        patient). So a process never starts a run while an earlier run's completion is
+        unrecorded, as when it recorded each before its next claim; on a busy worker the
+        claim carried it, and there is nothing to wait for."""
+        self.flush()
+        with self._changed:
+            while self._recording:
+                self._changed.wait()
+
     def flush(self) -> None:
         """Record everything waiting, alone, now (in the caller's thread)."""
         while True:
@@ -154,8 +166,14 @@ class Carried:
                     continue
                 held = self._popped()
                 self._busy = False
-            self._record(held)
-            self._idle()
+                self._recording += 1
+            try:
+                self._record(held)
+                self._idle()
+            finally:
+                with self._changed:
+                    self._recording -= 1
+                    self._changed.notify_all()
 
     def _moved_on(self, first: tuple[DispatchRow, CarriedEnd]) -> bool:
         """`first` is no longer the oldest waiting: a claim took it (holding `_changed`)."""

@@ -236,6 +236,8 @@ class Fence:
         self._take_start(d)
         self._drop_if_early(d)
         row = self._skip_unclaimed(d)
+        # A completion the claim could not carry (the ledger was away) is recorded first.
+        self._outcomes.settle_carried()
         ending = self._lease_and_call(d, row)
         return self._end(d, row, ending)
 

@@ -122,6 +122,11 @@ class Outcomes:
         """A held completion for a claim of another dispatch to carry, if one waits."""
         return self._carried.take(not_for) if self._carried is not None else None
 
+    def settle_carried(self) -> None:
+        """Every completion this process holds recorded (see `Carried.settle`)."""
+        if self._carried is not None:
+            self._carried.settle()
+
     def carried_back(self, held: tuple[DispatchRow, CarriedEnd]) -> None:
         """The claim that carried `held` failed before it committed: recorded alone."""
         assert self._carried is not None  # only what it handed out comes back

@@ -574,9 +574,10 @@ def judge(
     lapsed and the relay retried it. That is so when
 
     - the process that recorded the earlier end was SIGKILLed by the test after that end,
-      before it started anything else (its next run's claim records a held completion in
-      the same statement, so a start after the end means the end was recorded) and
-      before the dispatch started again.
+      before it started anything else (a process starts a run only once every earlier
+      completion of its own is recorded: its claim carried it, or the fence waited for
+      it, so a start after the end means the end was recorded) and before the dispatch
+      started again.
 
     Celery may have reported both runs succeeded: the stack keeps no results, so a
     completion is held for the next claim (`worker/carried.py`) and the fence returns

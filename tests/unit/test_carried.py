@@ -4,6 +4,7 @@ closely again (no database: what would record is a list)."""
 
 from __future__ import annotations
 
+import threading
 from types import SimpleNamespace
 from typing import cast
 
@@ -76,3 +77,32 @@ def test_a_failed_carrying_claim_gives_the_completion_back_to_be_recorded_at_onc
     assert taken is not None
     holder.give_back(taken)
     wait_until(lambda: recorded == ["a"], "the given-back end recorded alone")
+
+
+def test_a_run_starts_only_once_the_completion_being_recorded_is_recorded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The thread is recording a completion alone (patiently, through an outage) when
+    the process claims its next delivery: `settle` waits for that record before the
+    run begins, so no run starts while an earlier completion is unrecorded. (Found by
+    the soak: a kill after such a run started was taken for a second run outside the
+    window.)"""
+    monkeypatch.setattr(carried, "CARRY_SECONDS", 0.0)
+    recording, release = threading.Event(), threading.Event()
+    recorded: list[str] = []
+
+    def record_slowly(row: DispatchRow, end: CarriedEnd) -> None:
+        recording.set()
+        release.wait(30)
+        recorded.append(row.id)
+
+    holder = carried.Carried(record_slowly, idle=lambda: None)
+    assert holder.hold(_row("a"), _end("a"), longest=60)
+    wait_until(recording.is_set, "the thread to take the completion")
+    settled = threading.Event()
+    settling = threading.Thread(target=lambda: (holder.settle(), settled.set()))
+    settling.start()
+    assert not settled.wait(0.2)  # still recording: the run may not start
+    release.set()
+    settling.join(30)
+    assert settled.is_set() and recorded == ["a"]
